@@ -1,0 +1,52 @@
+# trainflow: `make demo` runs a whole pipeline on bundled real data; `make test` runs the tests.
+# Both set everything up first (a virtualenv in .venv from requirements.lock).
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# CPU machines of our kind carry a local torch +cpu wheel; elsewhere torch comes from the index.
+FIND_LINKS := $(if $(wildcard /opt/wheels/torch-*),--find-links /opt/wheels)
+export PREFECT_SERVER_ANALYTICS_ENABLED := false
+export PYTHONUNBUFFERED := 1
+
+.PHONY: setup demo test lint typecheck unit integration gpu lock clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: requirements.lock pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	PIP_CONFIG_FILE=/dev/null $(BIN)/python -m pip install -q --disable-pip-version-check uv==0.13.9
+	$(BIN)/uv pip sync --python $(BIN)/python --compile-bytecode $(FIND_LINKS) requirements.lock
+	$(BIN)/uv pip install --python $(BIN)/python --no-deps --compile-bytecode -e .
+	touch $@
+
+demo: setup
+	$(BIN)/trainflow run --preset demo
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: setup
+	$(BIN)/mypy flows tasks cluster tests
+
+unit: setup
+	$(BIN)/python -m pytest tests/unit
+
+integration: setup
+	$(BIN)/python -m pytest tests/integration
+
+gpu: setup
+	$(BIN)/python -m pytest tests/gpu
+
+test: lint typecheck
+	$(BIN)/python -m pytest tests
+
+
+lock: setup
+	$(BIN)/uv pip compile pyproject.toml --extra dev $(FIND_LINKS) --python-version 3.11 \
+	  --no-header -q -o requirements.lock
+	sed -i 's/^torch==\(.*\)+cpu/torch==\1/' requirements.lock
+
+clean:
+	rm -rf $(VENV) trainflow-work .mypy_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""Where work runs: dask clusters and submitit executors. No ML logic here."""

@@ -1,0 +1,91 @@
+"""The dask cluster factory: an existing scheduler, LocalCUDACluster on GPUs, else LocalCluster."""
+
+import importlib
+import logging
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from types import ModuleType
+from typing import Any, Literal
+
+import distributed
+import numpy as np
+
+from cluster.config import DaskConfig
+from tasks.errors import ConfigError
+
+Backend = Literal["numpy", "cupy"]
+
+log = logging.getLogger(__name__)
+
+
+@contextmanager
+def dask_client(cfg: DaskConfig) -> Iterator[tuple[distributed.Client, Backend]]:
+    """Yield a connected client and the array backend its workers use; close both on exit.
+
+    An external scheduler (cfg.address) is only disconnected from, never shut down.
+    """
+    with ExitStack() as stack:
+        if cfg.address:
+            backend: Backend = "cupy" if cfg.backend == "gpu" else "numpy"
+            client = stack.enter_context(distributed.Client(cfg.address))
+        else:
+            cluster, backend = _local_cluster(cfg)
+            stack.enter_context(cluster)
+            client = stack.enter_context(distributed.Client(cluster))
+        log.info("dask cluster ready: %s (backend %s)", client.dashboard_link, backend)
+        yield client, backend
+
+
+def _local_cluster(cfg: DaskConfig) -> tuple[Any, Backend]:
+    """Start a CUDA cluster when asked or possible, else a CPU LocalCluster."""
+    if cfg.backend in ("auto", "gpu"):
+        try:
+            return _cuda_cluster(cfg), "cupy"
+        # NVML, CUDA runtime and import failures all mean the same thing here: no usable GPU.
+        except Exception as exc:
+            if cfg.backend == "gpu":
+                raise ConfigError(
+                    f"cluster.dask.backend='gpu' but no GPU cluster could start "
+                    f"({type(exc).__name__}: {exc}); install dask-cuda and cupy on a GPU "
+                    "machine, or set cluster.dask.backend='auto' or 'cpu'"
+                ) from exc
+            log.info("no GPU cluster (%s: %s); using a CPU LocalCluster", type(exc).__name__, exc)
+    cluster = distributed.LocalCluster(
+        n_workers=cfg.n_workers,
+        threads_per_worker=cfg.threads_per_worker,
+        processes=True,
+        host="127.0.0.1",
+        dashboard_address=":0",
+        memory_limit=cfg.memory_limit,
+    )
+    return cluster, "numpy"
+
+
+def _cuda_cluster(cfg: DaskConfig) -> Any:
+    """One dask-cuda worker per visible GPU; raises when there is none."""
+    cupy = importlib.import_module("cupy")
+    from dask_cuda import LocalCUDACluster
+
+    if cupy.cuda.runtime.getDeviceCount() < 1:
+        raise RuntimeError("no CUDA device visible")
+    return LocalCUDACluster(
+        host="127.0.0.1",
+        dashboard_address=":0",
+        memory_limit=cfg.memory_limit,
+    )
+
+
+def array_module(backend: str) -> ModuleType:
+    """The array module of a backend: numpy, or cupy (imported only when asked for)."""
+    if backend == "cupy":
+        return importlib.import_module("cupy")
+    if backend == "numpy":
+        return np
+    raise ValueError(f"unknown array backend {backend!r}: expected 'numpy' or 'cupy'")
+
+
+def to_numpy(arr: Any) -> np.ndarray:
+    """A host numpy array from a numpy or cupy array (cupy copies device -> host)."""
+    if type(arr).__module__.startswith("cupy"):
+        return np.asarray(arr.get())
+    return np.asarray(arr)

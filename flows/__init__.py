@@ -1,0 +1,1 @@
+"""Prefect flows and the trainflow command line. Flows compose stages; they never compute."""

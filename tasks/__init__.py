@@ -1,0 +1,1 @@
+"""Stage work for trainflow: preprocess, train, evaluate, and MLflow tracking helpers."""

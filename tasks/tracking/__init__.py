@@ -1,0 +1,1 @@
+"""MLflow helpers: run creation, batched metric logging, tags."""

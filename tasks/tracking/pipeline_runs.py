@@ -1,0 +1,72 @@
+"""The MLflow run tree of one pipeline run: a parent run and one child run per stage.
+
+Runs end FINISHED on success, FAILED on an error and KILLED on cancellation (Ctrl-C or a
+cancelled flow run), so nothing is left RUNNING.
+"""
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from mlflow.tracking import MlflowClient
+
+from tasks.tracking import runs
+from tasks.tracking.config import TrackingConfig
+
+
+def _status_for(exc: BaseException) -> str:
+    # Cancellation reaches us as KeyboardInterrupt/SystemExit (Ctrl-C) or as a
+    # BaseException subclass Prefect raises to abort the flow; errors are Exceptions.
+    return "FAILED" if isinstance(exc, Exception) else "KILLED"
+
+
+class PipelineRuns:
+    """Creates and closes the parent and stage runs of one pipeline run."""
+
+    def __init__(self, cfg: TrackingConfig, workdir: Path, name: str) -> None:
+        self.tracking_uri = runs.resolve_tracking_uri(cfg, workdir)
+        self.experiment = cfg.experiment
+        self.client = MlflowClient(self.tracking_uri)
+        self.experiment_id = runs.ensure_experiment(self.client, cfg.experiment, workdir)
+        self.commit = runs.git_commit()
+        self.parent_id = runs.create_run(
+            self.client, self.experiment_id, name, tags={"git_commit": self.commit}
+        )
+
+    @contextmanager
+    def parent(self, params: dict[str, str]) -> Iterator[str]:
+        """Scope of the parent run: params logged first, status set on exit."""
+        runs.log_params(self.client, self.parent_id, params)
+        with self._closing(self.parent_id):
+            yield self.parent_id
+
+    @contextmanager
+    def stage(self, name: str, params: dict[str, str]) -> Iterator[str]:
+        """A child run for one stage, closed with the stage's outcome."""
+        run_id = runs.create_run(
+            self.client,
+            self.experiment_id,
+            name,
+            parent_id=self.parent_id,
+            tags={"git_commit": self.commit, "stage": name},
+        )
+        runs.log_params(self.client, run_id, params)
+        with self._closing(run_id):
+            yield run_id
+
+    def tag(self, run_id: str, tags: dict[str, str]) -> None:
+        """Set tags on one run of the tree."""
+        runs.set_tags(self.client, run_id, tags)
+
+    @contextmanager
+    def _closing(self, run_id: str) -> Iterator[None]:
+        try:
+            yield
+        except BaseException as exc:
+            runs.finish_run(self.client, run_id, _status_for(exc))
+            raise
+        runs.finish_run(self.client, run_id, "FINISHED")
+
+    def log_summary(self, run_id: str, values: dict[str, float]) -> None:
+        """Headline numbers on the parent run (e.g. test accuracy, stage seconds)."""
+        runs.log_metrics(self.client, run_id, values)

@@ -1,0 +1,34 @@
+"""What each stage's MLflow run records about the references it produced."""
+
+from mlflow.entities import Metric, Param, RunTag
+from mlflow.tracking import MlflowClient
+
+from tasks.preprocess.ref import DatasetRef
+from tasks.train.ref import CheckpointRef
+
+
+def log_dataset(client: MlflowClient, run_id: str, ref: DatasetRef, cached: bool) -> None:
+    """Dataset facts: hash and cache outcome as tags, counts as metrics, stats as params."""
+    tags = {"dataset_hash": ref.content_hash, "cache": "hit" if cached else "miss"}
+    params = {
+        "dataset.path": str(ref.path),
+        "dataset.shape": str(list(ref.shape)),
+        "dataset.classes": ",".join(ref.classes)[:6000],
+        "dataset.mean": str([round(m, 6) for m in ref.mean]),
+        "dataset.std": str([round(s, 6) for s in ref.std]),
+    }
+    metrics = [Metric(f"n_{split}", float(n), 0, 0) for split, n in ref.counts.items()]
+    client.log_batch(
+        run_id,
+        metrics=metrics,
+        params=[Param(k, v) for k, v in params.items()],
+        tags=[RunTag(k, v) for k, v in tags.items()],
+    )
+    client.log_artifact(run_id, str(ref.path / "manifest.json"))
+
+
+def log_checkpoint(client: MlflowClient, run_id: str, ref: CheckpointRef) -> None:
+    """Best checkpoint facts as tags, so the run says which weights evaluation used."""
+    client.set_tag(run_id, "best_checkpoint", str(ref.path))
+    client.set_tag(run_id, "best_checkpoint_sha256", ref.sha256)
+    client.set_tag(run_id, "best_epoch", str(ref.epoch))
