@@ -57,6 +57,7 @@ def _local_cluster(cfg: DaskConfig) -> tuple[Any, Backend]:
         host="127.0.0.1",
         dashboard_address=":0",
         memory_limit=cfg.memory_limit,
+        silence_logs=logging.WARNING,  # scheduler/nanny INFO lines drown the pipeline's own
     )
     return cluster, "numpy"
 
@@ -72,6 +73,7 @@ def _cuda_cluster(cfg: DaskConfig) -> Any:
         host="127.0.0.1",
         dashboard_address=":0",
         memory_limit=cfg.memory_limit,
+        silence_logs=logging.WARNING,
     )
 
 

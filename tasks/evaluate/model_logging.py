@@ -16,9 +16,7 @@ def pip_requirements() -> list[str]:
     return [f"{name}=={version(name).split('+')[0]}" for name in _REQUIREMENTS]
 
 
-def log_model(
-    model: torch.nn.Module, example: np.ndarray, tracking_uri: str, run_id: str
-) -> str:
+def log_model(model: torch.nn.Module, example: np.ndarray, tracking_uri: str, run_id: str) -> str:
     """Log ``model`` (eval mode, CPU) to the run; returns the model URI."""
     model = model.cpu().eval()
     with torch.no_grad():

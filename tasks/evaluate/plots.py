@@ -4,9 +4,9 @@ import matplotlib
 
 matplotlib.use("Agg")  # headless: cluster nodes and CI have no display
 
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-from matplotlib.figure import Figure  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
+from matplotlib.figure import Figure
 
 
 def confusion_figure(cm: np.ndarray, classes: list[str]) -> Figure:

@@ -16,7 +16,7 @@ from tasks.evaluate.config import EvaluateConfig
 from tasks.evaluate.model_logging import log_model
 from tasks.preprocess.dataset import load_split
 from tasks.preprocess.ref import DatasetRef
-from tasks.train.checkpoint import load_best, sha256_file
+from tasks.train.checkpoint import load_state, sha256_file
 from tasks.train.config import TrainConfig
 from tasks.train.models import build_model
 from tasks.train.ref import CheckpointRef
@@ -40,7 +40,7 @@ def load_model(ckpt: CheckpointRef, train: TrainConfig, dataset: DatasetRef) -> 
     if sha256_file(ckpt.path) != ckpt.sha256:
         raise DataError(f"checkpoint {ckpt.path} does not match its recorded sha256")
     model = build_model(train, dataset.shape, len(dataset.classes))
-    model.load_state_dict(load_best(ckpt.path))
+    model.load_state_dict(load_state(ckpt.path)["model"])
     return model.eval()
 
 

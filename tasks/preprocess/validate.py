@@ -1,0 +1,60 @@
+"""Checks every raw source must pass before any expensive work starts."""
+
+import numpy as np
+
+from tasks.errors import DataError
+from tasks.preprocess.sources import RawData
+
+MIN_SAMPLES = 10
+
+
+def validate_raw(raw: RawData, origin: str) -> None:
+    """Raise DataError (prefixed with origin) unless raw is a usable labelled image set."""
+    _check_shapes(raw, origin)
+    _check_values(raw, origin)
+    _check_labels(raw, origin)
+
+
+def _check_shapes(raw: RawData, origin: str) -> None:
+    if raw.images.ndim != 4:
+        raise DataError(f"{origin}: images have shape {raw.images.shape}; expected (N, C, H, W)")
+    if raw.labels.ndim != 1 or len(raw.labels) != len(raw.images):
+        raise DataError(
+            f"{origin}: {len(raw.images)} images but labels of shape {raw.labels.shape}"
+        )
+    if min(raw.images.shape[1:]) < 1:
+        raise DataError(f"{origin}: images have an empty dimension: {raw.images.shape}")
+    if len(raw.images) < MIN_SAMPLES:
+        raise DataError(
+            f"{origin}: only {len(raw.images)} samples; at least {MIN_SAMPLES} are needed "
+            "to split into train/val/test"
+        )
+
+
+def _check_values(raw: RawData, origin: str) -> None:
+    dtype = raw.images.dtype
+    if dtype == np.bool_ or not np.issubdtype(dtype, np.number):
+        raise DataError(f"{origin}: images have non-numeric dtype {dtype}")
+    if np.issubdtype(dtype, np.complexfloating):
+        raise DataError(f"{origin}: images have complex dtype {dtype}")
+    if np.issubdtype(dtype, np.floating) and not np.isfinite(raw.images).all():
+        bad = int(np.flatnonzero(~np.isfinite(raw.images).reshape(len(raw.images), -1).all(1))[0])
+        raise DataError(f"{origin}: image {bad} holds NaN or infinite values")
+
+
+def _check_labels(raw: RawData, origin: str) -> None:
+    if not np.issubdtype(raw.labels.dtype, np.integer):
+        raise DataError(f"{origin}: labels have dtype {raw.labels.dtype}; expected integers")
+    n_classes = len(raw.classes)
+    if n_classes < 2 or len(set(raw.classes)) != n_classes:
+        raise DataError(f"{origin}: need at least 2 distinct class names, got {raw.classes}")
+    low, high = int(raw.labels.min()), int(raw.labels.max())
+    if low < 0 or high >= n_classes:
+        raise DataError(
+            f"{origin}: labels range over [{low}, {high}] but there are {n_classes} classes "
+            f"(labels must lie in [0, {n_classes - 1}])"
+        )
+    counts = np.bincount(raw.labels, minlength=n_classes)
+    empty = [raw.classes[i] for i in np.flatnonzero(counts == 0)]
+    if empty:
+        raise DataError(f"{origin}: classes without any sample: {empty[:10]}")

@@ -1,0 +1,124 @@
+"""Distributed set-up and tear-down: who am I (rank), which device, which backend.
+
+Under submitit the rank layout comes from the job environment (exported as the RANK /
+WORLD_SIZE / MASTER_ADDR / MASTER_PORT variables torch's env:// rendezvous reads); under
+torchrun those variables are already set; a plain process is a world of one with no process
+group at all.
+"""
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+
+import submitit
+import torch
+import torch.distributed as dist
+
+from tasks.errors import ConfigError
+
+DEFAULT_TIMEOUT = timedelta(minutes=5)
+"""How long a collective waits for a silent peer before the job fails instead of hanging."""
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """Where this process sits in the job."""
+
+    rank: int
+    """Global rank, 0..world_size-1."""
+    world_size: int
+    """Number of processes training together."""
+    local_rank: int
+    """Rank on this node: picks the GPU."""
+    device: torch.device
+    """The device this rank trains on."""
+    backend: str | None
+    """'gloo' or 'nccl'; None when world_size is 1 (no process group)."""
+
+    @property
+    def is_main(self) -> bool:
+        """True on rank 0, the only rank with side effects (logs, checkpoints, results)."""
+        return self.rank == 0
+
+
+def _export_submitit_env() -> None:
+    """Export submitit's rank layout as torch's env:// variables when inside a submitit job."""
+    try:
+        env = submitit.JobEnvironment()
+    except RuntimeError:
+        return  # not a submitit job: torchrun variables or a single process
+    if env.num_tasks > 1:
+        # Keep CUDA_VISIBLE_DEVICES as the scheduler set it: submitit's default rewrites it
+        # to the local rank, which hides the GPU when Slurm already bound one per task.
+        submitit.helpers.TorchDistributedEnvironment().export(
+            set_cuda_visible_devices=False, overwrite=True
+        )
+
+
+def _pick_device(device_pref: str, local_rank: int) -> torch.device:
+    """cuda:<local rank> for auto/cuda when CUDA is usable, else cpu."""
+    if device_pref == "cpu" or (device_pref == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            "train.device=cuda but this process sees no usable GPU: set train.device=auto or cpu, "
+            "or request GPUs (cluster.gpus_per_node)"
+        )
+    count = torch.cuda.device_count()
+    # One visible GPU means the scheduler bound this rank to it.
+    index = 0 if count == 1 else local_rank
+    if index >= count:
+        raise ConfigError(f"local rank {local_rank} has no GPU: only {count} are visible")
+    return torch.device("cuda", index)
+
+
+def setup_distributed(device_pref: str, timeout: timedelta = DEFAULT_TIMEOUT) -> DistContext:
+    """Read the rank layout, pick the device and join the process group (when world > 1)."""
+    _export_submitit_env()
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = _pick_device(device_pref, local_rank)
+    if world_size == 1:
+        return DistContext(rank, 1, local_rank, device, None)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        backend,
+        timeout=timeout,
+        rank=rank,
+        world_size=world_size,
+        device_id=device if device.type == "cuda" else None,
+    )
+    return DistContext(rank, world_size, local_rank, device, backend)
+
+
+def teardown() -> None:
+    """Leave the process group if this process joined one."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@contextmanager
+def distributed(device_pref: str, timeout: timedelta = DEFAULT_TIMEOUT) -> Iterator[DistContext]:
+    """setup_distributed() paired with teardown(), also when the body raises.
+
+    On an exception this rank leaves the group and the exception propagates, so the process
+    exits non-zero; its peers' next collective then fails on the closed connection (gloo) or
+    after `timeout` (nccl) instead of waiting forever.
+    """
+    ctx = setup_distributed(device_pref, timeout)
+    try:
+        yield ctx
+    finally:
+        teardown()
+
+
+def all_reduce_sum(tensor: torch.Tensor, ctx: DistContext) -> torch.Tensor:
+    """Sum `tensor` over all ranks in place (no-op for a world of one) and return it."""
+    if ctx.world_size > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor

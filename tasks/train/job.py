@@ -1,0 +1,221 @@
+"""The training job: the callable submitit runs once per rank.
+
+It knows nothing of Slurm or Prefect. It resumes from its latest checkpoint by itself, so a
+requeued, retried or re-submitted job continues where the last one stopped.
+"""
+
+import json
+import os
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import submitit
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from torch.nn.parallel import DistributedDataParallel
+
+from tasks.preprocess.ref import DatasetRef
+from tasks.tracking.logger import MetricLogger, make_logger
+from tasks.train.checkpoint import (
+    latest_checkpoint,
+    load_state,
+    restore_rng,
+    save_best,
+    save_checkpoint,
+    sha256_file,
+    training_state,
+    unwrap,
+)
+from tasks.train.config import TrainConfig
+from tasks.train.data import Split, load_split_to, rank_batches
+from tasks.train.distributed import DistContext, distributed
+from tasks.train.loop import Trainer, evaluate_split, make_optimizer, train_epoch
+from tasks.train.models import build_model
+from tasks.train.precision import PrecisionPolicy, resolve_precision
+from tasks.train.ref import CheckpointRef
+
+_NOT_LOGGED = ("epoch", "step")
+
+
+class TrainJobSpec(BaseModel):
+    """Everything a training job needs; small and picklable (it travels to the cluster)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    train: TrainConfig
+    """What to train and how."""
+    dataset: DatasetRef
+    """The preprocessed dataset to train on."""
+    out_dir: Path
+    """Folder of this run's checkpoints/, best.pt and history.json (reused on resume)."""
+    cpus_per_task: int = Field(1, ge=1)
+    """torch threads per rank."""
+    tracking_uri: str | None = None
+    """MLflow tracking URI; with run_id, rank 0 logs per-epoch metrics there."""
+    run_id: str | None = None
+    """MLflow run to log into (created by the flow, continued on resume)."""
+
+
+@dataclass
+class Progress:
+    """How far the run got: saved in every checkpoint, restored on resume."""
+
+    data_seed: int
+    epoch: int = 0
+    step: int = 0
+    history: list[dict[str, float]] = field(default_factory=list)
+    best_metric: float = -1.0
+    best_epoch: int = 0
+    logged_epochs: int = 0
+    """Epochs whose metrics reached the logger's flush: later ones are re-logged on resume."""
+
+
+class TrainingJob(submitit.helpers.Checkpointable):
+    """Trains `spec.train` on `spec.dataset` in this rank; returns rank 0's best checkpoint."""
+
+    def __init__(self, spec: TrainJobSpec) -> None:
+        self.spec = spec
+
+    def __call__(self) -> CheckpointRef | None:
+        """Set up, resume if a checkpoint exists, train the remaining epochs, clean up."""
+        spec, cfg = self.spec, self.spec.train
+        torch.set_num_threads(spec.cpus_per_task)
+        with distributed(cfg.device) as dist:
+            torch.manual_seed(cfg.seed)
+            random.seed(cfg.seed)
+            policy = resolve_precision(cfg.precision, dist.device)
+            train, val = (
+                load_split_to(spec.dataset.path, s, dist.device) for s in ("train", "val")
+            )
+            trainer = self._trainer(dist, policy, len(train))
+            progress = self._resume(trainer)
+            logger = make_logger(spec.tracking_uri, spec.run_id, dist.rank)
+            _relog(progress, logger)
+            while progress.epoch < cfg.epochs:
+                metrics = self._run_epoch(trainer, train, val, progress)
+                if dist.is_main:
+                    self._record(trainer, progress, metrics, logger)
+            logger.flush()
+            return self._finish(progress) if dist.is_main else None
+
+    def checkpoint(self, *args: Any, **kwargs: Any) -> submitit.helpers.DelayedSubmission:
+        """On timeout or preemption: requeue a fresh job; it resumes from disk by itself."""
+        return submitit.helpers.DelayedSubmission(type(self)(self.spec))
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        """Where the full training state is written every epoch."""
+        return self.spec.out_dir / "checkpoints"
+
+    def _trainer(self, dist: DistContext, policy: PrecisionPolicy, n_train: int) -> Trainer:
+        cfg, ref = self.spec.train, self.spec.dataset
+        model = build_model(cfg, ref.shape, len(ref.classes)).to(dist.device)
+        optimizer = make_optimizer(cfg, model)
+        if dist.world_size > 1:
+            ids = [dist.device.index] if dist.device.type == "cuda" else None
+            model = DistributedDataParallel(model, device_ids=ids)
+        steps_per_epoch = -(-(n_train // dist.world_size) // cfg.batch_size)
+        return Trainer(
+            model,
+            optimizer,
+            policy.make_scaler(),
+            policy,
+            dist,
+            cfg.lr,
+            cfg.epochs * steps_per_epoch,
+        )
+
+    def _resume(self, trainer: Trainer) -> Progress:
+        """Restore the latest checkpoint of out_dir, if any (every rank reads the same file)."""
+        path = latest_checkpoint(self.checkpoint_dir)
+        if path is None:
+            return Progress(data_seed=self.spec.train.seed)
+        state = load_state(path)
+        unwrap(trainer.model).load_state_dict(state["model"])
+        trainer.optimizer.load_state_dict(state["optimizer"])
+        trainer.scaler.load_state_dict(state["scaler"])
+        restore_rng(state["rng"])
+        fields = Progress.__dataclass_fields__
+        progress = Progress(**{k: v for k, v in state.items() if k in fields})
+        if trainer.dist.is_main:
+            print(f"resuming from {path} after epoch {progress.epoch}", flush=True)
+        return progress
+
+    def _run_epoch(
+        self, trainer: Trainer, train: Split, val: Split, progress: Progress
+    ) -> dict[str, float]:
+        """Train and validate one epoch; advances `progress` (on every rank)."""
+        cfg, dist = self.spec.train, trainer.dist
+        epoch = progress.epoch + 1
+        batches = rank_batches(
+            len(train), cfg.batch_size, progress.data_seed, epoch, dist.rank, dist.world_size
+        )
+        started = time.perf_counter()
+        metrics, progress.step = train_epoch(trainer, train, batches, progress.step)
+        val_metrics = evaluate_split(trainer.model, val, 4 * cfg.batch_size, trainer.policy, dist)
+        metrics |= {f"val_{k}": v for k, v in val_metrics.items()}
+        metrics["epoch_time_s"] = time.perf_counter() - started
+        progress.epoch = epoch
+        progress.history.append({"epoch": epoch, "step": progress.step, **metrics})
+        return metrics
+
+    def _record(
+        self, trainer: Trainer, progress: Progress, metrics: dict[str, float], logger: MetricLogger
+    ) -> None:
+        """Rank 0's side effects of an epoch: log, best model, checkpoint, progress line."""
+        cfg, epoch = self.spec.train, progress.epoch
+        logger.log(metrics, step=epoch)
+        if epoch % cfg.log_every_epochs == 0 or epoch == cfg.epochs:
+            logger.flush()
+            progress.logged_epochs = epoch
+        if metrics["val_accuracy"] > progress.best_metric:
+            progress.best_metric, progress.best_epoch = metrics["val_accuracy"], epoch
+            save_best(trainer.model, self.spec.out_dir / "best.pt", self._best_meta(progress))
+        state = training_state(trainer.model, trainer.optimizer, trainer.scaler, asdict(progress))
+        save_checkpoint(state, self.checkpoint_dir)
+        print(
+            f"epoch {epoch}/{cfg.epochs} loss {metrics['train_loss']:.4f} "
+            f"acc {metrics['train_accuracy']:.4f} val_acc {metrics['val_accuracy']:.4f} "
+            f"{metrics['samples_per_s']:.0f} samples/s",
+            flush=True,
+        )
+
+    def _best_meta(self, progress: Progress) -> dict[str, Any]:
+        """What evaluation needs next to the weights: how to rebuild the model, and when."""
+        ref = self.spec.dataset
+        return {
+            "epoch": progress.epoch,
+            "step": progress.step,
+            "metrics": dict(progress.history[-1]),
+            "train": self.spec.train.model_dump(mode="json"),
+            "shape": list(ref.shape),
+            "num_classes": len(ref.classes),
+            "dataset_hash": ref.content_hash,
+        }
+
+    def _finish(self, progress: Progress) -> CheckpointRef:
+        """Write history.json and describe best.pt."""
+        history_path = self.spec.out_dir / "history.json"
+        tmp = history_path.with_name(f"history.json.tmp-{os.getpid()}")
+        tmp.write_text(json.dumps(progress.history, indent=1))
+        os.replace(tmp, history_path)
+        best = self.spec.out_dir / "best.pt"
+        entry = progress.history[progress.best_epoch - 1]
+        return CheckpointRef(
+            path=best,
+            sha256=sha256_file(best),
+            epoch=progress.best_epoch,
+            step=int(entry["step"]),
+            metrics={k: v for k, v in entry.items() if k.startswith("val_")},
+            history_path=history_path,
+        )
+
+
+def _relog(progress: Progress, logger: MetricLogger) -> None:
+    """Log the epochs a previous attempt checkpointed but never flushed (no gaps, no repeats)."""
+    for entry in progress.history[progress.logged_epochs :]:
+        metrics = {k: v for k, v in entry.items() if k not in _NOT_LOGGED}
+        logger.log(metrics, step=int(entry["epoch"]))

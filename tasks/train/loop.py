@@ -1,0 +1,128 @@
+"""The training and evaluation loops of one epoch.
+
+Loss and accuracy are summed on the device and read once per epoch (one all_reduce, one
+host sync): an ``.item()`` per step would stall the GPU queue every step.
+"""
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tasks.train.checkpoint import unwrap
+from tasks.train.config import TrainConfig
+from tasks.train.data import Split, eval_batches
+from tasks.train.distributed import DistContext, all_reduce_sum
+from tasks.train.precision import PrecisionPolicy
+
+
+@dataclass(frozen=True)
+class Trainer:
+    """What every optimiser step needs."""
+
+    model: nn.Module
+    """The model, DDP-wrapped when world_size > 1."""
+    optimizer: torch.optim.Optimizer
+    """AdamW or SGD; its learning rate is set every step by the cosine schedule."""
+    scaler: torch.amp.GradScaler
+    """Loss scaler (enabled only under fp16)."""
+    policy: PrecisionPolicy
+    """Autocast dtype of forward passes."""
+    dist: DistContext
+    """Rank layout and device."""
+    peak_lr: float
+    """Learning rate at step 0."""
+    total_steps: int
+    """Steps of the whole run: the cosine reaches 0 here."""
+
+
+def make_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
+    """AdamW, or SGD with momentum 0.9, with the config's learning rate and weight decay."""
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(
+            model.parameters(), lr=cfg.lr, momentum=0.9, weight_decay=cfg.weight_decay
+        )
+    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+def cosine_lr(step: int, total_steps: int, peak_lr: float) -> float:
+    """Learning rate at `step`: cosine decay from peak_lr to 0 over total_steps.
+
+    A pure function of the step, so a resumed run needs no scheduler state.
+    """
+    progress = min(step / max(total_steps, 1), 1.0)
+    return 0.5 * peak_lr * (1.0 + math.cos(math.pi * progress))
+
+
+def _train_step(
+    trainer: Trainer, x: torch.Tensor, y: torch.Tensor, lr: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimiser step; returns the batch's summed loss and correct count (on device)."""
+    for group in trainer.optimizer.param_groups:
+        group["lr"] = lr
+    with trainer.policy.autocast():
+        logits = trainer.model(x)
+        loss = F.cross_entropy(logits, y)
+    trainer.optimizer.zero_grad(set_to_none=True)
+    trainer.scaler.scale(loss).backward()
+    trainer.scaler.step(trainer.optimizer)
+    trainer.scaler.update()
+    correct = (logits.detach().argmax(dim=1) == y).sum()
+    return loss.detach().float() * y.shape[0], correct
+
+
+def train_epoch(
+    trainer: Trainer, data: Split, batches: list[torch.Tensor], step: int
+) -> tuple[dict[str, float], int]:
+    """Train over `batches` starting at global `step`; returns (metrics, next step).
+
+    Metrics: train_loss, train_accuracy, samples_per_s (all ranks together), lr.
+    """
+    device = trainer.dist.device
+    trainer.model.train()
+    sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss, correct, count
+    lr = cosine_lr(step, trainer.total_steps, trainer.peak_lr)
+    start = time.perf_counter()
+    for index in batches:
+        x, y = data.batch(index, device)
+        lr = cosine_lr(step, trainer.total_steps, trainer.peak_lr)
+        loss_sum, correct = _train_step(trainer, x, y, lr)
+        sums[0] += loss_sum
+        sums[1] += correct
+        sums[2] += y.shape[0]
+        step += 1
+    loss, correct, count = all_reduce_sum(sums, trainer.dist).tolist()
+    elapsed = time.perf_counter() - start
+    metrics = {
+        "train_loss": loss / max(count, 1),
+        "train_accuracy": correct / max(count, 1),
+        "samples_per_s": count / max(elapsed, 1e-9),
+        "lr": lr,
+    }
+    return metrics, step
+
+
+@torch.no_grad()
+def evaluate_split(
+    model: nn.Module, data: Split, batch_size: int, policy: PrecisionPolicy, dist: DistContext
+) -> dict[str, float]:
+    """Mean loss and accuracy of `model` on all of `data`, each rank taking a share.
+
+    Runs the unwrapped module: ranks may hold different batch counts here, and a DDP forward
+    would wait for its peers.
+    """
+    net = unwrap(model)
+    net.eval()
+    sums = torch.zeros(3, dtype=torch.float64, device=dist.device)
+    for index in eval_batches(len(data), batch_size, dist.rank, dist.world_size):
+        x, y = data.batch(index, dist.device)
+        with policy.autocast():
+            logits = net(x)
+        sums[0] += F.cross_entropy(logits.float(), y, reduction="sum")
+        sums[1] += (logits.argmax(dim=1) == y).sum()
+        sums[2] += y.shape[0]
+    loss, correct, count = all_reduce_sum(sums, dist).tolist()
+    return {"loss": loss / max(count, 1), "accuracy": correct / max(count, 1)}

@@ -1,0 +1,100 @@
+"""The networks training can build: the founding material's CNN and a small ResNet."""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tasks.errors import ConfigError
+from tasks.train.config import TrainConfig
+
+
+def _reference_feature_size(size: int) -> int:
+    """Spatial size after conv3 -> pool2 -> conv3 -> pool2 (no padding, floor pooling)."""
+    return ((size - 2) // 2 - 2) // 2
+
+
+class ReferenceCNN(nn.Module):
+    """The founding material's CNN, generalised to any channel count, class count and size.
+
+    conv(in->16, k3) -> ReLU -> maxpool2 -> conv(16->32, k3) -> ReLU -> maxpool2 -> linear.
+    """
+
+    def __init__(self, in_channels: int, num_classes: int, height: int, width: int) -> None:
+        super().__init__()
+        h, w = _reference_feature_size(height), _reference_feature_size(width)
+        if h < 1 or w < 1:
+            raise ConfigError(
+                f"reference_cnn needs images of at least 10x10 pixels, got {height}x{width}: "
+                "use train.model=resnet or resize the images in preprocessing"
+            )
+        self.conv1 = nn.Conv2d(in_channels, 16, 3)
+        self.pool = nn.MaxPool2d(2, 2)
+        self.conv2 = nn.Conv2d(16, 32, 3)
+        self.fc = nn.Linear(32 * h * w, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits of shape (batch, num_classes)."""
+        x = self.pool(F.relu(self.conv1(x)))
+        x = self.pool(F.relu(self.conv2(x)))
+        return self.fc(torch.flatten(x, 1))
+
+
+class BasicBlock(nn.Module):
+    """Two 3x3 conv+BN layers with an identity (or 1x1 projection) shortcut."""
+
+    def __init__(self, in_channels: int, out_channels: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(in_channels, out_channels, 3, stride, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(out_channels)
+        self.conv2 = nn.Conv2d(out_channels, out_channels, 3, 1, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(out_channels)
+        self.shortcut: nn.Module = nn.Identity()
+        if stride != 1 or in_channels != out_channels:
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(in_channels, out_channels, 1, stride, bias=False),
+                nn.BatchNorm2d(out_channels),
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Residual output of the same batch size, out_channels channels."""
+        out = F.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return F.relu(out + self.shortcut(x))
+
+
+class ResNet(nn.Module):
+    """A small ResNet: stem, 3 stages of 2 BasicBlocks (widths w, 2w, 4w), avg pool, linear."""
+
+    def __init__(self, in_channels: int, num_classes: int, width: int) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(
+            nn.Conv2d(in_channels, width, 3, padding=1, bias=False),
+            nn.BatchNorm2d(width),
+            nn.ReLU(inplace=True),
+        )
+        widths = [width, 2 * width, 4 * width]
+        stages: list[nn.Module] = []
+        previous = width
+        for index, stage_width in enumerate(widths):
+            stride = 1 if index == 0 else 2
+            stages += [
+                BasicBlock(previous, stage_width, stride),
+                BasicBlock(stage_width, stage_width, 1),
+            ]
+            previous = stage_width
+        self.stages = nn.Sequential(*stages)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(4 * width, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits of shape (batch, num_classes)."""
+        x = self.stages(self.stem(x))
+        return self.fc(torch.flatten(self.pool(x), 1))
+
+
+def build_model(cfg: TrainConfig, shape: tuple[int, int, int], num_classes: int) -> nn.Module:
+    """The network cfg.model names, sized for images of `shape` (C, H, W)."""
+    channels, height, width = shape
+    if cfg.model == "reference_cnn":
+        return ReferenceCNN(channels, num_classes, height, width)
+    return ResNet(channels, num_classes, cfg.width)

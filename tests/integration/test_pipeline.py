@@ -1,0 +1,83 @@
+"""The whole pipeline on the tiny preset with 2 DDP ranks, twice: the second run hits the cache."""
+
+from pathlib import Path
+
+import mlflow
+import pytest
+from mlflow.tracking import MlflowClient
+
+from flows.pipeline import PipelineSummary, pipeline
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("work")
+
+
+@pytest.fixture(scope="module")
+def first(workdir: Path) -> PipelineSummary:
+    return pipeline(preset="tiny", overrides=[f"workdir={workdir}"])
+
+
+def _children(client: MlflowClient, summary: PipelineSummary) -> dict[str, object]:
+    exp = client.get_experiment_by_name(summary.experiment)
+    assert exp is not None
+    runs = client.search_runs(
+        [exp.experiment_id], f"tags.mlflow.parentRunId = '{summary.parent_run_id}'"
+    )
+    return {r.info.run_name: r for r in runs}
+
+
+def test_pipeline_completes_and_learns(first: PipelineSummary) -> None:
+    # 4 learnable classes: chance is 0.25.
+    assert first.test_accuracy > 0.6
+    assert not first.preprocess_cached
+    assert set(first.stage_seconds) == {"preprocess", "train", "evaluate"}
+
+
+def test_mlflow_holds_parent_and_three_children(first: PipelineSummary) -> None:
+    client = MlflowClient(first.tracking_uri)
+    parent = client.get_run(first.parent_run_id)
+    assert parent.info.status == "FINISHED"
+    assert parent.data.params["train.epochs"] == "2"
+    assert parent.data.tags["dataset_hash"] == first.dataset_hash
+    assert parent.data.tags["git_commit"]
+    assert parent.data.metrics["test_accuracy"] == pytest.approx(first.test_accuracy)
+    kids = _children(client, first)
+    assert set(kids) == {"preprocess", "train", "evaluate"}
+    assert all(r.info.status == "FINISHED" for r in kids.values())  # type: ignore[attr-defined]
+
+
+def test_train_run_has_per_epoch_metrics(first: PipelineSummary) -> None:
+    client = MlflowClient(first.tracking_uri)
+    train = _children(client, first)["train"]
+    run_id = train.info.run_id  # type: ignore[attr-defined]
+    for key in ("train_loss", "val_accuracy", "samples_per_s"):
+        assert [m.step for m in client.get_metric_history(run_id, key)] == [1, 2], key
+
+
+def test_evaluate_run_has_metrics_images_and_model(first: PipelineSummary) -> None:
+    client = MlflowClient(first.tracking_uri)
+    ev = _children(client, first)["evaluate"]
+    run_id = ev.info.run_id  # type: ignore[attr-defined]
+    metrics = client.get_run(run_id).data.metrics
+    assert metrics["test_accuracy"] == pytest.approx(first.test_accuracy)
+    assert "test_f1_0" in metrics and "test_macro_f1" in metrics
+    names = {a.path for a in client.list_artifacts(run_id)}
+    assert {"confusion_matrix.png", "training_curves.png", "per_class.json"} <= names
+    assert first.model_uri
+    info = mlflow.models.get_model_info(first.model_uri)
+    assert info.signature is not None
+    assert info.run_id == run_id
+
+
+def test_second_run_hits_the_preprocess_cache(first: PipelineSummary, workdir: Path) -> None:
+    second = pipeline(preset="tiny", overrides=[f"workdir={workdir}"])
+    assert second.preprocess_cached
+    assert second.dataset_hash == first.dataset_hash
+    assert second.parent_run_id != first.parent_run_id
+    client = MlflowClient(second.tracking_uri)
+    pre = _children(client, second)["preprocess"]
+    assert pre.data.tags["cache"] == "hit"  # type: ignore[attr-defined]

@@ -1,0 +1,16 @@
+"""Fixtures shared by the unit tests: a real local dask cluster (never mocked)."""
+
+from collections.abc import Iterator
+
+import distributed
+import pytest
+
+from cluster.config import DaskConfig
+from cluster.dask import Backend, dask_client
+
+
+@pytest.fixture(scope="module")
+def dask_cpu() -> Iterator[tuple[distributed.Client, Backend]]:
+    """A 2-worker CPU LocalCluster and its client, shared by one test module."""
+    with dask_client(DaskConfig(backend="cpu", n_workers=2)) as (client, backend):
+        yield client, backend

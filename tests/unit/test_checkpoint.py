@@ -1,0 +1,203 @@
+"""Checkpoints: atomic writes, weights_only round trips, and exact resume of a training job."""
+
+import hashlib
+import json
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from tasks.preprocess.dataset import read_manifest
+from tasks.preprocess.ref import DatasetRef
+from tasks.train.checkpoint import (
+    atomic_save,
+    latest_checkpoint,
+    load_state,
+    restore_rng,
+    save_best,
+    save_checkpoint,
+    sha256_file,
+    training_state,
+)
+from tasks.train.config import TrainConfig
+from tasks.train.data import Split
+from tasks.train.job import Progress, TrainingJob, TrainJobSpec
+from tasks.train.loop import Trainer
+
+
+def write_dataset(root: Path, n_train: int = 256, n_val: int = 64, seed: int = 0) -> DatasetRef:
+    """A tiny learnable dataset in the preprocessing format: 4 stripe patterns in noise."""
+    rng = np.random.default_rng(seed)
+    i, j = np.mgrid[0:12, 0:12]
+    patterns = np.stack([i % 2, j % 2, (i + j) % 2, (i // 2) % 2]).astype(np.float32) * 2 - 1
+    root.mkdir(parents=True)
+    splits = {}
+    for split, n in (("train", n_train), ("val", n_val), ("test", n_val)):
+        y = rng.integers(0, 4, n).astype(np.int64)
+        x = (patterns[y] + rng.normal(0.0, 1.0, (n, 12, 12)))[:, None].astype(np.float32)
+        np.save(root / f"{split}-00000.x.npy", x)
+        np.save(root / f"{split}-00000.y.npy", y)
+        splits[split] = [{"x": f"{split}-00000.x.npy", "y": f"{split}-00000.y.npy", "n": n}]
+        for shard in splits[split]:
+            shard["x_sha256"] = sha256_file(root / str(shard["x"]))
+            shard["y_sha256"] = sha256_file(root / str(shard["y"]))
+    manifest = {
+        "format_version": 1,
+        "content_hash": f"synthetic-{seed}",
+        "cache_key": f"synthetic-{seed}",
+        "counts": {name: shards[0]["n"] for name, shards in splits.items()},
+        "shape": [1, 12, 12],
+        "classes": ["rows", "columns", "checks", "wide rows"],
+        "mean": [0.0],
+        "std": [1.0],
+        "splits": splits,
+    }
+    (root / "manifest.json").write_text(json.dumps(manifest))
+    return read_manifest(root)
+
+
+@pytest.fixture(autouse=True)
+def _restore_torch_threads() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory: pytest.TempPathFactory) -> DatasetRef:
+    return write_dataset(tmp_path_factory.mktemp("data") / "ds")
+
+
+def _spec(dataset: DatasetRef, out_dir: Path, epochs: int) -> TrainJobSpec:
+    train = TrainConfig(epochs=epochs, batch_size=32, precision="fp32", device="cpu", seed=3)
+    return TrainJobSpec(train=train, dataset=dataset, out_dir=out_dir)
+
+
+class CrashAfterFirstEpoch(TrainingJob):
+    """Dies as a preempted job would: after epoch 1 was checkpointed, before epoch 2 ends."""
+
+    def _run_epoch(
+        self, trainer: Trainer, train: Split, val: Split, progress: Progress
+    ) -> dict[str, float]:
+        if progress.epoch >= 1:
+            raise RuntimeError("simulated preemption")
+        return super()._run_epoch(trainer, train, val, progress)
+
+
+def _final_state(out_dir: Path) -> dict:
+    path = latest_checkpoint(out_dir / "checkpoints")
+    assert path is not None
+    return load_state(path)
+
+
+def test_a_resumed_job_ends_exactly_where_an_uninterrupted_one_does(
+    dataset: DatasetRef, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    TrainingJob(_spec(dataset, tmp_path / "straight", epochs=2))()
+    interrupted = _spec(dataset, tmp_path / "resumed", epochs=2)
+    with pytest.raises(RuntimeError, match="simulated preemption"):
+        CrashAfterFirstEpoch(interrupted)()
+    assert latest_checkpoint(tmp_path / "resumed" / "checkpoints") is not None
+    capsys.readouterr()
+    ref = TrainingJob(interrupted)()
+    assert "after epoch 1" in capsys.readouterr().out
+    straight, resumed = _final_state(tmp_path / "straight"), _final_state(tmp_path / "resumed")
+    assert resumed["epoch"] == 2 and resumed["step"] == straight["step"]
+    for name, tensor in straight["model"].items():
+        torch.testing.assert_close(resumed["model"][name], tensor, atol=1e-6, rtol=0)
+    assert [h["epoch"] for h in resumed["history"]] == [1, 2]
+    assert ref is not None and json.loads(ref.history_path.read_text())[1]["epoch"] == 2
+
+
+def test_a_job_with_more_epochs_continues_a_finished_run(
+    dataset: DatasetRef, tmp_path: Path
+) -> None:
+    first = TrainingJob(_spec(dataset, tmp_path, epochs=1))()
+    second = TrainingJob(_spec(dataset, tmp_path, epochs=2))()
+    assert first is not None and second is not None
+    history = json.loads(second.history_path.read_text())
+    assert [h["epoch"] for h in history] == [1, 2]
+    assert history[0]["train_loss"] == json.loads(first.history_path.read_text())[0]["train_loss"]
+
+
+def test_a_finished_job_run_again_trains_nothing_and_returns_the_same_best(
+    dataset: DatasetRef, tmp_path: Path
+) -> None:
+    first = TrainingJob(_spec(dataset, tmp_path, epochs=1))()
+    again = TrainingJob(_spec(dataset, tmp_path, epochs=1))()
+    assert first == again
+
+
+def _one_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor) -> None:
+    loss = model(x).square().mean()
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+
+
+def test_training_state_round_trips_under_weights_only(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    random.seed(0)
+    model = nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    _one_step(model, optimizer, torch.randn(4, 3))
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    progress = {"epoch": 3, "step": 12, "history": [{"epoch": 1, "val_accuracy": 0.5}]}
+    path = save_checkpoint(training_state(model, optimizer, scaler, progress), tmp_path)
+    expected = torch.rand(3), random.random()
+    torch.manual_seed(99)
+    random.seed(99)
+
+    state = load_state(path)
+    restore_rng(state["rng"])
+    assert torch.equal(torch.rand(3), expected[0]) and random.random() == expected[1]
+    copy = nn.Linear(3, 2)
+    copy.load_state_dict(state["model"])
+    assert torch.equal(copy.weight, model.weight)
+    copy_optimizer = torch.optim.AdamW(copy.parameters(), lr=0.1)
+    copy_optimizer.load_state_dict(state["optimizer"])
+    x = torch.randn(4, 3)
+    _one_step(model, optimizer, x)
+    _one_step(copy, copy_optimizer, x)
+    assert torch.equal(copy.weight, model.weight)  # Adam moments came back too
+    assert state["scaler"]["scale"] == 256.0
+    assert (state["epoch"], state["step"], state["history"]) == (3, 12, progress["history"])
+
+
+def test_only_the_latest_checkpoint_is_kept(tmp_path: Path) -> None:
+    stale_tmp = tmp_path / "epoch-000009.pt.tmp-1234"
+    tmp_path.mkdir(exist_ok=True)
+    stale_tmp.write_bytes(b"half a file")
+    assert latest_checkpoint(tmp_path) is None
+    save_checkpoint({"epoch": 1}, tmp_path)
+    save_checkpoint({"epoch": 2}, tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch-000002.pt"]
+    assert latest_checkpoint(tmp_path) == tmp_path / "epoch-000002.pt"
+    assert latest_checkpoint(tmp_path / "missing") is None
+
+
+def test_a_failed_write_leaves_the_previous_file_whole(tmp_path: Path) -> None:
+    class Unpicklable:
+        def __reduce__(self) -> tuple:
+            raise RuntimeError("disk full")
+
+    path = tmp_path / "state.pt"
+    atomic_save({"epoch": 1}, path)
+    with pytest.raises(RuntimeError, match="disk full"):
+        atomic_save({"epoch": 2, "bad": Unpicklable()}, path)
+    assert load_state(path) == {"epoch": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["state.pt"]
+
+
+def test_best_model_file_holds_weights_and_meta_and_its_hash(tmp_path: Path) -> None:
+    model = nn.Linear(3, 2)
+    path = tmp_path / "best.pt"
+    save_best(model, path, {"epoch": 2, "metrics": {"val_accuracy": 0.75}})
+    state = torch.load(path, weights_only=True)
+    assert torch.equal(state["model"]["weight"], model.weight)
+    assert state["meta"]["metrics"]["val_accuracy"] == 0.75
+    assert sha256_file(path) == hashlib.sha256(path.read_bytes()).hexdigest()

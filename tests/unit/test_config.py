@@ -1,0 +1,108 @@
+"""Config: presets, overrides, validation messages that name the field and the fix."""
+
+import pytest
+
+from flows.config import PRESETS, PipelineConfig, build_config, flatten, parse_override
+from tasks.errors import ConfigError
+
+
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_every_preset_validates(preset: str) -> None:
+    cfg = build_config(preset)
+    assert isinstance(cfg, PipelineConfig)
+    assert cfg.name == preset
+
+
+def test_demo_preset_is_mnist_on_two_cpu_ranks() -> None:
+    cfg = build_config("demo")
+    assert cfg.preprocess.source == "mnist"
+    assert cfg.cluster.ranks_per_node == 2
+    assert cfg.cluster.executor == "local"
+
+
+def test_overrides_parse_json_values_and_text() -> None:
+    cfg = build_config(
+        "tiny", ["train.epochs=5", "train.lr=0.01", "name=x", "preprocess.synthetic_shape=[3,8,8]"]
+    )
+    assert cfg.train.epochs == 5
+    assert cfg.train.lr == 0.01
+    assert cfg.name == "x"
+    assert cfg.preprocess.synthetic_shape == (3, 8, 8)
+
+
+def test_mapping_overrides_as_from_prefect_parameters() -> None:
+    cfg = build_config("tiny", {"train.epochs": 3, "cluster.ranks_per_node": 1})
+    assert cfg.train.epochs == 3
+    assert cfg.cluster.ranks_per_node == 1
+
+
+def test_bad_choice_names_field_and_allowed_values() -> None:
+    with pytest.raises(ConfigError) as err:
+        build_config("demo", ["train.precision=fp8"])
+    msg = str(err.value)
+    assert "train.precision" in msg
+    assert "'bf16'" in msg and "'fp16'" in msg and "'fp32'" in msg
+    assert "fp8" in msg
+
+
+def test_unknown_key_lists_valid_keys() -> None:
+    with pytest.raises(ConfigError, match=r"train\.epoch: unknown key.*train\.epochs"):
+        build_config("demo", ["train.epoch=3"])
+
+
+def test_out_of_range_value_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"train\.epochs"):
+        build_config("demo", ["train.epochs=0"])
+
+
+def test_unknown_preset_lists_presets() -> None:
+    with pytest.raises(ConfigError, match="choose one of: demo, tiny"):
+        build_config("nope")
+
+
+def test_malformed_override() -> None:
+    with pytest.raises(ConfigError, match=r"dotted\.key=value"):
+        parse_override("train.epochs")
+
+
+def test_override_through_a_leaf_is_refused() -> None:
+    with pytest.raises(ConfigError, match="not a section"):
+        build_config("demo", ["name.x=1"])
+
+
+def test_folder_source_needs_existing_path(tmp_path: object) -> None:
+    with pytest.raises(ConfigError, match="needs a path"):
+        build_config("demo", ["preprocess.source=folder"])
+    with pytest.raises(ConfigError, match="does not exist"):
+        build_config("demo", ["preprocess.source=npz", "preprocess.path=/no/such/file.npz"])
+
+
+def test_gpus_must_match_ranks() -> None:
+    with pytest.raises(ConfigError, match="gpus_per_node"):
+        build_config("demo", ["cluster.gpus_per_node=1"])
+
+
+def test_debug_executor_needs_one_rank() -> None:
+    with pytest.raises(ConfigError, match="ranks_per_node=1"):
+        build_config("demo", ["cluster.executor=debug"])
+    assert build_config("demo", ["cluster.executor=debug", "cluster.ranks_per_node=1"])
+
+
+def test_several_errors_are_reported_together() -> None:
+    with pytest.raises(ConfigError) as err:
+        build_config("demo", ["train.lr=-1", "evaluate.batch_size=0"])
+    assert "train.lr" in str(err.value) and "evaluate.batch_size" in str(err.value)
+
+
+def test_config_is_frozen() -> None:
+    cfg = build_config("demo")
+    with pytest.raises(ValueError):
+        cfg.train.epochs = 3  # type: ignore[misc]
+
+
+def test_flatten_gives_dotted_string_params() -> None:
+    flat = flatten(build_config("tiny"))
+    assert flat["train.epochs"] == "2"
+    assert flat["preprocess.synthetic_shape"] == "[1, 16, 16]"
+    assert flat["cluster.dask.n_workers"] == "2"
+    assert all(isinstance(v, str) for v in flat.values())

@@ -1,0 +1,79 @@
+"""The dask cluster factory, with real local clusters."""
+
+import importlib.util
+
+import distributed
+import numpy as np
+import pytest
+
+from cluster.config import DaskConfig
+from cluster.dask import array_module, dask_client, to_numpy
+from tasks.errors import ConfigError
+
+
+def _gpu_usable() -> bool:
+    if importlib.util.find_spec("cupy") is None:
+        return False
+    try:
+        cupy = importlib.import_module("cupy")
+        return bool(cupy.cuda.runtime.getDeviceCount() > 0)
+    except Exception:
+        return False
+
+
+no_gpu = pytest.mark.skipif(_gpu_usable(), reason="a GPU is usable here")
+
+
+def test_cpu_cluster_runs_work_and_closes() -> None:
+    with dask_client(DaskConfig(backend="cpu", n_workers=2)) as (client, backend):
+        cluster = client.cluster
+        assert backend == "numpy"
+        assert len(client.scheduler_info()["workers"]) == 2
+        assert client.submit(np.sum, np.arange(10)).result() == 45
+    assert client.status == "closed"
+    assert cluster is not None and cluster.status.name == "closed"
+
+
+def test_cluster_closes_when_the_body_fails() -> None:
+    cfg = DaskConfig(backend="cpu", n_workers=1)
+    with pytest.raises(RuntimeError, match="boom"), dask_client(cfg) as (client, _):
+        cluster = client.cluster
+        raise RuntimeError("boom")
+    assert client.status == "closed"
+    assert cluster is not None and cluster.status.name == "closed"
+
+
+@no_gpu
+def test_auto_falls_back_to_cpu_without_gpu() -> None:
+    with dask_client(DaskConfig(backend="auto", n_workers=1)) as (client, backend):
+        assert backend == "numpy"
+        assert isinstance(client.cluster, distributed.LocalCluster)
+
+
+@no_gpu
+def test_gpu_backend_without_gpu_is_a_config_error() -> None:
+    message = "backend='gpu' but no GPU cluster could start"
+    with pytest.raises(ConfigError, match=message), dask_client(DaskConfig(backend="gpu")):
+        pass
+
+
+def test_existing_scheduler_is_used_and_left_running() -> None:
+    with distributed.LocalCluster(
+        n_workers=1, processes=True, host="127.0.0.1", dashboard_address=":0"
+    ) as external:
+        cfg = DaskConfig(address=external.scheduler_address, backend="cpu")
+        with dask_client(cfg) as (client, backend):
+            assert backend == "numpy"
+            assert client.scheduler_info()["address"] == external.scheduler_address
+            assert client.submit(lambda: 7).result() == 7
+        assert client.status == "closed"
+        with distributed.Client(external) as again:
+            assert again.submit(lambda: 8).result() == 8
+
+
+def test_array_helpers() -> None:
+    assert array_module("numpy") is np
+    with pytest.raises(ValueError, match="unknown array backend"):
+        array_module("torch")
+    out = to_numpy([1, 2, 3])
+    assert isinstance(out, np.ndarray) and out.tolist() == [1, 2, 3]

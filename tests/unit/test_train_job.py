@@ -1,0 +1,210 @@
+"""The training job run for real through submitit: 2 DDP ranks on the local executor.
+
+Nothing is mocked: each test submits real processes (gloo on CPU) and watches them with
+cluster.jobs.wait_for_job, as the flow does.
+"""
+
+import json
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import cloudpickle
+import numpy as np
+import psutil
+import pytest
+import submitit
+import torch
+
+from cluster.config import ClusterConfig
+from cluster.executor import make_executor
+from cluster.jobs import wait_for_job
+from tasks.errors import JobError
+from tasks.preprocess.dataset import read_manifest
+from tasks.preprocess.ref import DatasetRef
+from tasks.train.checkpoint import latest_checkpoint, sha256_file
+from tasks.train.config import TrainConfig
+from tasks.train.data import Split
+from tasks.train.job import Progress, TrainingJob, TrainJobSpec
+from tasks.train.loop import Trainer
+from tasks.train.models import ReferenceCNN
+from tasks.train.precision import cpu_supports_bf16
+from tasks.train.ref import CheckpointRef
+
+# The job processes cannot import this test module: ship its classes and functions by value.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+def write_dataset(root: Path, n_train: int = 256, n_val: int = 64, seed: int = 0) -> DatasetRef:
+    """A tiny learnable dataset in the preprocessing format: 4 stripe patterns in noise."""
+    rng = np.random.default_rng(seed)
+    i, j = np.mgrid[0:12, 0:12]
+    patterns = np.stack([i % 2, j % 2, (i + j) % 2, (i // 2) % 2]).astype(np.float32) * 2 - 1
+    root.mkdir(parents=True)
+    splits = {}
+    for split, n in (("train", n_train), ("val", n_val), ("test", n_val)):
+        y = rng.integers(0, 4, n).astype(np.int64)
+        x = (patterns[y] + rng.normal(0.0, 1.0, (n, 12, 12)))[:, None].astype(np.float32)
+        np.save(root / f"{split}-00000.x.npy", x)
+        np.save(root / f"{split}-00000.y.npy", y)
+        shard = {"x": f"{split}-00000.x.npy", "y": f"{split}-00000.y.npy", "n": n}
+        shard["x_sha256"] = sha256_file(root / shard["x"])
+        shard["y_sha256"] = sha256_file(root / shard["y"])
+        splits[split] = [shard]
+    manifest = {
+        "format_version": 1,
+        "content_hash": f"synthetic-{seed}",
+        "cache_key": f"synthetic-{seed}",
+        "counts": {name: shards[0]["n"] for name, shards in splits.items()},
+        "shape": [1, 12, 12],
+        "classes": ["rows", "columns", "checks", "wide rows"],
+        "mean": [0.0],
+        "std": [1.0],
+        "splits": splits,
+    }
+    (root / "manifest.json").write_text(json.dumps(manifest))
+    return read_manifest(root)
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory: pytest.TempPathFactory) -> DatasetRef:
+    return write_dataset(tmp_path_factory.mktemp("data") / "ds")
+
+
+@pytest.fixture(autouse=True)
+def _restore_torch_threads() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def _spec(dataset: DatasetRef, out_dir: Path, epochs: int = 4, **train: object) -> TrainJobSpec:
+    cfg = TrainConfig(epochs=epochs, batch_size=32, device="cpu", **train)  # type: ignore[arg-type]
+    return TrainJobSpec(train=cfg, dataset=dataset, out_dir=out_dir)
+
+
+def _local(tmp_path: Path, ranks: int = 2) -> submitit.Executor:
+    return make_executor(ClusterConfig(ranks_per_node=ranks, timeout_min=5), tmp_path / "jobs")
+
+
+class FailingRank1(TrainingJob):
+    """Rank 1 breaks in its first epoch while rank 0 trains on."""
+
+    def _run_epoch(
+        self, trainer: Trainer, train: Split, val: Split, progress: Progress
+    ) -> dict[str, float]:
+        if trainer.dist.rank == 1:
+            raise ValueError("rank 1 broke on purpose")
+        return super()._run_epoch(trainer, train, val, progress)
+
+
+def test_two_ranks_train_and_rank0_returns_the_best_checkpoint(
+    dataset: DatasetRef, tmp_path: Path
+) -> None:
+    lines: list[str] = []
+    job = _local(tmp_path).submit(TrainingJob(_spec(dataset, tmp_path / "run", precision="fp32")))
+    ref = wait_for_job(job, lines.append, poll_s=0.2)
+
+    assert isinstance(ref, CheckpointRef)
+    assert ref.path.is_file() and sha256_file(ref.path) == ref.sha256
+    history = json.loads(ref.history_path.read_text())
+    assert [h["epoch"] for h in history] == [1, 2, 3, 4]
+    assert history[0]["step"] == 4  # 256 samples / 2 ranks / batch 32: both ranks took part
+    assert ref.metrics["val_accuracy"] == max(h["val_accuracy"] for h in history)
+    assert ref.metrics["val_accuracy"] > 0.5  # chance is 0.25
+    best = torch.load(ref.path, weights_only=True)
+    ReferenceCNN(1, 4, 12, 12).load_state_dict(best["model"])  # saved without the DDP wrapper
+    assert best["meta"]["train"]["precision"] == "fp32"
+    assert any(line.startswith("[rank0] epoch 4/4 loss") for line in lines)
+    assert not any(line.startswith("[rank1] epoch") for line in lines)
+
+
+def test_a_failing_rank_fails_the_job_fast_with_its_traceback(
+    dataset: DatasetRef, tmp_path: Path
+) -> None:
+    job = _local(tmp_path).submit(FailingRank1(_spec(dataset, tmp_path / "run", epochs=50)))
+    start = time.monotonic()
+    with pytest.raises(JobError) as failure:
+        wait_for_job(job, lambda line: None, poll_s=0.2)
+    assert time.monotonic() - start < 60  # the collective timeout is 5 minutes
+    message = str(failure.value)
+    assert "failed in rank 1" in message
+    assert "ValueError: rank 1 broke on purpose" in message
+    assert "_run_epoch" in message  # the remote traceback, not only the error line
+
+
+def test_a_preempted_job_requeues_and_resumes_from_its_checkpoint(
+    dataset: DatasetRef, tmp_path: Path
+) -> None:
+    spec = _spec(dataset, tmp_path / "run", epochs=60)
+    job = _local(tmp_path).submit(TrainingJob(spec))
+    ranks = _wait_for_first_checkpoint(job, spec.out_dir / "checkpoints")
+    for rank in ranks:  # what Slurm or the local controller does before a timeout
+        rank.send_signal(signal.SIGUSR2)
+    lines: list[str] = []
+    ref = wait_for_job(job, lines.append, poll_s=0.2)
+
+    assert isinstance(ref, CheckpointRef)
+    assert any("resuming from" in line for line in lines)
+    history = json.loads(ref.history_path.read_text())
+    assert [h["epoch"] for h in history] == list(range(1, 61))
+
+
+def _wait_for_first_checkpoint(job: submitit.Job, folder: Path) -> list[psutil.Process]:
+    """The job's rank processes, once rank 0 has written a checkpoint."""
+    deadline = time.monotonic() + 60
+    while latest_checkpoint(folder) is None:
+        assert time.monotonic() < deadline and not job.done(), "no checkpoint was written"
+        time.sleep(0.05)
+    return psutil.Process(job._process.pid).children()  # type: ignore[attr-defined]
+
+
+def _print_and_sleep() -> None:
+    print("started", flush=True)
+    time.sleep(120)
+
+
+def test_interrupting_the_watcher_cancels_the_job(tmp_path: Path) -> None:
+    job = _local(tmp_path).submit(_print_and_sleep)
+    ranks: list[psutil.Process] = []
+
+    def interrupt_at_first_output(line: str) -> None:
+        ranks.extend(psutil.Process(job._process.pid).children())  # type: ignore[attr-defined]
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        wait_for_job(job, interrupt_at_first_output, poll_s=0.1)
+    _gone, alive = psutil.wait_procs(ranks, timeout=10)
+    assert len(ranks) == 2 and not alive
+
+
+def _debug(tmp_path: Path) -> submitit.Executor:
+    return make_executor(ClusterConfig(executor="debug", ranks_per_node=1), tmp_path / "jobs")
+
+
+@pytest.mark.skipif(not cpu_supports_bf16(), reason="this CPU has no native bf16")
+def test_bf16_trains_too(dataset: DatasetRef, tmp_path: Path) -> None:
+    spec = _spec(dataset, tmp_path / "run", precision="bf16")
+    ref = wait_for_job(_debug(tmp_path).submit(TrainingJob(spec)), print)
+    assert isinstance(ref, CheckpointRef) and ref.metrics["val_accuracy"] > 0.5
+    assert torch.load(ref.path, weights_only=True)["meta"]["train"]["precision"] == "bf16"
+
+
+def test_a_failing_debug_job_raises_job_error_with_the_traceback(
+    dataset: DatasetRef, tmp_path: Path
+) -> None:
+    missing = dataset.model_copy(update={"path": tmp_path / "missing"})
+    spec = TrainJobSpec(train=TrainConfig(), dataset=missing, out_dir=tmp_path / "run")
+    with pytest.raises(JobError, match=r"(?s)Traceback.*DataError: no dataset at"):
+        wait_for_job(_debug(tmp_path).submit(TrainingJob(spec)), print)
+
+
+def test_the_local_executor_gets_the_cluster_resources(tmp_path: Path) -> None:
+    cfg = ClusterConfig(ranks_per_node=3, cpus_per_task=2, timeout_min=7)
+    executor = make_executor(cfg, tmp_path)
+    assert isinstance(executor, submitit.LocalExecutor)
+    assert executor.parameters["tasks_per_node"] == 3
+    assert executor.parameters["timeout_min"] == 7
+    assert executor.parameters["gpus_per_node"] == 0
