@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict
 
 from flows.config import PipelineConfig, build_config, flatten
 from tasks.evaluate.task import evaluate_task
-from tasks.preprocess.task import dataset_key, preprocess_task
+from tasks.preprocess.task import preprocess
 from tasks.tracking.pipeline_runs import PipelineRuns
 from tasks.tracking.stage_logs import log_checkpoint, log_dataset
 from tasks.train.job import TrainJobSpec
@@ -59,11 +59,7 @@ def run_pipeline(cfg: PipelineConfig) -> PipelineSummary:
     log.info("MLflow parent run %s in %s", runs.parent_id, runs.tracking_uri)
     with runs.parent(flatten(cfg)) as parent_id:
         with runs.stage("preprocess", flatten(cfg.preprocess)) as run_id, _timed(t, "preprocess"):
-            key = dataset_key(cfg.preprocess)
-            state = preprocess_task(
-                cfg.preprocess, cfg.cluster.dask, cfg.workdir / "datasets", key, return_state=True
-            )
-            dataset, cached = state.result(), state.name == "Cached"
+            dataset, cached = preprocess(cfg.preprocess, cfg.cluster.dask, cfg.workdir / "datasets")
             log_dataset(runs.client, run_id, dataset, cached)
         runs.tag(parent_id, {"dataset_hash": dataset.content_hash})
         with runs.stage("train", flatten(cfg.train)) as run_id, _timed(t, "train"):

@@ -1,12 +1,10 @@
 """Prefect entry of the preprocessing stage: thin, cached on content.
 
-The cache key is the raw data's fingerprint plus the preprocessing config. A cached result
-is only reused while its dataset folder still holds a valid manifest: a deleted or damaged
-dataset gets a fresh key and is rebuilt.
+The cache key is the raw data's fingerprint plus the preprocessing config (and the output
+folder).
 """
 
 import hashlib
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -31,12 +29,17 @@ def dataset_key(cfg: PreprocessConfig) -> str:
 
 
 def _cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> str:
-    key: str = parameters["cache_key"]
+    folder = dataset_dir(Path(parameters["out_root"]), parameters["cache_key"]).resolve()
+    # The folder is part of the key: a cached ref must point into this workdir's datasets.
+    return f"preprocess-{parameters['cache_key']}-{hashlib.sha256(bytes(folder)).hexdigest()[:16]}"
+
+
+def _dataset_ready(out_root: Path, key: str) -> bool:
     try:
-        read_manifest(dataset_dir(Path(parameters["out_root"]), key))
+        read_manifest(dataset_dir(out_root, key))
     except DataError:
-        return f"preprocess-{key}-{uuid.uuid4().hex}"
-    return f"preprocess-{key}"
+        return False
+    return True
 
 
 @task(name="preprocess", cache_key_fn=_cache_key, persist_result=True)
@@ -46,3 +49,15 @@ def preprocess_task(
     """Validate, split, normalise and shard the raw data on a dask cluster."""
     with dask_client(dask) as (client, backend):
         return run_preprocess(cfg, out_root, client, backend, cache_key)
+
+
+def preprocess(cfg: PreprocessConfig, dask: DaskConfig, out_root: Path) -> tuple[DatasetRef, bool]:
+    """Run the cached task; returns the dataset and whether the cache served it.
+
+    A cached result is only reused while its dataset folder still holds a valid manifest:
+    a deleted or damaged dataset refreshes the cache entry and is rebuilt.
+    """
+    key = dataset_key(cfg)
+    task_ = preprocess_task.with_options(refresh_cache=not _dataset_ready(out_root, key))
+    state = task_(cfg, dask, out_root, key, return_state=True)
+    return state.result(), state.name == "Cached"

@@ -30,8 +30,7 @@ class Split:
         return int(self.y.shape[0])
 
     def batch(self, index: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Samples and labels at `index`, on `device` (a no-op copy when already there)."""
-        index = index.to(self.x.device)
+        """Samples and labels at `index` (on the split's device), moved to `device`."""
         x = self.x[index].to(device, non_blocking=True)
         return x, self.y[index].to(device, non_blocking=True)
 
@@ -63,19 +62,21 @@ def epoch_order(n: int, seed: int, epoch: int) -> torch.Tensor:
 
 
 def rank_batches(
-    n: int, batch_size: int, seed: int, epoch: int, rank: int, world_size: int
+    split: Split, batch_size: int, seed: int, epoch: int, rank: int, world_size: int
 ) -> list[torch.Tensor]:
-    """This rank's batches of sample indices for `epoch`.
+    """This rank's batches of sample indices for `epoch`, on the split's device.
 
     Each rank takes a strided slice of the shuffled order, cut to the same length on all
     ranks: every rank then steps the same number of times, so no DDP collective waits for a
     rank that has run out of data.
     """
-    per_rank = n // world_size
-    mine = epoch_order(n, seed, epoch)[rank::world_size][:per_rank]
-    return list(torch.split(mine, batch_size))
+    n = len(split)
+    mine = epoch_order(n, seed, epoch)[rank::world_size][: n // world_size]
+    # Indices move to the data once per epoch: a host-to-device copy per step would sync.
+    return list(torch.split(mine.to(split.x.device), batch_size))
 
 
-def eval_batches(n: int, batch_size: int, rank: int, world_size: int) -> list[torch.Tensor]:
+def eval_batches(split: Split, batch_size: int, rank: int, world_size: int) -> list[torch.Tensor]:
     """This rank's batches for evaluation: every sample exactly once across all ranks."""
-    return list(torch.split(torch.arange(rank, n, world_size), batch_size))
+    index = torch.arange(rank, len(split), world_size, device=split.x.device)
+    return list(torch.split(index, batch_size))

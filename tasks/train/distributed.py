@@ -6,7 +6,9 @@ torchrun those variables are already set; a plain process is a world of one with
 group at all.
 """
 
+import logging
 import os
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -109,12 +111,30 @@ def distributed(device_pref: str, timeout: timedelta = DEFAULT_TIMEOUT) -> Itera
     On an exception this rank leaves the group and the exception propagates, so the process
     exits non-zero; its peers' next collective then fails on the closed connection (gloo) or
     after `timeout` (nccl) instead of waiting forever.
+
+    A requested exit (SystemExit: submitit's requeue on timeout or preemption) leaves the
+    process right after the group, skipping interpreter shutdown: there, objects still
+    holding a gloo group whose peer is alive can abort the process (SIGABRT, seen about
+    once in ten requeues), and a requeue exit code turned into an abort is a failed job.
     """
     ctx = setup_distributed(device_pref, timeout)
     try:
         yield ctx
+    except SystemExit as request:
+        if ctx.world_size > 1:
+            teardown()
+            _exit_now(request.code)
+        raise
     finally:
         teardown()
+
+
+def _exit_now(code: object) -> None:
+    """Flush what the process printed or logged, then end it with `code` at once."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(code if isinstance(code, int) else (0 if code is None else 1))
 
 
 def all_reduce_sum(tensor: torch.Tensor, ctx: DistContext) -> torch.Tensor:

@@ -17,6 +17,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch.nn.parallel import DistributedDataParallel
 
+from tasks.errors import ConfigError
 from tasks.preprocess.ref import DatasetRef
 from tasks.tracking.logger import MetricLogger, make_logger
 from tasks.train.checkpoint import (
@@ -38,6 +39,8 @@ from tasks.train.precision import PrecisionPolicy, resolve_precision
 from tasks.train.ref import CheckpointRef
 
 _NOT_LOGGED = ("epoch", "step")
+# A run may resume with more epochs, on another device or precision; nothing else may change.
+_MAY_CHANGE_ON_RESUME = {"epochs", "log_every_epochs", "device", "precision"}
 
 
 class TrainJobSpec(BaseModel):
@@ -87,9 +90,14 @@ class TrainingJob(submitit.helpers.Checkpointable):
             torch.manual_seed(cfg.seed)
             random.seed(cfg.seed)
             policy = resolve_precision(cfg.precision, dist.device)
-            train, val = (
-                load_split_to(spec.dataset.path, s, dist.device) for s in ("train", "val")
-            )
+            if dist.is_main:
+                print(
+                    f"training {cfg.model} on {dist.world_size} rank(s): device {dist.device}, "
+                    f"backend {dist.backend}, precision {policy.name}",
+                    flush=True,
+                )
+            train = load_split_to(spec.dataset.path, "train", dist.device)
+            val = load_split_to(spec.dataset.path, "val", dist.device)
             trainer = self._trainer(dist, policy, len(train))
             progress = self._resume(trainer)
             logger = make_logger(spec.tracking_uri, spec.run_id, dist.rank)
@@ -117,15 +125,15 @@ class TrainingJob(submitit.helpers.Checkpointable):
         if dist.world_size > 1:
             ids = [dist.device.index] if dist.device.type == "cuda" else None
             model = DistributedDataParallel(model, device_ids=ids)
-        steps_per_epoch = -(-(n_train // dist.world_size) // cfg.batch_size)
+        steps_per_epoch = -(-(n_train // dist.world_size) // cfg.batch_size)  # ceil
         return Trainer(
-            model,
-            optimizer,
-            policy.make_scaler(),
-            policy,
-            dist,
-            cfg.lr,
-            cfg.epochs * steps_per_epoch,
+            model=model,
+            optimizer=optimizer,
+            scaler=policy.make_scaler(),
+            policy=policy,
+            dist=dist,
+            peak_lr=cfg.lr,
+            total_steps=cfg.epochs * steps_per_epoch,
         )
 
     def _resume(self, trainer: Trainer) -> Progress:
@@ -134,6 +142,7 @@ class TrainingJob(submitit.helpers.Checkpointable):
         if path is None:
             return Progress(data_seed=self.spec.train.seed)
         state = load_state(path)
+        self._check_same_run(state.get("run", {}), path)
         unwrap(trainer.model).load_state_dict(state["model"])
         trainer.optimizer.load_state_dict(state["optimizer"])
         trainer.scaler.load_state_dict(state["scaler"])
@@ -144,6 +153,21 @@ class TrainingJob(submitit.helpers.Checkpointable):
             print(f"resuming from {path} after epoch {progress.epoch}", flush=True)
         return progress
 
+    def _run_identity(self) -> dict[str, Any]:
+        """What a checkpoint must share with this job to be resumed by it."""
+        cfg = self.spec.train.model_dump(mode="json", exclude=_MAY_CHANGE_ON_RESUME)
+        return {"dataset_hash": self.spec.dataset.content_hash, **cfg}
+
+    def _check_same_run(self, saved: dict[str, Any], path: Path) -> None:
+        """ConfigError when the checkpoint in out_dir belongs to a different run."""
+        current = self._run_identity()
+        changed = sorted(k for k in current.keys() | saved.keys() if current.get(k) != saved.get(k))
+        if changed:
+            raise ConfigError(
+                f"{path} was written by a run with other settings ({', '.join(changed)}): "
+                f"use a new out_dir, or delete {path.parent} to start this run from scratch"
+            )
+
     def _run_epoch(
         self, trainer: Trainer, train: Split, val: Split, progress: Progress
     ) -> dict[str, float]:
@@ -151,7 +175,7 @@ class TrainingJob(submitit.helpers.Checkpointable):
         cfg, dist = self.spec.train, trainer.dist
         epoch = progress.epoch + 1
         batches = rank_batches(
-            len(train), cfg.batch_size, progress.data_seed, epoch, dist.rank, dist.world_size
+            train, cfg.batch_size, progress.data_seed, epoch, dist.rank, dist.world_size
         )
         started = time.perf_counter()
         metrics, progress.step = train_epoch(trainer, train, batches, progress.step)
@@ -174,7 +198,8 @@ class TrainingJob(submitit.helpers.Checkpointable):
         if metrics["val_accuracy"] > progress.best_metric:
             progress.best_metric, progress.best_epoch = metrics["val_accuracy"], epoch
             save_best(trainer.model, self.spec.out_dir / "best.pt", self._best_meta(progress))
-        state = training_state(trainer.model, trainer.optimizer, trainer.scaler, asdict(progress))
+        extra = {**asdict(progress), "run": self._run_identity()}
+        state = training_state(trainer.model, trainer.optimizer, trainer.scaler, extra)
         save_checkpoint(state, self.checkpoint_dir)
         print(
             f"epoch {epoch}/{cfg.epochs} loss {metrics['train_loss']:.4f} "

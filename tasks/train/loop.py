@@ -117,7 +117,7 @@ def evaluate_split(
     net = unwrap(model)
     net.eval()
     sums = torch.zeros(3, dtype=torch.float64, device=dist.device)
-    for index in eval_batches(len(data), batch_size, dist.rank, dist.world_size):
+    for index in eval_batches(data, batch_size, dist.rank, dist.world_size):
         x, y = data.batch(index, dist.device)
         with policy.autocast():
             logits = net(x)

@@ -20,7 +20,7 @@ _FAST = ["cluster.executor=debug", "cluster.ranks_per_node=1", "train.epochs=1"]
 
 def _write_npz(path: Path, nan: bool = False) -> None:
     rng = np.random.default_rng(0)
-    images = rng.random((120, 8, 8), dtype=np.float32)
+    images = rng.random((120, 12, 12), dtype=np.float32)
     labels = np.arange(120) % 3
     images[labels == 1] += 1.0
     if nan:

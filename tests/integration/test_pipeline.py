@@ -1,5 +1,6 @@
 """The whole pipeline on the tiny preset with 2 DDP ranks, twice: the second run hits the cache."""
 
+import shutil
 from pathlib import Path
 
 import mlflow
@@ -81,3 +82,13 @@ def test_second_run_hits_the_preprocess_cache(first: PipelineSummary, workdir: P
     client = MlflowClient(second.tracking_uri)
     pre = _children(client, second)["preprocess"]
     assert pre.data.tags["cache"] == "hit"  # type: ignore[attr-defined]
+
+
+def test_deleted_dataset_is_rebuilt_not_served_from_cache(
+    first: PipelineSummary, workdir: Path
+) -> None:
+    shutil.rmtree(workdir / "datasets")
+    third = pipeline(preset="tiny", overrides=[f"workdir={workdir}"])
+    assert not third.preprocess_cached
+    assert third.dataset_hash == first.dataset_hash
+    assert (workdir / "datasets").is_dir()

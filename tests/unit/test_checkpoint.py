@@ -9,8 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from mlflow.tracking import MlflowClient
 from torch import nn
 
+from tasks.errors import ConfigError
 from tasks.preprocess.dataset import read_manifest
 from tasks.preprocess.ref import DatasetRef
 from tasks.train.checkpoint import (
@@ -41,10 +43,9 @@ def write_dataset(root: Path, n_train: int = 256, n_val: int = 64, seed: int = 0
         x = (patterns[y] + rng.normal(0.0, 1.0, (n, 12, 12)))[:, None].astype(np.float32)
         np.save(root / f"{split}-00000.x.npy", x)
         np.save(root / f"{split}-00000.y.npy", y)
-        splits[split] = [{"x": f"{split}-00000.x.npy", "y": f"{split}-00000.y.npy", "n": n}]
-        for shard in splits[split]:
-            shard["x_sha256"] = sha256_file(root / str(shard["x"]))
-            shard["y_sha256"] = sha256_file(root / str(shard["y"]))
+        x_name, y_name = f"{split}-00000.x.npy", f"{split}-00000.y.npy"
+        x_sha, y_sha = sha256_file(root / x_name), sha256_file(root / y_name)
+        splits[split] = [{"x": x_name, "y": y_name, "n": n, "x_sha256": x_sha, "y_sha256": y_sha}]
     manifest = {
         "format_version": 1,
         "content_hash": f"synthetic-{seed}",
@@ -130,6 +131,42 @@ def test_a_finished_job_run_again_trains_nothing_and_returns_the_same_best(
     first = TrainingJob(_spec(dataset, tmp_path, epochs=1))()
     again = TrainingJob(_spec(dataset, tmp_path, epochs=1))()
     assert first == again
+
+
+def test_a_resumed_job_logs_every_epoch_to_mlflow_exactly_once(
+    dataset: DatasetRef, tmp_path: Path
+) -> None:
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = MlflowClient(uri)
+    run_id = client.create_run(client.create_experiment("t")).info.run_id
+    train = TrainConfig(epochs=3, batch_size=32, device="cpu", log_every_epochs=2)
+    spec = TrainJobSpec(
+        train=train, dataset=dataset, out_dir=tmp_path / "run", tracking_uri=uri, run_id=run_id
+    )
+    with pytest.raises(RuntimeError, match="simulated preemption"):
+        CrashAfterFirstEpoch(spec)()  # epoch 1 was checkpointed but its metrics never sent
+    assert client.get_metric_history(run_id, "val_accuracy") == []
+    TrainingJob(spec)()
+    steps = [m.step for m in client.get_metric_history(run_id, "val_accuracy")]
+    assert sorted(steps) == [1, 2, 3]
+    assert set(client.get_run(run_id).data.metrics) == {
+        "train_loss",
+        "train_accuracy",
+        "val_loss",
+        "val_accuracy",
+        "samples_per_s",
+        "epoch_time_s",
+        "lr",
+    }
+
+
+def test_a_checkpoint_of_another_run_is_not_resumed(dataset: DatasetRef, tmp_path: Path) -> None:
+    TrainingJob(_spec(dataset, tmp_path, epochs=1))()
+    other = _spec(dataset, tmp_path, epochs=2).model_copy(
+        update={"train": TrainConfig(model="resnet", width=4, epochs=2, device="cpu", seed=3)}
+    )
+    with pytest.raises(ConfigError, match=r"other settings \(batch_size, model, width\)"):
+        TrainingJob(other)()
 
 
 def _one_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor) -> None:

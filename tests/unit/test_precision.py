@@ -65,12 +65,3 @@ def test_unknown_precision_is_refused() -> None:
 def test_the_fp16_policy_scales_losses() -> None:
     policy = PrecisionPolicy("cpu", torch.float16, use_scaler=True, name="fp16")
     assert policy.make_scaler().is_enabled()
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_auto_on_gpu_is_bf16_or_scaled_fp16() -> None:
-    policy = resolve_precision("auto", torch.device("cuda", 0))
-    if torch.cuda.is_bf16_supported():
-        assert (policy.name, policy.use_scaler) == ("bf16", False)
-    else:
-        assert (policy.name, policy.use_scaler) == ("fp16", True)

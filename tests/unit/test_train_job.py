@@ -21,14 +21,15 @@ import torch
 from cluster.config import ClusterConfig
 from cluster.executor import make_executor
 from cluster.jobs import wait_for_job
-from tasks.errors import JobError
+from tasks.errors import ConfigError, JobError
 from tasks.preprocess.dataset import read_manifest
 from tasks.preprocess.ref import DatasetRef
 from tasks.train.checkpoint import latest_checkpoint, sha256_file
 from tasks.train.config import TrainConfig
-from tasks.train.data import Split
+from tasks.train.data import Split, eval_batches, rank_batches
+from tasks.train.distributed import distributed
 from tasks.train.job import Progress, TrainingJob, TrainJobSpec
-from tasks.train.loop import Trainer
+from tasks.train.loop import Trainer, cosine_lr
 from tasks.train.models import ReferenceCNN
 from tasks.train.precision import cpu_supports_bf16
 from tasks.train.ref import CheckpointRef
@@ -49,10 +50,9 @@ def write_dataset(root: Path, n_train: int = 256, n_val: int = 64, seed: int = 0
         x = (patterns[y] + rng.normal(0.0, 1.0, (n, 12, 12)))[:, None].astype(np.float32)
         np.save(root / f"{split}-00000.x.npy", x)
         np.save(root / f"{split}-00000.y.npy", y)
-        shard = {"x": f"{split}-00000.x.npy", "y": f"{split}-00000.y.npy", "n": n}
-        shard["x_sha256"] = sha256_file(root / shard["x"])
-        shard["y_sha256"] = sha256_file(root / shard["y"])
-        splits[split] = [shard]
+        x_name, y_name = f"{split}-00000.x.npy", f"{split}-00000.y.npy"
+        x_sha, y_sha = sha256_file(root / x_name), sha256_file(root / y_name)
+        splits[split] = [{"x": x_name, "y": y_name, "n": n, "x_sha256": x_sha, "y_sha256": y_sha}]
     manifest = {
         "format_version": 1,
         "content_hash": f"synthetic-{seed}",
@@ -81,7 +81,7 @@ def _restore_torch_threads() -> Iterator[None]:
 
 
 def _spec(dataset: DatasetRef, out_dir: Path, epochs: int = 4, **train: object) -> TrainJobSpec:
-    cfg = TrainConfig(epochs=epochs, batch_size=32, device="cpu", **train)  # type: ignore[arg-type]
+    cfg = TrainConfig(epochs=epochs, batch_size=32, device="cpu", **train)
     return TrainJobSpec(train=cfg, dataset=dataset, out_dir=out_dir)
 
 
@@ -208,3 +208,48 @@ def test_the_local_executor_gets_the_cluster_resources(tmp_path: Path) -> None:
     assert executor.parameters["tasks_per_node"] == 3
     assert executor.parameters["timeout_min"] == 7
     assert executor.parameters["gpus_per_node"] == 0
+
+
+def _split(n: int) -> Split:
+    return Split(torch.zeros(n, 1, 2, 2), torch.zeros(n, dtype=torch.int64))
+
+
+def test_ranks_take_equal_disjoint_shares_of_one_shuffled_order() -> None:
+    split = _split(103)
+    shares = [torch.cat(rank_batches(split, 8, 0, 1, rank, 3)) for rank in range(3)]
+    per_rank = [len(rank_batches(split, 8, 0, 1, rank, 3)) for rank in range(3)]
+    assert [len(s) for s in shares] == [34, 34, 34] and len(set(per_rank)) == 1
+    assert len(set(torch.cat(shares).tolist())) == 102  # disjoint; one sample left over
+
+
+def test_the_data_order_depends_only_on_seed_and_epoch() -> None:
+    split = _split(64)
+    epoch1 = torch.cat(rank_batches(split, 16, 7, 1, 0, 1))
+    assert torch.equal(epoch1, torch.cat(rank_batches(split, 16, 7, 1, 0, 1)))
+    assert not torch.equal(epoch1, torch.cat(rank_batches(split, 16, 7, 2, 0, 1)))
+    assert not torch.equal(epoch1, torch.cat(rank_batches(split, 16, 8, 1, 0, 1)))
+
+
+def test_evaluation_sees_every_sample_once_across_ranks() -> None:
+    split = _split(50)
+    seen = torch.cat([torch.cat(eval_batches(split, 7, rank, 3)) for rank in range(3)])
+    assert sorted(seen.tolist()) == list(range(50))
+
+
+def test_the_learning_rate_decays_from_peak_to_zero() -> None:
+    assert cosine_lr(0, 100, 0.1) == pytest.approx(0.1)
+    assert cosine_lr(50, 100, 0.1) == pytest.approx(0.05)
+    assert cosine_lr(100, 100, 0.1) == pytest.approx(0.0)
+
+
+def test_a_plain_process_is_a_world_of_one_without_a_process_group() -> None:
+    with distributed("auto") as ctx:
+        assert (ctx.rank, ctx.world_size, ctx.backend) == (0, 1, None)
+        assert not torch.distributed.is_initialized()
+        assert ctx.device.type == ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
+def test_asking_for_cuda_without_a_gpu_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match=r"train\.device=auto or cpu"), distributed("cuda"):
+        pass
