@@ -14,9 +14,10 @@ from tasks.errors import DataError
 from tasks.evaluate import metrics, plots
 from tasks.evaluate.config import EvaluateConfig
 from tasks.evaluate.model_logging import log_model
+from tasks.hashing import sha256_file
 from tasks.preprocess.dataset import load_split
 from tasks.preprocess.ref import DatasetRef
-from tasks.train.checkpoint import load_state, sha256_file
+from tasks.train.checkpoint import load_state
 from tasks.train.config import TrainConfig
 from tasks.train.models import build_model
 from tasks.train.ref import CheckpointRef

@@ -4,7 +4,6 @@ Only a folder whose manifest.json parses and names existing shards is trusted: w
 datasets in a temporary folder and rename it into place, so a half-written one has no manifest.
 """
 
-import hashlib
 import json
 from pathlib import Path
 from typing import Any, Literal
@@ -12,6 +11,7 @@ from typing import Any, Literal
 import numpy as np
 
 from tasks.errors import DataError
+from tasks.hashing import sha256_file
 from tasks.preprocess.ref import DatasetRef
 
 MANIFEST = "manifest.json"
@@ -97,17 +97,8 @@ def _load_npy(file: Path) -> np.ndarray:
         raise DataError(f"cannot read shard {str(file)!r}: {exc}: preprocess again") from exc
 
 
-def file_sha256(file: Path) -> str:
-    """sha256 hex of a file's bytes, read in 1 MiB blocks."""
-    digest = hashlib.sha256()
-    with file.open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def _verify(file: Path, expected: str) -> None:
-    actual = file_sha256(file)
+    actual = sha256_file(file)
     if actual != expected:
         raise DataError(
             f"shard {str(file)!r} is corrupt: sha256 {actual[:12]}... but the manifest says "

@@ -4,7 +4,6 @@ Everything stored loads under ``torch.load(weights_only=True)`` (tensors, number
 lists, dicts, tuples, None), so loading a checkpoint never runs pickled code.
 """
 
-import hashlib
 import os
 import random
 import re
@@ -113,12 +112,3 @@ def load_state(path: Path) -> dict[str, Any]:
 def save_best(model: nn.Module, path: Path, meta: dict[str, Any]) -> None:
     """Write the model's weights plus `meta` (plain values) as the best model, atomically."""
     atomic_save({"model": unwrap(model).state_dict(), "meta": meta}, path)
-
-
-def sha256_file(path: Path) -> str:
-    """Hex sha256 of a file's bytes, read in 1 MiB blocks."""
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()

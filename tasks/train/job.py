@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch.nn.parallel import DistributedDataParallel
 
 from tasks.errors import ConfigError
+from tasks.hashing import sha256_file
 from tasks.preprocess.ref import DatasetRef
 from tasks.tracking.logger import MetricLogger, make_logger
 from tasks.train.checkpoint import (
@@ -26,7 +27,6 @@ from tasks.train.checkpoint import (
     restore_rng,
     save_best,
     save_checkpoint,
-    sha256_file,
     training_state,
     unwrap,
 )

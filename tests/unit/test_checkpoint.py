@@ -6,14 +6,13 @@ import random
 from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
 from torch import nn
 
 from tasks.errors import ConfigError
-from tasks.preprocess.dataset import read_manifest
+from tasks.hashing import sha256_file
 from tasks.preprocess.ref import DatasetRef
 from tasks.train.checkpoint import (
     atomic_save,
@@ -22,43 +21,13 @@ from tasks.train.checkpoint import (
     restore_rng,
     save_best,
     save_checkpoint,
-    sha256_file,
     training_state,
 )
 from tasks.train.config import TrainConfig
 from tasks.train.data import Split
 from tasks.train.job import Progress, TrainingJob, TrainJobSpec
 from tasks.train.loop import Trainer
-
-
-def write_dataset(root: Path, n_train: int = 256, n_val: int = 64, seed: int = 0) -> DatasetRef:
-    """A tiny learnable dataset in the preprocessing format: 4 stripe patterns in noise."""
-    rng = np.random.default_rng(seed)
-    i, j = np.mgrid[0:12, 0:12]
-    patterns = np.stack([i % 2, j % 2, (i + j) % 2, (i // 2) % 2]).astype(np.float32) * 2 - 1
-    root.mkdir(parents=True)
-    splits = {}
-    for split, n in (("train", n_train), ("val", n_val), ("test", n_val)):
-        y = rng.integers(0, 4, n).astype(np.int64)
-        x = (patterns[y] + rng.normal(0.0, 1.0, (n, 12, 12)))[:, None].astype(np.float32)
-        np.save(root / f"{split}-00000.x.npy", x)
-        np.save(root / f"{split}-00000.y.npy", y)
-        x_name, y_name = f"{split}-00000.x.npy", f"{split}-00000.y.npy"
-        x_sha, y_sha = sha256_file(root / x_name), sha256_file(root / y_name)
-        splits[split] = [{"x": x_name, "y": y_name, "n": n, "x_sha256": x_sha, "y_sha256": y_sha}]
-    manifest = {
-        "format_version": 1,
-        "content_hash": f"synthetic-{seed}",
-        "cache_key": f"synthetic-{seed}",
-        "counts": {name: shards[0]["n"] for name, shards in splits.items()},
-        "shape": [1, 12, 12],
-        "classes": ["rows", "columns", "checks", "wide rows"],
-        "mean": [0.0],
-        "std": [1.0],
-        "splits": splits,
-    }
-    (root / "manifest.json").write_text(json.dumps(manifest))
-    return read_manifest(root)
+from tests.unit.datasets import write_dataset
 
 
 @pytest.fixture(autouse=True)
