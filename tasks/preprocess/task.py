@@ -8,7 +8,7 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
-from prefect import task
+from prefect import get_run_logger, task
 from prefect.context import TaskRunContext
 
 from cluster.config import DaskConfig
@@ -47,8 +47,24 @@ def preprocess_task(
     cfg: PreprocessConfig, dask: DaskConfig, out_root: Path, cache_key: str
 ) -> DatasetRef:
     """Validate, split, normalise and shard the raw data on a dask cluster."""
+    log = get_run_logger()
     with dask_client(dask) as (client, backend):
-        return run_preprocess(cfg, out_root, client, backend, cache_key)
+        log.info(
+            "preprocessing source=%s on dask (%s backend, %s)",
+            cfg.source,
+            backend,
+            client.dashboard_link,
+        )
+        ref = run_preprocess(cfg, out_root, client, backend, cache_key)
+    log.info(
+        "dataset %s: %s samples of shape %s, %d classes, hash %s",
+        ref.path,
+        ref.counts,
+        list(ref.shape),
+        len(ref.classes),
+        ref.content_hash[:16],
+    )
+    return ref
 
 
 def preprocess(cfg: PreprocessConfig, dask: DaskConfig, out_root: Path) -> tuple[DatasetRef, bool]:

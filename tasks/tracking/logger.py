@@ -7,9 +7,6 @@ MlflowLogger buffers and sends one ``log_batch`` per ``flush``.
 import time
 from typing import Protocol
 
-from mlflow.entities import Metric
-from mlflow.tracking import MlflowClient
-
 # log_batch accepts at most 1000 metrics per call.
 _MAX_BATCH = 1000
 
@@ -38,6 +35,11 @@ class MlflowLogger:
     """Buffers metrics and sends them to one MLflow run in batches."""
 
     def __init__(self, tracking_uri: str, run_id: str) -> None:
+        # Imported here: mlflow costs ~1 s of start-up in every rank, and only rank 0 logs.
+        from mlflow.entities import Metric
+        from mlflow.tracking import MlflowClient
+
+        self._metric = Metric
         self._client = MlflowClient(tracking_uri)
         self._run_id = run_id
         self._buffer: list[Metric] = []
@@ -45,7 +47,7 @@ class MlflowLogger:
     def log(self, metrics: dict[str, float], step: int) -> None:
         """Buffer metrics; nothing is sent until flush()."""
         ts = int(time.time() * 1000)
-        self._buffer += [Metric(k, float(v), ts, step) for k, v in metrics.items()]
+        self._buffer += [self._metric(k, float(v), ts, step) for k, v in metrics.items()]
 
     def flush(self) -> None:
         """Send the buffer in as few log_batch calls as the API allows."""
