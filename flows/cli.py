@@ -95,6 +95,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         if args.command == "ui":
             cfg = build_config(args.preset, args.overrides)
+            # Without this the server forks a job runner and 7 workers (~1.5 GB) for one user.
+            os.environ.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")
             return subprocess.call(_ui_command(cfg, args.port))
         return _run(args)
     except TrainflowError as err:
