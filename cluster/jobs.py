@@ -46,12 +46,13 @@ class LogTail:
         return [self.prefix + line for line in lines]
 
 
-def log_tails(job: submitit.Job[Any]) -> list[LogTail]:
+def log_tails(job: submitit.Job[Any], label: str = "") -> list[LogTail]:
     """A tail on the stdout and stderr of every task of `job`, prefixed with its rank."""
     tails = []
     for k in range(job.num_tasks):
         paths = job.task(k).paths
-        tails += [LogTail(paths.stdout, f"[rank{k}] "), LogTail(paths.stderr, f"[rank{k}] ")]
+        prefix = f"[{label}rank{k}] "
+        tails += [LogTail(paths.stdout, prefix), LogTail(paths.stderr, prefix)]
     return tails
 
 
@@ -134,3 +135,44 @@ def wait_for_job(job: submitit.Job[Any], log: Callable[[str], None], poll_s: flo
         return job.results()[0]
     except (FailedJobError, UncompletedJobError) as exc:
         raise JobError(f"job {job.job_id} did not complete:\n{exc}") from exc
+
+
+def wait_for_jobs(
+    jobs: list[submitit.Job[Any]], log: Callable[[str], None], poll_s: float = 1.0
+) -> list[Any]:
+    """Wait for several jobs (e.g. a job array) at once, forwarding all their logs.
+
+    Returns, per job, the result of its task 0 or the JobError that job failed with: one
+    failed element does not discard the others. Interrupted waiting cancels every job.
+    """
+    debug = [job for job in jobs if isinstance(job, DebugJob)]
+    if debug:
+        return [_debug_outcome(job) for job in debug]
+    tails = [t for i, job in enumerate(jobs) for t in log_tails(job, f"{i} ")]
+    try:
+        while not all(job.done() for job in jobs):
+            _forward(tails, log)
+            time.sleep(poll_s)
+        _forward(tails, log, final=True)
+    except BaseException:
+        for job in jobs:
+            _cancel_quietly(job)
+        raise
+    return [_outcome(job) for job in jobs]
+
+
+def _outcome(job: submitit.Job[Any]) -> Any:
+    failures = task_failures(job)
+    if failures:
+        return JobError(_failure_message(job, failures))
+    try:
+        return job.results()[0]
+    except (FailedJobError, UncompletedJobError) as exc:
+        return JobError(f"job {job.job_id} did not complete:\n{exc}")
+
+
+def _debug_outcome(job: DebugJob[Any]) -> Any:
+    try:
+        return _run_debug(job)
+    except JobError as err:
+        return err

@@ -29,7 +29,22 @@ def _parser() -> argparse.ArgumentParser:
             metavar="KEY=VALUE",
             help="dotted override, e.g. --set train.epochs=3 (repeatable)",
         )
+    sw = sub.add_parser("sweep", help="train a grid of configs as one job array, evaluate the best")
+    sw.add_argument("--preset", default="demo", help=f"one of: {', '.join(PRESETS)}")
+    sw.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    sw.add_argument(
+        "--grid",
+        action="append",
+        default=[],
+        metavar="KEY=[V1,V2,...]",
+        help="a train.* key and its values as a JSON list (repeatable: the grid is the product)",
+    )
     sub.add_parser("presets", help="list the named presets")
+    clu = sub.add_parser("cluster", help="a single-node Slurm on this machine (dev and CI)")
+    clu.add_argument("action", choices=["up", "down", "status"])
+    clean = sub.add_parser("cleanup", help="cancel jobs whose watching flow process died")
+    clean.add_argument("--preset", default="demo")
+    clean.add_argument("--set", dest="overrides", action="append", default=[])
     ui = sub.add_parser("ui", help="start the MLflow UI on the pipeline's store")
     ui.add_argument("--preset", default="demo")
     ui.add_argument("--set", dest="overrides", action="append", default=[])
@@ -60,17 +75,52 @@ def _print_summary(summary: object, cfg: PipelineConfig) -> None:
     )
 
 
+def _cleanup(cfg: PipelineConfig) -> int:
+    from cluster.registry import cancel_orphans
+
+    orphans = cancel_orphans(cfg.workdir)
+    for job in orphans:
+        print(f"cancelled {job.executor} job {job.job_id} (its flow process {job.owner_pid} died)")
+    if not orphans:
+        print(f"no orphaned jobs under {cfg.workdir}")
+    return 0
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    from flows.config import build_sweep, parse_override
+
+    grid = {".".join(path): value for path, value in map(parse_override, args.grid)}
+    base, _ = build_sweep(args.preset, args.overrides, grid)  # fail fast, before Prefect
+    _prepare_flow_process()
+    from flows.sweep import sweep
+
+    try:
+        summary = sweep(preset=args.preset, overrides=args.overrides, grid=grid)
+    except KeyboardInterrupt:
+        print("trainflow: interrupted; the training jobs were cancelled", file=sys.stderr)
+        return 130
+    for i, acc in enumerate(summary.val_accuracy):
+        print(f"element {i}: val_accuracy {acc}")
+    print(f"best: {summary.best_overrides}")
+    _print_summary(summary, base)
+    return 0
+
+
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def _run(args: argparse.Namespace) -> int:
-    cfg = build_config(args.preset, args.overrides)  # fail fast, before Prefect starts
+def _prepare_flow_process() -> None:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     # SIGTERM (kill, a batch system ending us) must cancel the training job like Ctrl-C does;
     # SIGINT is restored too, as a shell starts background jobs with it ignored.
     signal.signal(signal.SIGTERM, _interrupt)
     signal.signal(signal.SIGINT, _interrupt)
+
+
+def _run(args: argparse.Namespace) -> int:
+    cfg = build_config(args.preset, args.overrides)  # fail fast, before Prefect starts
+    _prepare_flow_process()
     from flows.pipeline import pipeline
 
     try:
@@ -93,6 +143,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "config":
             print(build_config(args.preset, args.overrides).model_dump_json(indent=2))
             return 0
+        if args.command == "sweep":
+            return _sweep(args)
+        if args.command == "cluster":
+            from cluster.dev.slurm import run as slurm
+
+            return slurm(args.action)
+        if args.command == "cleanup":
+            return _cleanup(build_config(args.preset, args.overrides))
         if args.command == "ui":
             cfg = build_config(args.preset, args.overrides)
             # Without this the server forks a job runner and 7 workers (~1.5 GB) for one user.

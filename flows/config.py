@@ -5,6 +5,7 @@ Presets are small Python definitions derived from the base (no YAML trees). Over
 Everything is validated here, before any work starts.
 """
 
+import itertools
 import json
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
@@ -153,3 +154,50 @@ def _flatten_into(out: dict[str, str], key: str, value: Any) -> None:
             _flatten_into(out, f"{key}.{k}", v)
     else:
         out[key] = json.dumps(value) if isinstance(value, list | tuple) else str(value)
+
+
+MAX_SWEEP = 256
+"""Most elements a sweep may have (one job array)."""
+
+
+def expand_grid(grid: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The cartesian product of a grid ``{"train.lr": [1e-3, 3e-3], ...}`` as override dicts.
+
+    Only ``train.*`` keys may vary: a sweep shares one dataset and one job array with the
+    same resources.
+    """
+    if not grid:
+        raise ConfigError("a sweep needs a grid, e.g. --grid train.lr=[0.001,0.003]")
+    for key, values in grid.items():
+        if not key.startswith("train."):
+            raise ConfigError(
+                f"sweep key {key!r}: only train.* keys can vary in a sweep (one dataset, one "
+                "job array); set other keys with --set"
+            )
+        if not isinstance(values, list) or not values:
+            raise ConfigError(f"sweep key {key!r} needs a non-empty list of values, got {values!r}")
+    elements = [dict(zip(grid, combo, strict=True)) for combo in itertools.product(*grid.values())]
+    if len(elements) > MAX_SWEEP:
+        raise ConfigError(f"the grid has {len(elements)} elements; at most {MAX_SWEEP} are allowed")
+    return elements
+
+
+def build_sweep(
+    preset: str,
+    overrides: Iterable[str] | Mapping[str, Any],
+    grid: Mapping[str, Any],
+) -> tuple[PipelineConfig, list[tuple[dict[str, Any], PipelineConfig]]]:
+    """The base config and one validated config per grid element (all checked up front)."""
+    base_items = dict(overrides) if isinstance(overrides, Mapping) else _as_mapping(overrides)
+    base = build_config(preset, base_items)
+    elements = []
+    for i, element in enumerate(expand_grid(grid)):
+        try:
+            elements.append((element, build_config(preset, {**base_items, **element})))
+        except ConfigError as err:
+            raise ConfigError(f"sweep element {i} {element}: {err}") from None
+    return base, elements
+
+
+def _as_mapping(overrides: Iterable[str]) -> dict[str, Any]:
+    return {".".join(path): value for path, value in map(parse_override, overrides)}

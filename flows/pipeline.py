@@ -6,17 +6,23 @@ Composes stages only; all work happens in tasks/ and cluster/.
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 from prefect import flow, get_run_logger
 from pydantic import BaseModel, ConfigDict
 
+from cluster.registry import cancel_orphans
 from flows.config import PipelineConfig, build_config, flatten
+from tasks.evaluate.run import EvalResult
 from tasks.evaluate.task import evaluate_task
+from tasks.preprocess.ref import DatasetRef
 from tasks.preprocess.task import preprocess
 from tasks.tracking.pipeline_runs import PipelineRuns
 from tasks.tracking.stage_logs import log_checkpoint, log_dataset
+from tasks.train.config import TrainConfig
 from tasks.train.job import TrainJobSpec
+from tasks.train.ref import CheckpointRef
 from tasks.train.task import train_task
 
 
@@ -36,7 +42,7 @@ class PipelineSummary(BaseModel):
 
 
 @contextmanager
-def _timed(timings: dict[str, float], name: str) -> Iterator[None]:
+def timed(timings: dict[str, float], name: str) -> Iterator[None]:
     start = time.perf_counter()
     yield
     timings[name] = round(time.perf_counter() - start, 2)
@@ -52,36 +58,73 @@ def pipeline(
 
 def run_pipeline(cfg: PipelineConfig) -> PipelineSummary:
     """The pipeline body for an already validated config (must run inside a flow)."""
-    log = get_run_logger()
     runs = PipelineRuns(cfg.tracking, cfg.workdir, cfg.name)
     run_dir = (cfg.workdir / "runs" / runs.parent_id).resolve()
     t: dict[str, float] = {}
-    log.info("MLflow parent run %s in %s", runs.parent_id, runs.tracking_uri)
-    with runs.parent(flatten(cfg)) as parent_id:
-        with runs.stage("preprocess", flatten(cfg.preprocess)) as run_id, _timed(t, "preprocess"):
-            dataset, cached = preprocess(cfg.preprocess, cfg.cluster.dask, cfg.workdir / "datasets")
-            log_dataset(runs.client, run_id, dataset, cached)
-        runs.tag(parent_id, {"dataset_hash": dataset.content_hash})
-        with runs.stage("train", flatten(cfg.train)) as run_id, _timed(t, "train"):
-            spec = TrainJobSpec(
-                train=cfg.train,
-                dataset=dataset,
-                out_dir=run_dir,
-                cpus_per_task=cfg.cluster.cpus_per_task,
-                tracking_uri=runs.tracking_uri,
-                run_id=run_id,
-            )
-            ckpt = train_task(spec, cfg.cluster, run_dir / "jobs")
+    with runs.parent(flatten(cfg)):
+        dataset, cached = preprocess_stage(runs, cfg, t)
+        with runs.stage("train", flatten(cfg.train)) as run_id, timed(t, "train"):
+            spec = train_spec(cfg, dataset, run_dir, runs.tracking_uri, run_id)
+            ckpt = train_task(spec, cfg.cluster, run_dir / "jobs", cfg.workdir)
             log_checkpoint(runs.client, run_id, ckpt)
-        with runs.stage("evaluate", flatten(cfg.evaluate)) as run_id, _timed(t, "evaluate"):
-            result = evaluate_task(
-                cfg.evaluate, cfg.train, dataset, ckpt, runs.tracking_uri, run_id
-            )
-        runs.log_summary(
-            parent_id,
-            {"test_accuracy": result.test_accuracy, **{f"seconds_{k}": v for k, v in t.items()}},
-        )
-    log.info("test accuracy %.4f (stage seconds: %s)", result.test_accuracy, t)
+        result = evaluate_stage(runs, cfg, cfg.train, dataset, ckpt, t)
+    return summarize(runs, dataset, cached, result, t)
+
+
+def train_spec(
+    cfg: PipelineConfig, dataset: DatasetRef, out_dir: Path, tracking_uri: str, run_id: str
+) -> TrainJobSpec:
+    """The training job's inputs for one config."""
+    return TrainJobSpec(
+        train=cfg.train,
+        dataset=dataset,
+        out_dir=out_dir,
+        cpus_per_task=cfg.cluster.cpus_per_task,
+        tracking_uri=tracking_uri,
+        run_id=run_id,
+    )
+
+
+def preprocess_stage(
+    runs: PipelineRuns, cfg: PipelineConfig, t: dict[str, float]
+) -> tuple[DatasetRef, bool]:
+    """The preprocess child run: dataset (cached on content) and whether the cache served it."""
+    get_run_logger().info("MLflow parent run %s in %s", runs.parent_id, runs.tracking_uri)
+    orphans = cancel_orphans(cfg.workdir)
+    if orphans:
+        get_run_logger().warning("cancelled orphaned jobs of dead flow runs: %s", orphans)
+    with runs.stage("preprocess", flatten(cfg.preprocess)) as run_id, timed(t, "preprocess"):
+        dataset, cached = preprocess(cfg.preprocess, cfg.cluster.dask, cfg.workdir / "datasets")
+        log_dataset(runs.client, run_id, dataset, cached)
+    runs.tag(runs.parent_id, {"dataset_hash": dataset.content_hash})
+    return dataset, cached
+
+
+def evaluate_stage(
+    runs: PipelineRuns,
+    cfg: PipelineConfig,
+    train: TrainConfig,
+    dataset: DatasetRef,
+    ckpt: CheckpointRef,
+    t: dict[str, float],
+) -> EvalResult:
+    """The evaluate child run, then the headline numbers on the parent run."""
+    with runs.stage("evaluate", flatten(cfg.evaluate)) as run_id, timed(t, "evaluate"):
+        result = evaluate_task(cfg.evaluate, train, dataset, ckpt, runs.tracking_uri, run_id)
+    seconds = {f"seconds_{k}": v for k, v in t.items()}
+    runs.log_summary(runs.parent_id, {"test_accuracy": result.test_accuracy, **seconds})
+    get_run_logger().info("test accuracy %.4f (stage seconds: %s)", result.test_accuracy, t)
+    return result
+
+
+def summarize(
+    runs: PipelineRuns,
+    dataset: DatasetRef,
+    cached: bool,
+    result: EvalResult,
+    t: dict[str, float],
+) -> PipelineSummary:
+    """The small result the flow returns."""
     return PipelineSummary(
         test_accuracy=result.test_accuracy,
         experiment=runs.experiment,

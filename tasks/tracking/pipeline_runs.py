@@ -14,7 +14,8 @@ from tasks.tracking import runs
 from tasks.tracking.config import TrackingConfig
 
 
-def _status_for(exc: BaseException) -> str:
+def status_for(exc: BaseException) -> str:
+    """KILLED for cancellation (interrupts, signals), FAILED for errors."""
     # Cancellation reaches us as KeyboardInterrupt/SystemExit (Ctrl-C) or as a
     # BaseException subclass Prefect raises to abort the flow; errors are Exceptions.
     return "FAILED" if isinstance(exc, Exception) else "KILLED"
@@ -43,6 +44,12 @@ class PipelineRuns:
     @contextmanager
     def stage(self, name: str, params: dict[str, str]) -> Iterator[str]:
         """A child run for one stage, closed with the stage's outcome."""
+        run_id = self.open_stage(name, params)
+        with self._closing(run_id):
+            yield run_id
+
+    def open_stage(self, name: str, params: dict[str, str]) -> str:
+        """Create a RUNNING child run; the caller closes it with close()."""
         run_id = runs.create_run(
             self.client,
             self.experiment_id,
@@ -51,8 +58,11 @@ class PipelineRuns:
             tags={"git_commit": self.commit, "stage": name},
         )
         runs.log_params(self.client, run_id, params)
-        with self._closing(run_id):
-            yield run_id
+        return run_id
+
+    def close(self, run_id: str, outcome: BaseException | None = None) -> None:
+        """End a run: FINISHED without an outcome, else FAILED or KILLED by its kind."""
+        runs.finish_run(self.client, run_id, "FINISHED" if outcome is None else status_for(outcome))
 
     def tag(self, run_id: str, tags: dict[str, str]) -> None:
         """Set tags on one run of the tree."""
@@ -63,7 +73,7 @@ class PipelineRuns:
         try:
             yield
         except BaseException as exc:
-            runs.finish_run(self.client, run_id, _status_for(exc))
+            runs.finish_run(self.client, run_id, status_for(exc))
             raise
         runs.finish_run(self.client, run_id, "FINISHED")
 

@@ -2,7 +2,15 @@
 
 import pytest
 
-from flows.config import PRESETS, PipelineConfig, build_config, flatten, parse_override
+from flows.config import (
+    PRESETS,
+    PipelineConfig,
+    build_config,
+    build_sweep,
+    expand_grid,
+    flatten,
+    parse_override,
+)
 from tasks.errors import ConfigError
 
 
@@ -106,3 +114,27 @@ def test_flatten_gives_dotted_string_params() -> None:
     assert flat["preprocess.synthetic_shape"] == "[1, 16, 16]"
     assert flat["cluster.dask.n_workers"] == "2"
     assert all(isinstance(v, str) for v in flat.values())
+
+
+def test_grid_expands_to_the_product() -> None:
+    elements = expand_grid({"train.lr": [0.1, 0.2], "train.batch_size": [8, 16, 32]})
+    assert len(elements) == 6
+    assert elements[0] == {"train.lr": 0.1, "train.batch_size": 8}
+
+
+def test_grid_rejects_non_train_keys_and_empty_values() -> None:
+    with pytest.raises(ConfigError, match="only train"):
+        expand_grid({"preprocess.seed": [1, 2]})
+    with pytest.raises(ConfigError, match="non-empty list"):
+        expand_grid({"train.lr": []})
+    with pytest.raises(ConfigError, match="needs a grid"):
+        expand_grid({})
+
+
+def test_every_sweep_element_is_validated_up_front() -> None:
+    with pytest.raises(ConfigError, match=r"sweep element 1 .*train\.lr"):
+        build_sweep("tiny", [], {"train.lr": [0.1, -1.0]})
+    base, elements = build_sweep("tiny", ["train.epochs=3"], {"train.lr": [0.1, 0.2]})
+    assert base.train.epochs == 3
+    assert [cfg.train.lr for _, cfg in elements] == [0.1, 0.2]
+    assert all(cfg.train.epochs == 3 for _, cfg in elements)

@@ -1,0 +1,105 @@
+"""The sweep flow: one dataset, a grid of training configs as one job array, the best one
+evaluated. MLflow: a parent run, a preprocess run, one train run per element, an evaluate run.
+"""
+
+import json
+from typing import Any
+
+from prefect import flow, get_run_logger
+
+from flows.config import PipelineConfig, build_sweep, flatten
+from flows.pipeline import (
+    PipelineSummary,
+    evaluate_stage,
+    preprocess_stage,
+    summarize,
+    timed,
+    train_spec,
+)
+from tasks.errors import JobError
+from tasks.preprocess.ref import DatasetRef
+from tasks.tracking.pipeline_runs import PipelineRuns
+from tasks.tracking.stage_logs import log_checkpoint
+from tasks.train.ref import CheckpointRef
+from tasks.train.sweep import best_element
+from tasks.train.task import train_array_task
+
+
+class SweepSummary(PipelineSummary):
+    """A pipeline summary plus the grid's outcome."""
+
+    best_overrides: dict[str, Any]
+    """The grid element that won (highest validation accuracy) and was evaluated."""
+    val_accuracy: list[float | None]
+    """Best validation accuracy per grid element (None: the element failed)."""
+
+
+@flow(name="trainflow-sweep")
+def sweep(
+    preset: str = "demo",
+    overrides: dict[str, Any] | list[str] | None = None,
+    grid: dict[str, list[Any]] | None = None,
+) -> SweepSummary:
+    """Train every element of ``grid`` (e.g. {"train.lr": [1e-3, 3e-3]}), evaluate the best."""
+    base, elements = build_sweep(preset, overrides or [], grid or {})
+    return run_sweep(base, elements)
+
+
+def run_sweep(
+    base: PipelineConfig, elements: list[tuple[dict[str, Any], PipelineConfig]]
+) -> SweepSummary:
+    """The sweep body for validated configs (must run inside a flow)."""
+    runs = PipelineRuns(base.tracking, base.workdir, f"{base.name}-sweep")
+    grid_text = json.dumps([e for e, _ in elements])
+    t: dict[str, float] = {}
+    with runs.parent({**flatten(base), "sweep.grid": grid_text[:6000]}):
+        dataset, cached = preprocess_stage(runs, base, t)
+        with timed(t, "train"):
+            outcomes = _train_elements(runs, base, elements, dataset)
+        best = best_element(outcomes)
+        best_ckpt = outcomes[best]
+        assert isinstance(best_ckpt, CheckpointRef)
+        runs.tag(runs.parent_id, {"best_element": json.dumps(elements[best][0])})
+        get_run_logger().info("best element %d: %s", best, elements[best][0])
+        result = evaluate_stage(runs, base, elements[best][1].train, dataset, best_ckpt, t)
+    accuracies = [
+        o.metrics.get("val_accuracy") if isinstance(o, CheckpointRef) else None for o in outcomes
+    ]
+    summary = summarize(runs, dataset, cached, result, t)
+    return SweepSummary(
+        **summary.model_dump(), best_overrides=elements[best][0], val_accuracy=accuracies
+    )
+
+
+def _train_elements(
+    runs: PipelineRuns,
+    base: PipelineConfig,
+    elements: list[tuple[dict[str, Any], PipelineConfig]],
+    dataset: DatasetRef,
+) -> list[CheckpointRef | str]:
+    """One train child run per element, all trained as one job array; runs closed per outcome."""
+    run_dir = (base.workdir / "runs" / runs.parent_id).resolve()
+    run_ids = [
+        runs.open_stage(f"train[{i}]", {**flatten(cfg.train), "sweep.element": json.dumps(e)})
+        for i, (e, cfg) in enumerate(elements)
+    ]
+    specs = [
+        train_spec(cfg, dataset, run_dir / f"element-{i}", runs.tracking_uri, run_id)
+        for i, ((_, cfg), run_id) in enumerate(zip(elements, run_ids, strict=True))
+    ]
+    try:
+        outcomes = train_array_task(specs, base.cluster, run_dir / "jobs", base.workdir)
+    except BaseException as exc:
+        for run_id in run_ids:
+            runs.close(run_id, exc)
+        raise
+    for run_id, outcome in zip(run_ids, outcomes, strict=True):
+        if isinstance(outcome, CheckpointRef):
+            log_checkpoint(runs.client, run_id, outcome)
+            runs.close(run_id)
+        else:
+            runs.tag(run_id, {"error": outcome[:5000]})
+            runs.close(run_id, JobError(outcome))
+    if not any(isinstance(o, CheckpointRef) for o in outcomes):
+        raise JobError("every sweep element failed:\n" + "\n".join(map(str, outcomes)))
+    return outcomes

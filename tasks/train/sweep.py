@@ -1,0 +1,32 @@
+"""A sweep's training: one job array, each element a full TrainingJob with its own spec."""
+
+from typing import Any
+
+import submitit
+
+from tasks.train.job import TrainingJob, TrainJobSpec
+from tasks.train.ref import CheckpointRef
+
+
+class ArrayTrainingJob(submitit.helpers.Checkpointable):
+    """The job array's callable: element i trains spec i.
+
+    Checkpointable's default checkpoint() resubmits the same call, and TrainingJob resumes
+    from the element's own out_dir, so a requeued element continues where it stopped.
+    """
+
+    def __call__(self, spec: TrainJobSpec) -> CheckpointRef | None:
+        """Train one element of the sweep."""
+        return TrainingJob(spec)()
+
+
+def best_element(outcomes: list[Any], metric: str = "val_accuracy") -> int:
+    """Index of the completed element with the highest validation metric (first on ties)."""
+    scored = [
+        (o.metrics.get(metric, float("-inf")), -i)
+        for i, o in enumerate(outcomes)
+        if isinstance(o, CheckpointRef)
+    ]
+    if not scored:
+        raise ValueError("no sweep element completed")
+    return -max(scored)[1]
