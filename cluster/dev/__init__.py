@@ -1,0 +1,1 @@
+"""Development infrastructure: a real single-node Slurm cluster on loopback (slurm.sh)."""
