@@ -1,0 +1,44 @@
+"""A sweep on Slurm runs its grid as one job array, each element in its own MLflow run."""
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+from prefect.testing.utilities import prefect_test_harness
+
+from flows.sweep import sweep
+
+
+@pytest.fixture(scope="module", autouse=True)
+def prefect_server() -> Iterator[None]:
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+def test_sweep_is_one_slurm_job_array(tmp_path: Path) -> None:
+    summary = sweep(
+        preset="tiny",
+        overrides=[f"workdir={tmp_path}", "cluster.executor=slurm", "cluster.ranks_per_node=1"],
+        grid={"train.lr": [1e-6, 5e-3]},
+    )
+    assert summary.best_overrides == {"train.lr": 5e-3}
+    logs = sorted((tmp_path / "runs" / summary.parent_run_id / "jobs").glob("*_log.out"))
+    # Array tasks are named <array id>_<index>_<task>: one array id, indices 0 and 1.
+    names = [re.fullmatch(r"(\d+)_(\d+)_0_log\.out", p.name) for p in logs]
+    assert all(names) and len(names) == 2
+    assert len({m.group(1) for m in names if m}) == 1
+    assert sorted(m.group(2) for m in names if m) == ["0", "1"]
+    client = MlflowClient(summary.tracking_uri)
+    exp = client.get_experiment_by_name(summary.experiment)
+    assert exp is not None
+    kids = client.search_runs(
+        [exp.experiment_id], f"tags.mlflow.parentRunId = '{summary.parent_run_id}'"
+    )
+    assert sorted(r.info.run_name for r in kids) == [
+        "evaluate",
+        "preprocess",
+        "train[0]",
+        "train[1]",
+    ]
