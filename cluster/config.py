@@ -6,6 +6,32 @@ from pydantic import Field, model_validator
 
 from tasks.base import StrictModel
 
+# sbatch options trainflow sets itself from the fields above (or submitit needs): an
+# sbatch_extra entry for one of them would silently contradict the validated request.
+RESERVED_SBATCH_OPTIONS = {
+    "nodes": "cluster.nodes",
+    "ntasks": "cluster.ranks_per_node",
+    "ntasks_per_node": "cluster.ranks_per_node",
+    "gpus": "cluster.gpus_per_node",
+    "gpus_per_node": "cluster.gpus_per_node",
+    "gpus_per_task": "cluster.gpus_per_node",
+    "gres": "cluster.gpus_per_node",
+    "cpus_per_task": "cluster.cpus_per_task",
+    "mem": "cluster.mem_gb",
+    "mem_per_cpu": "cluster.mem_gb",
+    "mem_per_gpu": "cluster.mem_gb",
+    "time": "cluster.timeout_min",
+    "partition": "cluster.partition",
+    "account": "cluster.account",
+    "qos": "cluster.qos",
+    "signal": "cluster.signal_delay_s",
+    "no_requeue": "cluster.max_requeues",
+    "array": "(set by trainflow)",
+    "output": "(set by trainflow)",
+    "error": "(set by trainflow)",
+    "open_mode": "(set by trainflow)",
+}
+
 
 class DaskConfig(StrictModel):
     """The dask cluster used by preprocessing."""
@@ -25,16 +51,36 @@ class DaskConfig(StrictModel):
 class ClusterConfig(StrictModel):
     """Where preprocessing and training run."""
 
-    executor: Literal["local", "debug"] = "local"
-    """local: submitit LocalExecutor, one process per rank; debug: in this process, 1 rank."""
+    executor: Literal["local", "debug", "slurm"] = "local"
+    """local: submitit LocalExecutor, one process per rank; debug: in this process, 1 rank;
+    slurm: an sbatch job on the Slurm cluster this machine submits to."""
+    nodes: int = Field(1, ge=1, le=1024)
+    """Nodes of the training job (more than 1 only with executor=slurm)."""
     ranks_per_node: int = Field(2, ge=1, le=64)
-    """DDP ranks (processes); on GPU machines each rank drives one GPU."""
+    """DDP ranks (processes) per node; on GPU machines each rank drives one GPU."""
     gpus_per_node: int = Field(0, ge=0, le=16)
-    """GPUs for the job; 0 trains on CPU. Must be 0 or equal to ranks_per_node."""
+    """GPUs per node for the job; 0 trains on CPU. Must be 0 or equal to ranks_per_node."""
     cpus_per_task: int = Field(1, ge=1, le=256)
     """CPU threads each rank may use (torch intra-op threads)."""
     timeout_min: int = Field(60, ge=1, le=60 * 24 * 14)
-    """Wall-clock limit of the training job in minutes."""
+    """Wall-clock limit of the training job in minutes (each Slurm requeue gets it anew)."""
+    partition: str | None = None
+    """Slurm partition; None: the cluster's default partition. Ignored by local/debug."""
+    account: str | None = None
+    """Slurm account charged for the job; None: the user's default. Ignored by local/debug."""
+    qos: str | None = None
+    """Slurm quality of service; None: the account's default. Ignored by local/debug."""
+    mem_gb: float | None = Field(None, gt=0)
+    """Memory per node in GiB (sbatch --mem); None: the partition's default."""
+    sbatch_extra: dict[str, str] = Field(default_factory=dict)
+    """Extra sbatch options by long name without dashes, e.g. {"constraint": "a100"}; options
+    trainflow sets from the fields above are refused here."""
+    signal_delay_s: int = Field(90, ge=1, le=3600)
+    """Slurm sends SIGUSR2 this many seconds before the time limit: time to checkpoint (Slurm
+    checks limits about every 30 s, so the signal may come up to that much later)."""
+    max_requeues: int = Field(3, ge=0, le=100)
+    """How often a Slurm job may be requeued after a timeout before it fails (submitit's
+    max_num_timeout; preemptions do not count)."""
     dask: DaskConfig = DaskConfig()
     """The dask cluster for preprocessing."""
 
@@ -51,4 +97,38 @@ class ClusterConfig(StrictModel):
                 "executor='debug' runs in this process with a single rank: "
                 "set cluster.ranks_per_node=1 or use cluster.executor=local"
             )
+        if self.executor != "slurm" and self.nodes != 1:
+            raise ValueError(
+                f"nodes={self.nodes} with executor='{self.executor}': only Slurm spans "
+                "several nodes; set cluster.nodes=1 or cluster.executor=slurm"
+            )
         return self
+
+    @model_validator(mode="after")
+    def _check_slurm_options(self) -> "ClusterConfig":
+        if self.executor == "slurm" and self.signal_delay_s >= self.timeout_min * 60:
+            raise ValueError(
+                f"signal_delay_s={self.signal_delay_s} is not below timeout_min="
+                f"{self.timeout_min} (in seconds: {self.timeout_min * 60}): the job would be "
+                "told to checkpoint as it starts; lower cluster.signal_delay_s or raise "
+                "cluster.timeout_min"
+            )
+        for key in self.sbatch_extra:
+            _check_sbatch_key(key)
+        return self
+
+
+def _check_sbatch_key(key: str) -> None:
+    """ValueError for an sbatch_extra key that is malformed or reserved by trainflow."""
+    name = key.replace("-", "_")
+    if len(name) < 2 or not name.replace("_", "").isalnum() or name.startswith("_"):
+        raise ValueError(
+            f"sbatch_extra key {key!r}: use sbatch's long option name without leading dashes, "
+            "e.g. 'constraint' for --constraint"
+        )
+    if name in RESERVED_SBATCH_OPTIONS:
+        raise ValueError(
+            f"sbatch_extra key {key!r} is set by trainflow itself: use "
+            f"{RESERVED_SBATCH_OPTIONS[name]} instead (reserved: "
+            f"{', '.join(sorted(RESERVED_SBATCH_OPTIONS))})"
+        )

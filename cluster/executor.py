@@ -1,6 +1,8 @@
 """The submitit executor factory: where a job runs. Knows nothing of training."""
 
+import math
 from pathlib import Path
+from typing import Any
 
 import submitit
 
@@ -16,6 +18,8 @@ def make_executor(cfg: ClusterConfig, folder: Path) -> submitit.Executor:
     if cfg.executor == "debug":
         # Runs the callable in this process when the result is asked for: one rank, no logs.
         return submitit.DebugExecutor(folder)
+    if cfg.executor == "slurm":
+        return _slurm_executor(cfg, folder)
     executor = submitit.LocalExecutor(folder)
     executor.update_parameters(
         nodes=1,
@@ -25,3 +29,37 @@ def make_executor(cfg: ClusterConfig, folder: Path) -> submitit.Executor:
         timeout_min=cfg.timeout_min,
     )
     return executor
+
+
+def _slurm_executor(cfg: ClusterConfig, folder: Path) -> submitit.SlurmExecutor:
+    """A SlurmExecutor whose sbatch options come from cfg (checked by cluster.slurm_checks)."""
+    # max_num_timeout: requeues after timeouts; then submitit fails the job ("timed-out too
+    # many times") instead of requeueing forever.
+    executor = submitit.SlurmExecutor(folder, max_num_timeout=cfg.max_requeues)
+    executor.update_parameters(**slurm_parameters(cfg))
+    return executor
+
+
+def slurm_parameters(cfg: ClusterConfig) -> dict[str, Any]:
+    """SlurmExecutor.update_parameters arguments (sbatch option names) for cfg."""
+    params: dict[str, Any] = {
+        "nodes": cfg.nodes,
+        "ntasks_per_node": cfg.ranks_per_node,
+        "cpus_per_task": cfg.cpus_per_task,
+        "time": cfg.timeout_min,
+        "signal_delay_s": cfg.signal_delay_s,
+        "job_name": "trainflow-train",
+    }
+    if cfg.gpus_per_node:
+        params["gpus_per_node"] = cfg.gpus_per_node
+    if cfg.mem_gb is not None:
+        # Whole MiB (Slurm's "M"): submitit's own "16GB" form rounds fractional sizes down.
+        params["mem"] = f"{math.ceil(cfg.mem_gb * 1024)}M"
+    optional = {"partition": cfg.partition, "account": cfg.account, "qos": cfg.qos}
+    params |= {k: v for k, v in optional.items() if v is not None}
+    if cfg.sbatch_extra:
+        # Underscored like submitit's own keys: job-name then replaces ours instead of adding one.
+        params["additional_parameters"] = {
+            k.replace("-", "_"): v for k, v in cfg.sbatch_extra.items()
+        }
+    return params

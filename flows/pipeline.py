@@ -13,6 +13,7 @@ from prefect import flow, get_run_logger
 from pydantic import BaseModel, ConfigDict
 
 from cluster.registry import cancel_orphans
+from cluster.slurm_checks import check_cluster
 from flows.config import PipelineConfig, build_config, flatten
 from tasks.evaluate.run import EvalResult
 from tasks.evaluate.task import evaluate_task
@@ -58,6 +59,7 @@ def pipeline(
 
 def run_pipeline(cfg: PipelineConfig) -> PipelineSummary:
     """The pipeline body for an already validated config (must run inside a flow)."""
+    check_cluster(cfg.cluster)  # a Slurm request that can never run fails before any work
     runs = PipelineRuns(cfg.tracking, cfg.workdir, cfg.name)
     run_dir = (cfg.workdir / "runs" / runs.parent_id).resolve()
     t: dict[str, float] = {}

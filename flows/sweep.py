@@ -7,6 +7,7 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 
+from cluster.slurm_checks import check_cluster
 from flows.config import PipelineConfig, build_sweep, flatten
 from flows.pipeline import (
     PipelineSummary,
@@ -49,6 +50,7 @@ def run_sweep(
     base: PipelineConfig, elements: list[tuple[dict[str, Any], PipelineConfig]]
 ) -> SweepSummary:
     """The sweep body for validated configs (must run inside a flow)."""
+    check_cluster(base.cluster)
     runs = PipelineRuns(base.tracking, base.workdir, f"{base.name}-sweep")
     grid_text = json.dumps([e for e, _ in elements])
     t: dict[str, float] = {}

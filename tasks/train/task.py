@@ -1,7 +1,11 @@
 """Prefect entry of the training stage: submit the job, forward its logs, wait."""
 
+from collections.abc import Callable
+from datetime import datetime, timedelta
 from pathlib import Path
+from typing import Any
 
+import submitit
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
@@ -9,7 +13,9 @@ from cluster import registry
 from cluster.config import ClusterConfig
 from cluster.executor import make_executor
 from cluster.jobs import wait_for_job, wait_for_jobs
+from cluster.slurm_checks import check_cluster
 from tasks.errors import JobError
+from tasks.tracking.slurm_logs import record_job_accounting
 from tasks.train.job import TrainingJob, TrainJobSpec
 from tasks.train.models import build_model
 from tasks.train.ref import CheckpointRef
@@ -28,12 +34,13 @@ def train_task(
     logger = get_run_logger()
     # Model/data mismatches (e.g. images too small) fail here, before anything is queued.
     build_model(spec.train, spec.dataset.shape, len(spec.dataset.classes))
+    check_cluster(cluster)
     executor = make_executor(cluster, job_dir)
     job = executor.submit(TrainingJob(spec))
     logger.info("submitted training job %s (%s executor)", job.job_id, cluster.executor)
     registry.record(workdir, str(job.job_id), cluster.executor, job_dir)
     try:
-        ref = wait_for_job(job, logger.info)
+        ref = _wait_and_account(job, spec, cluster, logger.info)
     finally:
         registry.forget(workdir, str(job.job_id))
     if not isinstance(ref, CheckpointRef):
@@ -49,15 +56,40 @@ def train_array_task(
     logger = get_run_logger()
     for spec in specs:
         build_model(spec.train, spec.dataset.shape, len(spec.dataset.classes))
+    check_cluster(cluster)
     executor = make_executor(cluster, job_dir)
     jobs = executor.map_array(ArrayTrainingJob(), specs)
     ids = [str(job.job_id) for job in jobs]
     logger.info("submitted %d training jobs as one array: %s", len(jobs), ", ".join(ids))
     for job_id in ids:
         registry.record(workdir, job_id, cluster.executor, job_dir)
+    since = datetime.now() - timedelta(minutes=1)  # see _wait_and_account
     try:
         outcomes = wait_for_jobs(jobs, logger.info)
     finally:
         for job_id in ids:
             registry.forget(workdir, job_id)
+    if cluster.executor == "slurm":
+        for job_id, spec in zip(ids, specs, strict=True):
+            record_job_accounting(job_id, spec.tracking_uri, spec.run_id, logger.info, since)
     return [o if isinstance(o, CheckpointRef) else str(o) for o in outcomes]
+
+
+def _wait_and_account(
+    job: submitit.Job[Any], spec: TrainJobSpec, cluster: ClusterConfig, log: Callable[[str], None]
+) -> Any:
+    """wait_for_job; then, for Slurm, log what the job cost to the train run, success or not."""
+    if cluster.executor != "slurm":
+        return wait_for_job(job, log)
+    # Just after sbatch returned; a minute of slack for the controller's clock. Older jobs
+    # with this id (a wiped dev cluster restarts ids at 1) were submitted before it.
+    since = datetime.now() - timedelta(minutes=1)
+    try:
+        ref = wait_for_job(job, log)
+    except Exception:
+        # Never raises, so the job's own error propagates. Interrupts (BaseException) skip
+        # this: a cancellation must not wait for sacct.
+        record_job_accounting(str(job.job_id), spec.tracking_uri, spec.run_id, log, since)
+        raise
+    record_job_accounting(str(job.job_id), spec.tracking_uri, spec.run_id, log, since)
+    return ref

@@ -1,4 +1,4 @@
-"""A sweep on Slurm runs its grid as one job array, each element in its own MLflow run."""
+"""Flows on Slurm: requests checked before any work; a sweep is one job array."""
 
 import re
 from collections.abc import Iterator
@@ -8,7 +8,9 @@ import pytest
 from mlflow.tracking import MlflowClient
 from prefect.testing.utilities import prefect_test_harness
 
+from flows.pipeline import pipeline
 from flows.sweep import sweep
+from tasks.errors import ConfigError
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -42,3 +44,15 @@ def test_sweep_is_one_slurm_job_array(tmp_path: Path) -> None:
         "train[0]",
         "train[1]",
     ]
+    for run in kids:
+        if run.info.run_name.startswith("train["):
+            assert run.data.tags["slurm_state"] == "COMPLETED"
+            assert run.data.metrics["slurm_cpu_hours"] > 0
+
+
+def test_impossible_slurm_request_fails_before_any_work(tmp_path: Path) -> None:
+    overrides = [f"workdir={tmp_path}", "cluster.executor=slurm", "cluster.cpus_per_task=64"]
+    with pytest.raises(ConfigError, match="cpus_per_task"):
+        pipeline(preset="tiny", overrides=overrides)
+    assert not (tmp_path / "datasets").exists()
+    assert not (tmp_path / "mlflow.db").exists()
