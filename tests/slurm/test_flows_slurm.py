@@ -10,7 +10,7 @@ from prefect.testing.utilities import prefect_test_harness
 
 from flows.pipeline import pipeline
 from flows.sweep import sweep
-from tasks.errors import ConfigError
+from tasks.errors import ConfigError, JobError
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -56,3 +56,21 @@ def test_impossible_slurm_request_fails_before_any_work(tmp_path: Path) -> None:
         pipeline(preset="tiny", overrides=overrides)
     assert not (tmp_path / "datasets").exists()
     assert not (tmp_path / "mlflow.db").exists()
+
+
+def test_remote_failure_fails_task_with_traceback_and_mlflow_runs(tmp_path: Path) -> None:
+    # The submitting host may lack GPUs that nodes have, so device=cuda is only refused in the
+    # job itself: a genuine remote failure.
+    overrides = [f"workdir={tmp_path}", "cluster.executor=slurm", "train.device=cuda"]
+    with pytest.raises(JobError, match=r"(?s)failed in rank .*Traceback.*train\.device"):
+        pipeline(preset="tiny", overrides=overrides)
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    exp = client.get_experiment_by_name("trainflow")
+    assert exp is not None
+    runs = {r.info.run_name: r for r in client.search_runs([exp.experiment_id])}
+    assert {k: r.info.status for k, r in runs.items()} == {
+        "tiny": "FAILED",
+        "preprocess": "FINISHED",
+        "train": "FAILED",
+    }
+    assert runs["train"].data.tags["slurm_state"] == "FAILED"

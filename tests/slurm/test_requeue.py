@@ -5,6 +5,8 @@ Slurm signals SIGUSR2 `signal_delay_s` before the 1-minute limit (it checks limi
 last per-epoch checkpoint and keeps logging into the same MLflow run.
 """
 
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -22,7 +24,7 @@ from tasks.train.job import TrainingJob, TrainJobSpec
 from tasks.train.ref import CheckpointRef
 from tests.unit.datasets import write_dataset
 
-EPOCHS = 40  # ~1.3 s each here: longer than one attempt can run before its signal
+EPOCHS = 30  # ~1.3 s each: longer than an attempt runs before its signal (5-35 s in)
 _NOT_COMPARED = {"samples_per_s", "epoch_time_s"}
 
 
@@ -62,7 +64,7 @@ def test_requeued_job_resumes_and_matches_an_uninterrupted_run(tmp_path: Path) -
         run_id=run_id,
     )
     slurm = ClusterConfig(
-        executor="slurm", ranks_per_node=2, timeout_min=1, signal_delay_s=45, max_requeues=6
+        executor="slurm", ranks_per_node=2, timeout_min=1, signal_delay_s=55, max_requeues=6
     )
     lines = _train(spec, slurm, tmp_path / "jobs-slurm")
     assert any("resuming from" in line for line in lines), "no requeue happened"
@@ -89,3 +91,34 @@ def test_requeued_job_resumes_and_matches_an_uninterrupted_run(tmp_path: Path) -
     exp = client.get_experiment_by_name("requeue")
     assert exp is not None
     assert len(client.search_runs([exp.experiment_id])) == 2  # the parent and this train run
+
+
+def test_scontrol_requeue_resumes_into_the_same_mlflow_run(tmp_path: Path) -> None:
+    # Preemption with PreemptMode=REQUEUE looks like this to the job: killed, queued again.
+    dataset = write_dataset(tmp_path / "data", n_train=8192, n_val=256)
+    epochs = 60
+    runs = PipelineRuns(TrackingConfig(experiment="requeue"), tmp_path, "requeue")
+    run_id = runs.open_stage("train", {})
+    spec = TrainJobSpec(
+        train=TrainConfig(epochs=epochs, batch_size=64, precision="fp32"),
+        dataset=dataset,
+        out_dir=tmp_path / "run",
+        tracking_uri=runs.tracking_uri,
+        run_id=run_id,
+    )
+    cluster = ClusterConfig(executor="slurm", ranks_per_node=2)
+    job = make_executor(cluster, tmp_path / "jobs").submit(TrainingJob(spec))
+    log = Path(job.task(0).paths.stdout)
+    deadline = time.monotonic() + 120
+    while not (log.exists() and "epoch 5/" in log.read_text()):
+        assert time.monotonic() < deadline, "the job never reached epoch 5"
+        time.sleep(0.5)
+    subprocess.run(["scontrol", "requeue", str(job.job_id)], check=True, timeout=30)
+    lines: list[str] = []
+    ref = wait_for_job(job, lines.append)
+    assert isinstance(ref, CheckpointRef)
+    assert any("resuming from" in line for line in lines)
+    history = load_state(_latest(tmp_path / "run"))["history"]
+    assert [int(h["epoch"]) for h in history] == list(range(1, epochs + 1))
+    steps = [m.step for m in MlflowClient(runs.tracking_uri).get_metric_history(run_id, "train_loss")]
+    assert sorted(steps) == list(range(1, epochs + 1))
