@@ -9,7 +9,7 @@ FIND_LINKS := $(if $(wildcard /opt/wheels/torch-*),--find-links /opt/wheels)
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup demo test lint typecheck unit integration gpu lock clean
+.PHONY: setup demo test lint typecheck unit integration gpu bench lock clean
 
 setup: $(VENV)/.installed
 
@@ -28,13 +28,16 @@ lint: setup
 	$(BIN)/ruff format --check .
 
 typecheck: setup
-	$(BIN)/mypy flows tasks cluster tests
+	$(BIN)/mypy flows tasks cluster tests bench
 
 unit: setup
 	$(BIN)/python -m pytest tests/unit
 
 integration: setup
 	$(BIN)/python -m pytest tests/integration
+
+bench: setup
+	$(BIN)/python -m bench
 
 gpu: setup
 	$(BIN)/python -m pytest tests/gpu

@@ -120,5 +120,7 @@ def test_scontrol_requeue_resumes_into_the_same_mlflow_run(tmp_path: Path) -> No
     assert any("resuming from" in line for line in lines)
     history = load_state(_latest(tmp_path / "run"))["history"]
     assert [int(h["epoch"]) for h in history] == list(range(1, epochs + 1))
-    steps = [m.step for m in MlflowClient(runs.tracking_uri).get_metric_history(run_id, "train_loss")]
+    steps = [
+        m.step for m in MlflowClient(runs.tracking_uri).get_metric_history(run_id, "train_loss")
+    ]
     assert sorted(steps) == list(range(1, epochs + 1))

@@ -1,0 +1,1 @@
+"""Benchmarks: each prints medians and ratios measured side by side in one run (make bench)."""

@@ -1,0 +1,62 @@
+"""Shared benchmark helpers: timing medians, the machine's name, results files, tables."""
+
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def machine_name() -> str:
+    """The GPU's name when CUDA is usable, else the CPU model (what the results are about)."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return str(torch.cuda.get_device_name(0))
+    except ImportError:
+        pass
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def slug(text: str) -> str:
+    """A file-name-safe form of a machine name."""
+    return "".join(c if c.isalnum() else "-" for c in text).strip("-").lower()
+
+
+def median_seconds(fn: Callable[[], Any], repeats: int, warmup: int = 1) -> float:
+    """Median wall time of fn over `repeats` calls after `warmup` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def table(title: str, rows: list[tuple[str, str, str]]) -> str:
+    """A plain-text table of (measure, value, goal) rows."""
+    width = max(len(r[0]) for r in rows)
+    lines = [f"== {title} ==", f"{'measure'.ljust(width)}  {'value':>14}  goal"]
+    lines += [f"{m.ljust(width)}  {v:>14}  {g}" for m, v, g in rows]
+    return "\n".join(lines)
+
+
+def save(name: str, result: dict[str, Any]) -> Path:
+    """Merge one benchmark's result into bench/results/<machine>.json."""
+    machine = machine_name()
+    path = RESULTS / f"{slug(machine)}.json"
+    data = json.loads(path.read_text()) if path.exists() else {"machine": machine}
+    data[name] = result
+    RESULTS.mkdir(exist_ok=True)
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    return path

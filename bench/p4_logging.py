@@ -1,0 +1,110 @@
+"""P4: training step time with MLflow logging over without (goal <= 1.02).
+
+Epochs with and without logging alternate in one process on the same Trainer, so both see
+the same machine noise. The logger is the one the training job uses (per-epoch metrics,
+one log_batch per flush), against a SQLite store and against a real `mlflow server`.
+"""
+
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from bench.steps import timed_epochs, trainer_for
+from tasks.tracking.config import TrackingConfig
+from tasks.tracking.logger import MlflowLogger
+from tasks.tracking.pipeline_runs import PipelineRuns
+from tasks.train.config import TrainConfig
+
+PAIRS = 6
+
+
+def _ratio(uri: str, workdir: Path, cfg: TrainConfig) -> tuple[float, float, float]:
+    runs = PipelineRuns(TrackingConfig(tracking_uri=uri, experiment="bench-p4"), workdir, "p4")
+    logger = MlflowLogger(runs.tracking_uri, runs.open_stage("train", {}))
+
+    def log(metrics: dict[str, float], epoch: int) -> None:
+        logger.log(metrics, epoch)
+        logger.flush()
+
+    plain, logged = [], []
+    with trainer_for(cfg) as (trainer, data):
+        timed_epochs(trainer, data, cfg, 1, lambda *_: None)  # warm-up
+        for _ in range(PAIRS):
+            plain += timed_epochs(trainer, data, cfg, 1, lambda *_: None)
+            logged += timed_epochs(trainer, data, cfg, 1, log)
+    a, b = statistics.median(logged), statistics.median(plain)
+    return a / b, a, b
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _mlflow_server(workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
+    port = _free_port()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "mlflow",
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--backend-store-uri",
+            f"sqlite:///{workdir}/server.db",
+            "--artifacts-destination",
+            str(workdir / "artifacts"),
+            "--workers",
+            "1",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            urllib.request.urlopen(f"{url}/health", timeout=2)
+            return proc, url
+        except OSError:
+            time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError("mlflow server did not start")
+
+
+def run() -> tuple[str, list[tuple[str, str, str]], dict[str, Any]]:
+    """Measure the logging overhead against SQLite and an HTTP tracking server."""
+    cfg = TrainConfig()
+    result: dict[str, Any] = {"config": cfg.model_dump(mode="json"), "pairs": PAIRS}
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        server, url = _mlflow_server(work)
+        try:
+            for name, uri in (("sqlite", f"sqlite:///{work}/bench.db"), ("http", url)):
+                ratio, with_s, without_s = _ratio(uri, work, cfg)
+                result[name] = {"ratio": ratio, "step_s_logged": with_s, "step_s_plain": without_s}
+                rows.append((f"step time logged/plain ({name})", f"{ratio:.3f}x", "<= 1.02"))
+                rows.append(
+                    (
+                        f"  step ms plain / logged ({name})",
+                        f"{without_s * 1e3:.2f}/{with_s * 1e3:.2f}",
+                        "",
+                    )
+                )
+        finally:
+            server.terminate()
+            server.wait(timeout=30)
+    return "P4 logging overhead (median step time, per-epoch batched MLflow logging)", rows, result

@@ -1,0 +1,52 @@
+"""A single-process training set-up on MNIST-shaped data, for step-level benchmarks.
+
+Step time does not depend on what the pixels are, so the data is random: these benchmarks
+need the real model, optimiser, precision policy and loop, not the real dataset.
+"""
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+
+from tasks.train.config import TrainConfig
+from tasks.train.data import Split, rank_batches
+from tasks.train.distributed import distributed
+from tasks.train.loop import Trainer, make_optimizer, train_epoch
+from tasks.train.models import build_model
+from tasks.train.precision import resolve_precision
+
+
+@contextmanager
+def trainer_for(cfg: TrainConfig, samples: int = 4096) -> Iterator[tuple[Trainer, Split]]:
+    """A world-of-one Trainer for `cfg` on random 1x28x28 data with 10 classes."""
+    with distributed("auto") as dist:
+        model = build_model(cfg, (1, 28, 28), 10).to(dist.device)
+        trainer = Trainer(
+            model,
+            make_optimizer(cfg, model),
+            resolve_precision(cfg.precision, dist.device).make_scaler(),
+            resolve_precision(cfg.precision, dist.device),
+            dist,
+            cfg.lr,
+            10**9,
+        )
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(samples, 1, 28, 28, generator=gen).to(dist.device)
+        y = torch.randint(0, 10, (samples,), generator=gen).to(dist.device)
+        yield trainer, Split(x, y)
+
+
+def timed_epochs(
+    trainer: Trainer, data: Split, cfg: TrainConfig, epochs: int, after: Callable[..., None]
+) -> list[float]:
+    """Seconds per step of each epoch, `after(metrics, epoch)` included in the timing."""
+    per_step, step = [], 0
+    for epoch in range(1, epochs + 1):
+        batches = rank_batches(data, cfg.batch_size, cfg.seed, epoch, 0, 1)
+        start = time.perf_counter()
+        metrics, step = train_epoch(trainer, data, batches, step)
+        after(metrics, epoch)
+        per_step.append((time.perf_counter() - start) / len(batches))
+    return per_step
