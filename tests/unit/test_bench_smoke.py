@@ -1,0 +1,19 @@
+"""The benchmark code runs (tiny sizes, CPU): it must not rot between benchmark runs."""
+
+import torch
+
+from bench.common import median_seconds, slug, table
+from bench.p6_gpu import matmul_peak, model_rate
+
+
+def test_gpu_benchmark_code_runs_on_cpu_at_tiny_size() -> None:
+    cpu = torch.device("cpu")
+    assert matmul_peak(cpu, 64, torch.float32, repeats=2) > 0
+    rate, flops = model_rate(cpu, width=4, size=16, batch=4, steps=1)
+    assert rate > 0 and flops > 0
+
+
+def test_helpers() -> None:
+    assert median_seconds(lambda: None, repeats=3) >= 0
+    assert slug("AMD EPYC 9B14 96-Core") == "amd-epyc-9b14-96-core"
+    assert "goal" in table("t", [("m", "1", "<= 2")])
