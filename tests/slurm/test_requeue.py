@@ -63,8 +63,9 @@ def test_requeued_job_resumes_and_matches_an_uninterrupted_run(tmp_path: Path) -
         tracking_uri=runs.tracking_uri,
         run_id=run_id,
     )
+    # On a loaded machine an attempt may finish few epochs before its signal: allow many.
     slurm = ClusterConfig(
-        executor="slurm", ranks_per_node=2, timeout_min=1, signal_delay_s=55, max_requeues=6
+        executor="slurm", ranks_per_node=2, timeout_min=1, signal_delay_s=55, max_requeues=30
     )
     lines = _train(spec, slurm, tmp_path / "jobs-slurm")
     assert any("resuming from" in line for line in lines), "no requeue happened"
