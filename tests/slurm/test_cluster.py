@@ -110,3 +110,14 @@ def test_scancel_makes_result_raise_cancelled(submitit_folder: Path) -> None:
             job.result()
     finally:
         job.cancel(check=False)
+
+
+def test_trainflow_cluster_status_command() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "cluster", "status"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "idle" in out.stdout or "mix" in out.stdout or "alloc" in out.stdout
