@@ -45,7 +45,7 @@ def model_rate(
 ) -> tuple[float, float]:
     """(FLOP/s, FLOPs per step) of bf16-autocast training steps of the residual net."""
     model = build_model(TrainConfig(model="resnet", width=width), (3, size, size), 10).to(device)
-    model = model.to(memory_format=torch.channels_last)
+    model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]  # stubs lack it
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x = torch.randn(batch, 3, size, size, device=device).to(memory_format=torch.channels_last)
     y = torch.randint(0, 10, (batch,), device=device)

@@ -111,7 +111,7 @@ def _run_debug(job: DebugJob[Any]) -> Any:
         raise JobError(f"debug job failed:\n{traceback.format_exc()}") from exc
 
 
-def wait_for_job(job: submitit.Job[Any], log: Callable[[str], None], poll_s: float = 1.0) -> Any:
+def wait_for_job(job: submitit.Job[Any], log: Callable[[str], None], poll_s: float = 0.25) -> Any:
     """Wait for `job` while forwarding its logs to `log`; return the result of task 0.
 
     If waiting is interrupted (KeyboardInterrupt, a cancelled flow, any error), the job is
@@ -138,7 +138,7 @@ def wait_for_job(job: submitit.Job[Any], log: Callable[[str], None], poll_s: flo
 
 
 def wait_for_jobs(
-    jobs: list[submitit.Job[Any]], log: Callable[[str], None], poll_s: float = 1.0
+    jobs: list[submitit.Job[Any]], log: Callable[[str], None], poll_s: float = 0.25
 ) -> list[Any]:
     """Wait for several jobs (e.g. a job array) at once, forwarding all their logs.
 

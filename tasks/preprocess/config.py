@@ -24,7 +24,7 @@ class PreprocessConfig(StrictModel):
     seed: int = 0
     """Seed of the deterministic train/val/test split (and of the synthetic generator)."""
     shard_size: int = Field(4096, ge=64, le=1_000_000)
-    """Samples per written shard (and per dask chunk)."""
+    """Samples per written shard (dask tasks group whole shards into ~64 MiB of output)."""
     synthetic_samples: int = Field(2000, ge=10, le=10_000_000)
     """Number of samples the synthetic source generates."""
     synthetic_classes: int = Field(4, ge=2, le=1000)

@@ -23,13 +23,24 @@ from tasks.preprocess.dataset import (
     read_manifest,
 )
 from tasks.preprocess.ref import DatasetRef
-from tasks.preprocess.sources import RawData, load_raw
+from tasks.preprocess.sources import RawSource, load_source
 from tasks.preprocess.validate import validate_raw
-from tasks.preprocess.writer import channel_stats, to_dask, write_split
+from tasks.preprocess.writer import (
+    ImageRows,
+    MappedImages,
+    Moments,
+    Shard,
+    stage,
+    train_moments,
+    write_shards,
+)
 
 __all__ = ["dataset_dir", "read_manifest", "run_preprocess", "split_indices"]
 
 log = logging.getLogger(__name__)
+
+TASK_BYTES = 64 << 20
+"""Output bytes per dask task: ~100 ms of work for a CPU core, so dask's ~1 ms per task is noise."""
 
 
 def run_preprocess(
@@ -44,8 +55,8 @@ def run_preprocess(
     Everything is written to a temporary folder that is renamed into place only when complete;
     an existing valid dataset with the same key is returned as it is.
     """
-    raw = load_raw(cfg)
-    validate_raw(raw, _origin(cfg))
+    source = load_source(cfg)
+    validate_raw(source, _origin(cfg))
     out_root = out_root.resolve()  # workers and later stages may not share our cwd
     final = dataset_dir(out_root, cache_key)
     if (final / MANIFEST).is_file():
@@ -56,7 +67,7 @@ def run_preprocess(
     tmp = out_root / f".tmp-{cache_key[:16]}-{uuid.uuid4().hex}"
     tmp.mkdir(parents=True)
     try:
-        _write_dataset(cfg, raw, tmp, client, backend, cache_key)
+        _write_dataset(cfg, source, tmp, client, backend, cache_key)
         return _publish(tmp, final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -86,37 +97,94 @@ def _origin(cfg: PreprocessConfig) -> str:
 
 def _write_dataset(
     cfg: PreprocessConfig,
-    raw: RawData,
+    source: RawSource,
     out: Path,
     client: distributed.Client,
     backend: str,
     cache_key: str,
 ) -> None:
-    """Shards of every split plus manifest.json (written last) into out."""
-    splits = split_indices(raw.labels, cfg)
-    images = {
-        name: to_dask(client, raw.images[idx], cfg.shard_size, backend)
-        for name, idx in splits.items()
-    }
-    stats = channel_stats(client, images["train"])
+    """Shards of every split plus manifest.json (written last) into out.
+
+    Two passes over the input: the train statistics, then every split normalised with them and
+    written (the first normalised byte needs the last train sample's statistics).
+    """
+    splits = split_indices(source.labels, cfg)
+    raw = source.images
+    images = stage(raw, out) if isinstance(raw, np.ndarray) else raw
+    # Sent once to every worker: tasks then carry only their row numbers.
+    handle = client.scatter(images, broadcast=True, hash=False)
+    stats = _train_stats(client, handle, images, splits["train"], backend)
     tasks = {
-        name: write_split(client, name, images[name], raw.labels[idx], stats, out, backend)
+        name: _shard_groups(name, idx, source.labels, cfg.shard_size, images)
         for name, idx in splits.items()
     }
-    # One compute for all splits so every shard of every split is written in parallel.
-    results = client.compute([t for name in SPLITS for t in tasks[name]], sync=True)
-    shards: dict[str, list[dict[str, Any]]] = {}
-    for name in SPLITS:
-        shards[name], results = results[: len(tasks[name])], results[len(tasks[name]) :]
-    manifest = _manifest(cfg, raw, stats, shards, cache_key)
+    futures = {
+        name: [
+            client.submit(write_shards, handle, group, stats, out, backend, pure=False)
+            for group in groups
+        ]
+        for name, groups in tasks.items()
+    }
+    done = dict(zip(futures, _gather(client, list(futures.values())), strict=True))
+    if isinstance(images, MappedImages):
+        images.path.unlink()
+    shards = {name: [entry for group in done[name] for entry in group] for name in SPLITS}
+    manifest = _manifest(cfg, source, stats, shards, cache_key)
     _write_json(out / MANIFEST, manifest)
     log.info("wrote dataset %s: %s", manifest["content_hash"][:12], manifest["counts"])
 
 
+def _train_stats(
+    client: distributed.Client, handle: Any, images: ImageRows, rows: np.ndarray, backend: str
+) -> Moments:
+    """Per-channel moments of the train rows, in tasks of about TASK_BYTES each.
+
+    The chunking depends on the data only (not on the cluster), so the float rounding and hence
+    the written bytes are the same on any number of workers.
+    """
+    # Sorted rows read a staged file front to back; the sums do not care about order.
+    chunks = np.array_split(np.sort(rows), _task_count(len(rows), images))
+    futures = [client.submit(train_moments, handle, c, backend, pure=False) for c in chunks]
+    zeros = np.zeros(images.shape[1])
+    total = Moments(0.0, zeros, zeros)
+    for moments in _gather(client, [futures])[0]:
+        total = total.merge(moments)
+    return total
+
+
+def _shard_groups(
+    split: str, idx: np.ndarray, labels: np.ndarray, shard_size: int, images: ImageRows
+) -> list[list[Shard]]:
+    """The shards of a split (shard_size samples each), grouped into tasks of ~TASK_BYTES."""
+    shards = [
+        Shard(f"{split}-{i:05d}", rows, labels[rows])
+        for i, rows in enumerate(idx[s : s + shard_size] for s in range(0, len(idx), shard_size))
+    ]
+    per_task = max(1, len(shards) // _task_count(len(idx), images)) if shards else 1
+    return [shards[i : i + per_task] for i in range(0, len(shards), per_task)]
+
+
+def _task_count(rows: int, images: ImageRows) -> int:
+    """How many tasks of about TASK_BYTES (float32 output) cover this many rows."""
+    row_bytes = 4 * int(np.prod(images.shape[1:]))
+    return max(1, round(rows * row_bytes / TASK_BYTES))
+
+
+def _gather(client: distributed.Client, groups: list[list[Any]]) -> list[list[Any]]:
+    """Results of groups of futures; on any failure the rest are cancelled, then it raises."""
+    flat = [future for group in groups for future in group]
+    try:
+        results = iter(client.gather(flat))
+    except BaseException:
+        client.cancel(flat)
+        raise
+    return [[next(results) for _ in group] for group in groups]
+
+
 def _manifest(
     cfg: PreprocessConfig,
-    raw: RawData,
-    stats: tuple[np.ndarray, np.ndarray],
+    source: RawSource,
+    stats: Moments,
     shards: dict[str, list[dict[str, Any]]],
     cache_key: str,
 ) -> dict[str, Any]:
@@ -130,10 +198,10 @@ def _manifest(
         "content_hash": digest.hexdigest(),
         "cache_key": cache_key,
         "counts": {name: sum(s["n"] for s in shards[name]) for name in SPLITS},
-        "shape": list(raw.images.shape[1:]),
-        "classes": raw.classes,
-        "mean": [float(v) for v in stats[0]],
-        "std": [float(v) for v in stats[1]],
+        "shape": list(source.images.shape[1:]),
+        "classes": source.classes,
+        "mean": [float(v) for v in stats.mean],
+        "std": [float(v) for v in stats.std()],
         "dtype": {"x": "float32", "y": "int64"},
         "splits": shards,
         "config": cfg.model_dump(mode="json"),

@@ -1,9 +1,11 @@
-"""Raw data sources: MNIST (bundled), image folders, .npz files and a synthetic generator."""
+"""Raw data sources: MNIST (bundled), image folders, .npz files and a synthetic generator.
+
+The synthetic generator itself lives in synthetic.py: it makes its images lazily, on the workers.
+"""
 
 import functools
 import hashlib
 import json
-import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,6 +15,8 @@ from PIL import Image
 
 from tasks.errors import DataError
 from tasks.preprocess.config import PreprocessConfig
+from tasks.preprocess.npz import read_npz
+from tasks.preprocess.synthetic import GENERATOR_VERSION, SyntheticImages
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
 _GRAY_MODES = ("1", "L", "LA", "I", "I;16", "F")
@@ -30,6 +34,27 @@ class RawData:
     """(N,) int64, each in range(len(classes))."""
     classes: list[str]
     """Class names; label i is classes[i]."""
+
+
+@dataclass(frozen=True)
+class RawSource:
+    """Raw samples as the preprocess stage reads them: synthetic images stay lazy."""
+
+    images: "np.ndarray | SyntheticImages"
+    """(N, C, H, W), uint8 or float32, in memory or generated on demand."""
+    labels: np.ndarray
+    """(N,) int64, each in range(len(classes))."""
+    classes: list[str]
+    """Class names; label i is classes[i]."""
+
+
+def load_source(cfg: PreprocessConfig) -> RawSource:
+    """Like load_raw, but synthetic images are generated later, by whoever takes them."""
+    if cfg.source == "synthetic":
+        images = _synthetic_images(cfg)
+        return RawSource(images, images.labels, [str(i) for i in range(images.classes)])
+    raw = load_raw(cfg)
+    return RawSource(raw.images, raw.labels, raw.classes)
 
 
 def load_raw(cfg: PreprocessConfig) -> RawData:
@@ -52,6 +77,7 @@ def fingerprint(cfg: PreprocessConfig) -> str:
         digest.update(raw.labels.tobytes())
     elif cfg.source == "synthetic":
         params = [cfg.seed, cfg.synthetic_samples, cfg.synthetic_classes, cfg.synthetic_shape]
+        params.append(GENERATOR_VERSION)
         digest.update(json.dumps(params).encode())
     else:
         root = _required_path(cfg)
@@ -205,7 +231,7 @@ def _load_npz(cfg: PreprocessConfig) -> RawData:
     labels: list[np.ndarray] = []
     names: list[str] | None = None
     for index, file in enumerate(files):
-        file_images, file_labels, file_names = _read_npz(file, want_classes=index == 0)
+        file_images, file_labels, file_names = read_npz(file, want_classes=index == 0)
         if images and file_images.shape[1:] != images[0].shape[1:]:
             raise DataError(
                 f"{str(file)!r}: images of shape {file_images.shape[1:]} (C,H,W) differ from "
@@ -224,94 +250,13 @@ def _load_npz(cfg: PreprocessConfig) -> RawData:
     return RawData(np.concatenate(images), all_labels, classes)
 
 
-def _read_npz(file: Path, want_classes: bool) -> tuple[np.ndarray, np.ndarray, list[str] | None]:
-    """Images (N,C,H,W), labels int64 and optional class names of one checked file."""
-    if file.stat().st_size == 0:
-        raise DataError(f"npz file {str(file)!r} is empty (0 bytes): remove or replace it")
-    try:
-        with _open_npz(file) as data:
-            missing = [k for k in ("images", "labels") if k not in data.files]
-            if missing:
-                raise DataError(
-                    f"npz file {str(file)!r} lacks {missing}: it has keys {sorted(data.files)}; "
-                    "expected 'images' and 'labels' (optional 'classes')"
-                )
-            arrays = {k: data[k] for k in data.files if k in ("images", "labels", "classes")}
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
-        raise DataError(f"cannot read npz file {str(file)!r} (corrupt?): {exc}") from exc
-    images = _npz_images(file, arrays["images"])
-    labels = _npz_labels(file, arrays["labels"], len(images))
-    classes = arrays.get("classes") if want_classes else None
-    return images, labels, None if classes is None else [str(c) for c in classes.ravel()]
-
-
-def _open_npz(file: Path) -> np.lib.npyio.NpzFile:
-    data = np.load(file, allow_pickle=False)
-    if not isinstance(data, np.lib.npyio.NpzFile):
-        raise DataError(f"{str(file)!r} holds a single array, not an .npz archive (np.savez)")
-    return data
-
-
-def _npz_images(file: Path, images: np.ndarray) -> np.ndarray:
-    """Channels-first uint8 or float32 images, finite and non-empty."""
-    if images.ndim == 3:
-        images = images[:, None]
-    elif images.ndim == 4 and images.shape[-1] in (1, 3) and images.shape[1] not in (1, 3):
-        images = images.transpose(0, 3, 1, 2)
-    elif images.ndim != 4:
-        raise DataError(
-            f"{str(file)!r}: 'images' has shape {images.shape}; expected (N,H,W), "
-            "(N,C,H,W) or (N,H,W,C)"
-        )
-    if images.size == 0:
-        raise DataError(f"{str(file)!r}: 'images' is empty (shape {images.shape})")
-    if images.dtype == np.bool_ or not np.issubdtype(images.dtype, np.number):
-        raise DataError(f"{str(file)!r}: 'images' has non-numeric dtype {images.dtype}")
-    if images.dtype != np.uint8:
-        images = images.astype(np.float32)
-        if not np.isfinite(images).all():
-            raise DataError(f"{str(file)!r}: 'images' holds NaN or infinite values")
-    return np.ascontiguousarray(images)
-
-
-def _npz_labels(file: Path, labels: np.ndarray, count: int) -> np.ndarray:
-    """int64 labels, one per image, none negative."""
-    if labels.ndim != 1:
-        raise DataError(f"{str(file)!r}: 'labels' has shape {labels.shape}; expected (N,)")
-    if not np.issubdtype(labels.dtype, np.integer):
-        raise DataError(
-            f"{str(file)!r}: 'labels' has dtype {labels.dtype}; expected integers (class indices)"
-        )
-    if len(labels) != count:
-        raise DataError(f"{str(file)!r}: {count} images but {len(labels)} labels")
-    if labels.min() < 0:
-        raise DataError(f"{str(file)!r}: negative label {int(labels.min())}")
-    return labels.astype(np.int64)
+def _synthetic_images(cfg: PreprocessConfig) -> SyntheticImages:
+    shape = cfg.synthetic_shape
+    return SyntheticImages.create(cfg.seed, cfg.synthetic_samples, cfg.synthetic_classes, shape)
 
 
 def _load_synthetic(cfg: PreprocessConfig) -> RawData:
     """Each class a fixed random pattern; a sample is its class pattern plus noise."""
-    rng = np.random.default_rng(cfg.seed)
-    templates = _templates(rng, cfg.synthetic_classes, cfg.synthetic_shape)
-    labels = rng.permutation(np.arange(cfg.synthetic_samples) % cfg.synthetic_classes)
-    noise = rng.normal(0.0, 0.5, size=(cfg.synthetic_samples, *cfg.synthetic_shape))
-    images = (templates[labels] + noise).astype(np.float32)
-    return RawData(images, labels.astype(np.int64), [str(i) for i in range(len(templates))])
-
-
-def _templates(rng: np.random.Generator, classes: int, shape: tuple[int, int, int]) -> np.ndarray:
-    """Per class: an oriented grating plus a smooth blob pattern, (classes, C, H, W).
-
-    The grating is a texture that position-invariant models (global pooling) can tell apart;
-    the blobs separate classes whose gratings happen to be alike.
-    """
-    c, h, w = shape
-    rows, cols = np.meshgrid(np.arange(h) / h, np.arange(w) / w, indexing="ij")
-    angle = rng.uniform(0, np.pi, size=(classes, c, 1, 1))
-    freq = rng.uniform(1.5, 4.0, size=(classes, c, 1, 1))
-    phase = rng.uniform(0, 2 * np.pi, size=(classes, c, 1, 1))
-    wave = np.cos(angle) * rows + np.sin(angle) * cols
-    grating = np.sin(2 * np.pi * freq * wave + phase)
-    coarse = rng.normal(0.0, 1.0, size=(classes, c, 4, 4))
-    blobs = coarse[:, :, (np.arange(h) * 4) // h][:, :, :, (np.arange(w) * 4) // w]
-    return grating + blobs
+    images = _synthetic_images(cfg)
+    classes = [str(i) for i in range(cfg.synthetic_classes)]
+    return RawData(images.materialise(), images.labels, classes)

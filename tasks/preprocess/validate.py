@@ -3,19 +3,20 @@
 import numpy as np
 
 from tasks.errors import DataError
-from tasks.preprocess.sources import RawData
+from tasks.preprocess.sources import RawData, RawSource
 
 MIN_SAMPLES = 10
+_CHECK_ROWS = 4096  # rows per finiteness check: bounded temporaries at any data size
 
 
-def validate_raw(raw: RawData, origin: str) -> None:
+def validate_raw(raw: RawData | RawSource, origin: str) -> None:
     """Raise DataError (prefixed with origin) unless raw is a usable labelled image set."""
     _check_shapes(raw, origin)
     _check_values(raw, origin)
     _check_labels(raw, origin)
 
 
-def _check_shapes(raw: RawData, origin: str) -> None:
+def _check_shapes(raw: RawData | RawSource, origin: str) -> None:
     if raw.images.ndim != 4:
         raise DataError(f"{origin}: images have shape {raw.images.shape}; expected (N, C, H, W)")
     if raw.labels.ndim != 1 or len(raw.labels) != len(raw.images):
@@ -31,18 +32,31 @@ def _check_shapes(raw: RawData, origin: str) -> None:
         )
 
 
-def _check_values(raw: RawData, origin: str) -> None:
+def _check_values(raw: RawData | RawSource, origin: str) -> None:
     dtype = raw.images.dtype
     if dtype == np.bool_ or not np.issubdtype(dtype, np.number):
         raise DataError(f"{origin}: images have non-numeric dtype {dtype}")
     if np.issubdtype(dtype, np.complexfloating):
         raise DataError(f"{origin}: images have complex dtype {dtype}")
-    if np.issubdtype(dtype, np.floating) and not np.isfinite(raw.images).all():
-        bad = int(np.flatnonzero(~np.isfinite(raw.images).reshape(len(raw.images), -1).all(1))[0])
+    if not np.issubdtype(dtype, np.floating):
+        return
+    images = raw.images
+    bad = _first_nonfinite(images) if isinstance(images, np.ndarray) else images.first_nonfinite()
+    if bad is not None:
         raise DataError(f"{origin}: image {bad} holds NaN or infinite values")
 
 
-def _check_labels(raw: RawData, origin: str) -> None:
+def _first_nonfinite(images: np.ndarray) -> int | None:
+    """Index of the first image holding NaN/inf, None when all are finite."""
+    for start in range(0, len(images), _CHECK_ROWS):
+        block = images[start : start + _CHECK_ROWS].reshape(-1, int(np.prod(images.shape[1:])))
+        bad = np.flatnonzero(~np.isfinite(block).all(axis=1))
+        if len(bad):
+            return start + int(bad[0])
+    return None
+
+
+def _check_labels(raw: RawData | RawSource, origin: str) -> None:
     if not np.issubdtype(raw.labels.dtype, np.integer):
         raise DataError(f"{origin}: labels have dtype {raw.labels.dtype}; expected integers")
     n_classes = len(raw.classes)

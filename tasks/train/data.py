@@ -43,11 +43,20 @@ def _fits_on(device: torch.device, nbytes: int) -> bool:
 
 
 def load_split_to(
-    path: Path, split: Literal["train", "val", "test"], device: torch.device
+    path: Path,
+    split: Literal["train", "val", "test"],
+    device: torch.device,
+    channels_last: bool = False,
 ) -> Split:
-    """Read a split of the dataset at `path` and place it on `device` when it fits."""
+    """Read a split of the dataset at `path` and place it on `device` when it fits.
+
+    With `channels_last` the images are stored NHWC once here; index slices keep that
+    layout, so no batch is ever converted.
+    """
     x_np, y_np = load_split(path, split)
     x, y = torch.from_numpy(x_np), torch.from_numpy(y_np)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
     if _fits_on(device, x.nbytes + y.nbytes):
         return Split(x.to(device), y.to(device))
     if device.type == "cuda":

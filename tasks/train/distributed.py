@@ -6,6 +6,7 @@ torchrun those variables are already set; a plain process is a world of one with
 group at all.
 """
 
+import atexit
 import logging
 import os
 import sys
@@ -17,6 +18,8 @@ from datetime import timedelta
 import submitit
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from tasks.errors import ConfigError
 
@@ -137,8 +140,50 @@ def _exit_now(code: object) -> None:
     os._exit(code if isinstance(code, int) else (0 if code is None else 1))
 
 
+def exit_fast_at_shutdown() -> None:
+    """In a submitit task process (local or Slurm), skip the interpreter's teardown at exit.
+
+    Tearing down torch's ~2000 modules takes 0.9 s on an idle 2-core machine (2.5 s loaded)
+    after the result is written, and a job ends only when all its ranks have exited. Call
+    once training succeeded: submitit then writes the result and its log lines as usual,
+    and at exit this handler, run before every other, flushes and leaves at once.
+    """
+    if _is_submitit_task_process():
+        atexit.register(_exit_at_shutdown)
+
+
+def _is_submitit_task_process() -> bool:
+    """True only in a process submitit started to run a task: never in the caller's process
+    (the debug executor, tests, a flow that runs inside a Slurm allocation)."""
+    main = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if getattr(main, "name", None) != "submitit.core._submit":
+        return False
+    try:
+        return submitit.JobEnvironment().cluster in ("local", "slurm")
+    except RuntimeError:
+        return False
+
+
+def _exit_at_shutdown() -> None:
+    # An exception that escaped after training (e.g. a result that cannot be pickled) left
+    # sys.last_value behind: keep the failing exit code then.
+    _exit_now(1 if hasattr(sys, "last_value") else 0)
+
+
 def all_reduce_sum(tensor: torch.Tensor, ctx: DistContext) -> torch.Tensor:
     """Sum `tensor` over all ranks in place (no-op for a world of one) and return it."""
     if ctx.world_size > 1:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return tensor
+
+
+def wrap_ddp(model: nn.Module, ctx: DistContext) -> nn.Module:
+    """`model` wrapped in DistributedDataParallel when the world has several ranks.
+
+    gradient_as_bucket_view: gradients are views into DDP's all-reduce buckets, which saves
+    one copy of every gradient per step and that much memory.
+    """
+    if ctx.world_size == 1:
+        return model
+    ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+    return DistributedDataParallel(model, device_ids=ids, gradient_as_bucket_view=True)

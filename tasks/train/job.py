@@ -15,7 +15,6 @@ from typing import Any
 import submitit
 import torch
 from pydantic import BaseModel, ConfigDict, Field
-from torch.nn.parallel import DistributedDataParallel
 
 from tasks.errors import ConfigError
 from tasks.hashing import sha256_file
@@ -32,15 +31,23 @@ from tasks.train.checkpoint import (
 )
 from tasks.train.config import TrainConfig
 from tasks.train.data import Split, load_split_to, rank_batches
-from tasks.train.distributed import DistContext, distributed
+from tasks.train.distributed import DistContext, distributed, exit_fast_at_shutdown, wrap_ddp
 from tasks.train.loop import Trainer, evaluate_split, make_optimizer, train_epoch
-from tasks.train.models import build_model
+from tasks.train.models import build_model, place_model, use_channels_last
 from tasks.train.precision import PrecisionPolicy, resolve_precision
 from tasks.train.ref import CheckpointRef
 
 _NOT_LOGGED = ("epoch", "step")
-# A run may resume with more epochs, on another device or precision; nothing else may change.
-_MAY_CHANGE_ON_RESUME = {"epochs", "log_every_epochs", "device", "precision"}
+# A run may resume with more epochs, on another device, precision or speed setting (memory
+# format, compilation); nothing else may change.
+_MAY_CHANGE_ON_RESUME = {
+    "epochs",
+    "log_every_epochs",
+    "device",
+    "precision",
+    "channels_last",
+    "compile",
+}
 
 
 class TrainJobSpec(BaseModel):
@@ -90,14 +97,11 @@ class TrainingJob(submitit.helpers.Checkpointable):
             torch.manual_seed(cfg.seed)
             random.seed(cfg.seed)
             policy = resolve_precision(cfg.precision, dist.device)
+            nhwc = use_channels_last(cfg.channels_last, dist.device)
             if dist.is_main:
-                print(
-                    f"training {cfg.model} on {dist.world_size} rank(s): device {dist.device}, "
-                    f"backend {dist.backend}, precision {policy.name}",
-                    flush=True,
-                )
-            train = load_split_to(spec.dataset.path, "train", dist.device)
-            val = load_split_to(spec.dataset.path, "val", dist.device)
+                self._announce(dist, policy, nhwc)
+            train = load_split_to(spec.dataset.path, "train", dist.device, nhwc)
+            val = load_split_to(spec.dataset.path, "val", dist.device, nhwc)
             trainer = self._trainer(dist, policy, len(train))
             progress = self._resume(trainer)
             logger = make_logger(spec.tracking_uri, spec.run_id, dist.rank)
@@ -107,7 +111,10 @@ class TrainingJob(submitit.helpers.Checkpointable):
                 if dist.is_main:
                     self._record(trainer, progress, metrics, logger)
             logger.flush()
-            return self._finish(progress) if dist.is_main else None
+            result = self._finish(progress) if dist.is_main else None
+        if not cfg.compile:  # compiled runs keep the teardown that stops inductor's workers
+            exit_fast_at_shutdown()
+        return result
 
     def checkpoint(self, *args: Any, **kwargs: Any) -> submitit.helpers.DelayedSubmission:
         """On timeout or preemption: requeue a fresh job; it resumes from disk by itself."""
@@ -118,13 +125,21 @@ class TrainingJob(submitit.helpers.Checkpointable):
         """Where the full training state is written every epoch."""
         return self.spec.out_dir / "checkpoints"
 
+    def _announce(self, dist: DistContext, policy: PrecisionPolicy, nhwc: bool) -> None:
+        """Print where and how this run trains (rank 0's first log line)."""
+        cfg = self.spec.train
+        print(
+            f"training {cfg.model} on {dist.world_size} rank(s): device {dist.device}, "
+            f"backend {dist.backend}, precision {policy.name}, channels_last "
+            f"{'on' if nhwc else 'off'}, compile {'on' if cfg.compile else 'off'}",
+            flush=True,
+        )
+
     def _trainer(self, dist: DistContext, policy: PrecisionPolicy, n_train: int) -> Trainer:
         cfg, ref = self.spec.train, self.spec.dataset
-        model = build_model(cfg, ref.shape, len(ref.classes)).to(dist.device)
+        model = place_model(build_model(cfg, ref.shape, len(ref.classes)), cfg, dist.device)
         optimizer = make_optimizer(cfg, model)
-        if dist.world_size > 1:
-            ids = [dist.device.index] if dist.device.type == "cuda" else None
-            model = DistributedDataParallel(model, device_ids=ids)
+        model = wrap_ddp(model, dist)
         steps_per_epoch = -(-(n_train // dist.world_size) // cfg.batch_size)  # ceil
         return Trainer(
             model=model,

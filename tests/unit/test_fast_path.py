@@ -1,0 +1,198 @@
+"""The fast path: memory format, compilation, fused optimizers, DDP wrapping (CPU)."""
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from pydantic import ValidationError
+
+from tasks.hashing import sha256_file
+from tasks.preprocess.dataset import read_manifest
+from tasks.preprocess.ref import DatasetRef
+from tasks.train.config import TrainConfig
+from tasks.train.data import load_split_to
+from tasks.train.distributed import DistContext, wrap_ddp
+from tasks.train.job import TrainingJob, TrainJobSpec
+from tasks.train.loop import make_optimizer
+from tasks.train.models import ReferenceCNN, build_model, place_model, use_channels_last
+from tests.unit.datasets import write_dataset
+
+CPU = torch.device("cpu")
+NHWC = torch.channels_last
+
+
+@pytest.fixture(autouse=True)
+def _restore_torch_threads() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def _write_rgb_dataset(root: Path, n: int = 8) -> DatasetRef:
+    """A 3-channel dataset: with one channel, NCHW and NHWC are the same bytes."""
+    root.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    splits = {}
+    for split in ("train", "val", "test"):
+        names = {"x": f"{split}-00000.x.npy", "y": f"{split}-00000.y.npy"}
+        np.save(root / names["x"], rng.normal(size=(n, 3, 12, 12)).astype(np.float32))
+        np.save(root / names["y"], rng.integers(0, 2, n).astype(np.int64))
+        hashes = {f"{k}_sha256": sha256_file(root / v) for k, v in names.items()}
+        splits[split] = [{**names, **hashes, "n": n}]
+    manifest = {
+        "format_version": 1,
+        "content_hash": "rgb",
+        "cache_key": "rgb",
+        "counts": {split: n for split in splits},
+        "shape": [3, 12, 12],
+        "classes": ["a", "b"],
+        "mean": [0.0] * 3,
+        "std": [1.0] * 3,
+        "splits": splits,
+    }
+    (root / "manifest.json").write_text(json.dumps(manifest))
+    return read_manifest(root)
+
+
+@pytest.mark.parametrize("value", ["auto", "on", "off"])
+def test_channels_last_takes_auto_on_or_off(value: str) -> None:
+    assert TrainConfig(channels_last=value).channels_last == value
+
+
+@pytest.mark.parametrize("field, value", [("channels_last", "yes"), ("compile", "maybe")])
+def test_fast_path_fields_refuse_other_values(field: str, value: str) -> None:
+    with pytest.raises(ValidationError, match=field):
+        TrainConfig(**{field: value})
+
+
+def test_compile_is_off_by_default() -> None:
+    assert TrainConfig().compile is False
+
+
+def test_channels_last_auto_is_on_for_cuda_and_for_cpus_with_onednn() -> None:
+    assert use_channels_last("auto", torch.device("cuda", 0))
+    assert use_channels_last("auto", CPU) == torch.backends.mkldnn.is_available()
+    assert use_channels_last("on", CPU) and not use_channels_last("off", torch.device("cuda"))
+
+
+@pytest.mark.parametrize("setting, expected", [("on", True), ("off", False)])
+def test_place_model_sets_the_memory_format_of_conv_weights(setting: str, expected: bool) -> None:
+    cfg = TrainConfig(channels_last=setting)
+    model = place_model(build_model(cfg, (3, 12, 12), 4), cfg, CPU)
+    assert isinstance(model, ReferenceCNN)
+    assert model.conv2.weight.is_contiguous(memory_format=NHWC) is expected
+
+
+def test_a_compiled_model_keeps_plain_state_dict_keys_and_outputs() -> None:
+    torch.manual_seed(0)
+    eager = build_model(TrainConfig(), (1, 12, 12), 4)
+    compiled = build_model(TrainConfig(compile=True), (1, 12, 12), 4)
+    compiled.load_state_dict(eager.state_dict())
+    compiled = place_model(compiled, TrainConfig(compile=True, channels_last="off"), CPU)
+    assert compiled._compiled_call_impl is not None  # what Module.compile() sets
+    assert list(compiled.state_dict()) == list(eager.state_dict())
+    x = torch.randn(5, 1, 12, 12)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), eager(x), atol=1e-5, rtol=1e-4)
+
+
+def test_the_reference_cnn_computes_the_founding_forward_and_gradients_exactly() -> None:
+    torch.manual_seed(0)
+    net = ReferenceCNN(1, 10, 28, 28)
+    x, y = torch.randn(64, 1, 28, 28), torch.randint(0, 10, (64,))
+
+    def founding(inputs: torch.Tensor) -> torch.Tensor:  # the founding material's order
+        h = net.pool(torch.relu(net.conv1(inputs)))
+        h = net.pool(torch.relu(net.conv2(h)))
+        return net.fc(torch.flatten(h, 1))
+
+    grads = []
+    for forward in (founding, net):
+        net.zero_grad()
+        loss = torch.nn.functional.cross_entropy(forward(x), y)
+        loss.backward()
+        grads.append([p.grad.clone() for p in net.parameters() if p.grad is not None])
+    for ours, theirs in zip(grads[1], grads[0], strict=True):
+        torch.testing.assert_close(ours, theirs, atol=0, rtol=0)
+    torch.testing.assert_close(net(x), founding(x), atol=0, rtol=0)
+
+
+def test_channels_last_data_stays_nhwc_in_every_batch(tmp_path: Path) -> None:
+    ref = _write_rgb_dataset(tmp_path / "rgb")
+    nhwc = load_split_to(ref.path, "train", CPU, channels_last=True)
+    plain = load_split_to(ref.path, "train", CPU)
+    x, _ = nhwc.batch(torch.tensor([5, 0, 3]), CPU)
+    assert x.is_contiguous(memory_format=NHWC) and not x.is_contiguous()
+    assert plain.x.is_contiguous()
+    torch.testing.assert_close(x, plain.x[[5, 0, 3]], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_optimizers_are_fused_on_cpu(optimizer: str) -> None:
+    cfg = TrainConfig(optimizer=optimizer)
+    opt = make_optimizer(cfg, build_model(cfg, (1, 12, 12), 4))
+    assert opt.defaults["fused"] is True
+
+
+def test_a_world_of_one_is_not_wrapped_in_ddp() -> None:
+    model = torch.nn.Linear(2, 2)
+    assert wrap_ddp(model, DistContext(0, 1, 0, CPU, None)) is model
+
+
+def test_a_run_resumes_after_its_speed_settings_changed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    dataset = write_dataset(tmp_path / "ds", n_train=64, n_val=32)
+    slow = TrainConfig(epochs=1, batch_size=32, device="cpu", channels_last="off")
+    TrainingJob(TrainJobSpec(train=slow, dataset=dataset, out_dir=tmp_path / "run"))()
+    assert "channels_last off, compile off" in capsys.readouterr().out
+    fast = slow.model_copy(update={"epochs": 2, "channels_last": "on"})
+    ref = TrainingJob(TrainJobSpec(train=fast, dataset=dataset, out_dir=tmp_path / "run"))()
+    out = capsys.readouterr().out
+    assert "channels_last on" in out and "after epoch 1" in out
+    assert ref is not None
+    assert [h["epoch"] for h in json.loads(ref.history_path.read_text())] == [1, 2]
+
+
+_EXIT_SCRIPT = """
+import atexit, sys, types
+import submitit
+from tasks.train import distributed
+atexit.register(print, "normal teardown ran")
+env = types.SimpleNamespace(cluster=sys.argv[1])
+submitit.JobEnvironment = lambda: env
+if sys.argv[3] == "task":  # what `python -m submitit.core._submit` looks like
+    sys.modules["__main__"].__spec__ = types.SimpleNamespace(name="submitit.core._submit")
+distributed.exit_fast_at_shutdown()
+print("result written", end="")  # unflushed: the fast exit must flush it
+if sys.argv[2] == "fail":
+    raise ValueError("after training")
+"""
+
+
+@pytest.mark.parametrize(
+    "cluster, process, outcome, code, teardown",
+    [
+        ("local", "task", "ok", 0, False),
+        ("slurm", "task", "fail", 1, False),
+        ("debug", "task", "ok", 0, True),
+        ("slurm", "caller", "fail", 1, True),  # e.g. pytest inside a Slurm allocation
+    ],
+)
+def test_rank_processes_skip_the_interpreter_teardown_but_keep_output_and_exit_code(
+    cluster: str, process: str, outcome: str, code: int, teardown: bool
+) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", _EXIT_SCRIPT, cluster, outcome, process],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).parents[2],
+    )
+    assert done.returncode == code, done.stderr
+    assert done.stdout.startswith("result written")
+    assert ("normal teardown ran" in done.stdout) is teardown
