@@ -226,6 +226,7 @@ GresTypes=gpu
 SlurmdParameters=config_overrides
 $(node_line)
 PartitionName=$PARTITION Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+PartitionName=short Nodes=ALL MaxTime=30 State=UP
 EOF
 }
 

@@ -131,11 +131,12 @@ def test_more_nodes_than_the_partition_has_are_refused() -> None:
 
 
 def test_a_time_limit_above_the_partitions_max_time_is_refused() -> None:
-    part = _default_partition()
-    if part.max_time_min is None:
-        pytest.skip(f"partition {part.name!r} has no MaxTime")
-    with pytest.raises(ConfigError, match=r"cluster\.timeout_min=.*MaxTime.*set cluster\.timeout"):
-        check_request(_slurm(timeout_min=part.max_time_min + 1))
+    # The dev cluster's `short` partition has MaxTime=30 (minutes).
+    check_request(_slurm(partition="short", timeout_min=30))
+    with pytest.raises(
+        ConfigError, match=r"cluster\.timeout_min=31.*MaxTime.*set cluster\.timeout"
+    ):
+        check_request(_slurm(partition="short", timeout_min=31))
 
 
 def test_the_time_check_applies_a_partitions_max_time() -> None:
