@@ -127,14 +127,10 @@ def wait_for_job(job: submitit.Job[Any], log: Callable[[str], None], poll_s: flo
     except BaseException:
         _cancel_quietly(job)
         raise
-    failures = task_failures(job)
-    if failures:
-        raise JobError(_failure_message(job, failures))
-    try:
-        # results(), not result(): the latter refuses multi-task jobs after waiting.
-        return job.results()[0]
-    except (FailedJobError, UncompletedJobError) as exc:
-        raise JobError(f"job {job.job_id} did not complete:\n{exc}") from exc
+    outcome = _outcome(job)
+    if isinstance(outcome, JobError):
+        raise outcome
+    return outcome
 
 
 def wait_for_jobs(
@@ -162,10 +158,12 @@ def wait_for_jobs(
 
 
 def _outcome(job: submitit.Job[Any]) -> Any:
+    """Task 0's result of an ended job, or the JobError it failed with (tracebacks inside)."""
     failures = task_failures(job)
     if failures:
         return JobError(_failure_message(job, failures))
     try:
+        # results(), not result(): the latter refuses multi-task jobs after waiting.
         return job.results()[0]
     except (FailedJobError, UncompletedJobError) as exc:
         return JobError(f"job {job.job_id} did not complete:\n{exc}")
