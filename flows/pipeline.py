@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from prefect import flow, get_run_logger
+from prefect.artifacts import create_markdown_artifact
 from pydantic import BaseModel, ConfigDict
 
 from cluster.registry import cancel_orphans
@@ -20,6 +21,7 @@ from tasks.evaluate.task import evaluate_task
 from tasks.preprocess.ref import DatasetRef
 from tasks.preprocess.task import preprocess
 from tasks.tracking.pipeline_runs import PipelineRuns
+from tasks.tracking.report import run_link, summary_markdown
 from tasks.tracking.stage_logs import log_checkpoint, log_dataset
 from tasks.train.config import TrainConfig
 from tasks.train.job import TrainJobSpec
@@ -126,7 +128,13 @@ def summarize(
     result: EvalResult,
     t: dict[str, float],
 ) -> PipelineSummary:
-    """The small result the flow returns."""
+    """The small result the flow returns; also published as a Markdown artifact."""
+    link = run_link(runs.tracking_uri, runs.experiment_id, runs.parent_id)
+    create_markdown_artifact(
+        summary_markdown(runs.experiment, link, dataset, result, t),
+        key="trainflow-summary",
+        description="test accuracy, dataset hash, model and MLflow run of this pipeline run",
+    )
     return PipelineSummary(
         test_accuracy=result.test_accuracy,
         experiment=runs.experiment,

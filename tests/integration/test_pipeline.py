@@ -6,6 +6,8 @@ from pathlib import Path
 import mlflow
 import pytest
 from mlflow.tracking import MlflowClient
+from prefect.artifacts import Artifact
+from prefect.client.schemas.objects import Artifact as ArtifactResponse
 
 from flows.pipeline import PipelineSummary, pipeline
 
@@ -72,6 +74,16 @@ def test_evaluate_run_has_metrics_images_and_model(first: PipelineSummary) -> No
     info = mlflow.models.get_model_info(first.model_uri)
     assert info.signature is not None
     assert info.run_id == run_id
+
+
+def test_summary_artifact_links_the_mlflow_run(first: PipelineSummary) -> None:
+    artifact = Artifact.get("trainflow-summary")  # sync here: no running event loop
+    assert isinstance(artifact, ArtifactResponse) and artifact.type == "markdown"
+    text = str(artifact.data)
+    assert f"{first.test_accuracy:.4f}" in text
+    assert first.dataset_hash[:16] in text
+    assert f"/runs/{first.parent_run_id}" in text
+    assert str(first.model_uri) in text
 
 
 def test_second_run_hits_the_preprocess_cache(first: PipelineSummary, workdir: Path) -> None:

@@ -1,0 +1,30 @@
+"""The pipeline run's summary as Markdown, for the Prefect UI's artifact tab."""
+
+from tasks.evaluate.run import EvalResult
+from tasks.preprocess.ref import DatasetRef
+
+
+def run_link(tracking_uri: str, experiment_id: str, run_id: str) -> str:
+    """The MLflow UI address of a run: the tracking server's, or `trainflow ui`'s default."""
+    base = tracking_uri if tracking_uri.startswith("http") else "http://127.0.0.1:5000"
+    return f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
+
+
+def summary_markdown(
+    name: str, link: str, dataset: DatasetRef, result: EvalResult, seconds: dict[str, float]
+) -> str:
+    """Key metrics, dataset hash, logged model and the MLflow link of one pipeline run."""
+    samples = sum(dataset.counts.values())
+    lines = [
+        f"# trainflow: {name}",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| test accuracy | **{result.test_accuracy:.4f}** |",
+        f"| macro F1 | {result.metrics.get('test_macro_f1', float('nan')):.4f} |",
+        f"| dataset hash | `{dataset.content_hash[:16]}` ({samples} samples) |",
+        f"| model | `{result.model_uri or 'not logged'}` |",
+        f"| stage seconds | {', '.join(f'{k} {v:.1f}' for k, v in seconds.items())} |",
+        f"| MLflow run | [{link}]({link}) |",
+    ]
+    return "\n".join(lines) + "\n"
