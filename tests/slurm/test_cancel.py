@@ -70,13 +70,19 @@ def _statuses(workdir: Path) -> dict[str, str]:
     return {r.info.run_name: r.info.status for r in client.search_runs([exp.experiment_id])}
 
 
-def test_ctrl_c_on_trainflow_run_cancels_the_slurm_job(tmp_path: Path) -> None:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "flows.cli", "run", *_LONG, "--set", f"workdir={tmp_path}"],
+def _long_run(workdir: Path, new_session: bool = False) -> subprocess.Popen[bytes]:
+    """`trainflow run` of a long Slurm training in the background."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "flows.cli", "run", *_LONG, "--set", f"workdir={workdir}"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         env=_env(),
+        start_new_session=new_session,
     )
+
+
+def test_ctrl_c_on_trainflow_run_cancels_the_slurm_job(tmp_path: Path) -> None:
+    proc = _long_run(tmp_path)
     try:
         job_id = _running_job(tmp_path)
         assert _in_squeue(job_id)
@@ -90,13 +96,7 @@ def test_ctrl_c_on_trainflow_run_cancels_the_slurm_job(tmp_path: Path) -> None:
 
 
 def test_killed_flow_process_leaves_a_job_that_cleanup_cancels(tmp_path: Path) -> None:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "flows.cli", "run", *_LONG, "--set", f"workdir={tmp_path}"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env=_env(),
-        start_new_session=True,
-    )
+    proc = _long_run(tmp_path, new_session=True)
     try:
         job_id = _running_job(tmp_path)
     finally:
