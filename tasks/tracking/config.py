@@ -7,6 +7,6 @@ class TrackingConfig(StrictModel):
     """Where runs are logged."""
 
     tracking_uri: str | None = None
-    """MLflow tracking URI; None: sqlite:///<workdir>/mlflow.db (a local store)."""
+    """MLflow tracking URI; None: $MLFLOW_TRACKING_URI if set, else sqlite:///<workdir>/mlflow.db."""
     experiment: str = "trainflow"
     """MLflow experiment name."""

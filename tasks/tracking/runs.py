@@ -4,6 +4,7 @@ The flow creates the runs with an explicit client and passes run ids to the stag
 nothing depends on MLflow's process-global "active run" (which a Slurm job never shares).
 """
 
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -19,9 +20,15 @@ PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 
 def resolve_tracking_uri(cfg: TrackingConfig, workdir: Path) -> str:
-    """The configured URI, or a SQLite store inside the working folder."""
+    """The configured URI, else MLFLOW_TRACKING_URI, else a SQLite store in the working folder.
+
+    Honouring MLflow's own variable lets a deployment or an sbatch script point every run at a
+    tracking server without touching the config.
+    """
     if cfg.tracking_uri:
         return cfg.tracking_uri
+    if os.environ.get("MLFLOW_TRACKING_URI"):
+        return os.environ["MLFLOW_TRACKING_URI"]
     return f"sqlite:///{(workdir / 'mlflow.db').resolve()}"
 
 

@@ -15,9 +15,20 @@ def _runs(tmp_path: Path) -> PipelineRuns:
     return PipelineRuns(TrackingConfig(experiment="t"), tmp_path, "p")
 
 
-def test_default_store_is_sqlite_in_workdir(tmp_path: Path) -> None:
+def test_default_store_is_sqlite_in_workdir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     uri = resolve_tracking_uri(TrackingConfig(), tmp_path)
     assert uri == f"sqlite:///{tmp_path.resolve()}/mlflow.db"
+    assert resolve_tracking_uri(TrackingConfig(tracking_uri="http://x:1"), tmp_path) == "http://x:1"
+
+
+def test_mlflow_tracking_uri_variable_is_used_unless_the_config_sets_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://server:5000")
+    assert resolve_tracking_uri(TrackingConfig(), tmp_path) == "http://server:5000"
     assert resolve_tracking_uri(TrackingConfig(tracking_uri="http://x:1"), tmp_path) == "http://x:1"
 
 

@@ -1,0 +1,159 @@
+"""Real services for tests: free loopback ports, polling, Prefect and MLflow servers.
+
+Every server here is the real program, started as a subprocess in its own session on a free
+loopback port with its state under a test folder, and stopped with SIGINT (a Prefect server
+or worker ignores SIGTERM for 25+ s).
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for(predicate: Callable[[], T | None], limit_s: float, what: str) -> T:
+    """Poll `predicate` every 0.5 s until it returns something truthy; fail after limit_s."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.5)
+    raise AssertionError(f"timed out after {limit_s} s waiting for {what}")
+
+
+def http_status(url: str, headers: Mapping[str, str] | None = None) -> int | None:
+    """The HTTP status of a GET (errors included), or None when nothing answers."""
+    request = urllib.request.Request(url, headers=dict(headers or {}))
+    try:
+        with urllib.request.urlopen(request, timeout=5) as resp:
+            return int(resp.status)
+    except urllib.error.HTTPError as err:
+        return int(err.code)
+    except OSError:
+        return None
+
+
+def get_json(url: str, headers: Mapping[str, str] | None = None) -> Any:
+    """The JSON body of a successful GET, or None."""
+    request = urllib.request.Request(url, headers=dict(headers or {}))
+    try:
+        with urllib.request.urlopen(request, timeout=5) as resp:
+            return json.load(resp)
+    except OSError:
+        return None
+
+
+def service_env(**extra: str) -> dict[str, str]:
+    """This process's environment plus unbuffered output, no telemetry and `extra`."""
+    return {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
+        **extra,
+    }
+
+
+@contextmanager
+def background(
+    argv: list[str], log: Path, env: Mapping[str, str], cwd: Path | None = None
+) -> Iterator[subprocess.Popen[bytes]]:
+    """Run argv in its own session with output in `log`; SIGINT (then SIGKILL) on exit."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            argv, stdout=out, stderr=subprocess.STDOUT, env=dict(env), cwd=cwd,
+            start_new_session=True,
+        )  # fmt: skip
+    try:
+        yield proc
+    finally:
+        stop_group(proc)
+
+
+def stop_group(proc: subprocess.Popen[bytes], grace_s: float = 30) -> None:
+    """SIGINT to the process group, SIGKILL if it is still there after grace_s."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGINT)
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        except ProcessLookupError:
+            pass
+
+
+def _check_alive(proc: subprocess.Popen[bytes], log: Path, what: str) -> None:
+    if proc.poll() is not None:
+        raise AssertionError(f"{what} exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+
+
+@contextmanager
+def prefect_server(
+    folder: Path, env: Mapping[str, str] | None = None, limit_s: float = 120
+) -> Iterator[str]:
+    """A real `prefect server start` on SQLite under `folder`; yields its API URL."""
+    port = free_port()
+    server_env = service_env(
+        PREFECT_HOME=str(folder / "prefect-home"),
+        PREFECT_API_DATABASE_CONNECTION_URL=f"sqlite+aiosqlite:///{folder}/prefect.db",
+        **dict(env or {}),
+    )
+    argv = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1"]
+    log = folder / "prefect-server.log"
+    with background([*argv, "--port", str(port)], log, server_env) as proc:
+        api = f"http://127.0.0.1:{port}/api"
+
+        def healthy() -> bool:
+            _check_alive(proc, log, "prefect server")
+            return http_status(f"{api}/health") is not None
+
+        wait_for(healthy, limit_s, "the Prefect server")
+        yield api
+
+
+@contextmanager
+def mlflow_server(
+    folder: Path,
+    extra_args: list[str] | None = None,
+    env: Mapping[str, str] | None = None,
+    limit_s: float = 120,
+) -> Iterator[str]:
+    """A real `mlflow server` on a SQLite store under `folder`; yields its URL."""
+    port = free_port()
+    argv = [
+        *(sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port)),
+        *("--backend-store-uri", f"sqlite:///{folder}/mlflow.db"),
+        *("--artifacts-destination", str(folder / "mlartifacts"), "--workers", "1"),
+        *(extra_args or []),
+    ]
+    log = folder / "mlflow-server.log"
+    with background(argv, log, service_env(**dict(env or {}))) as proc:
+        url = f"http://127.0.0.1:{port}"
+
+        def healthy() -> bool:
+            _check_alive(proc, log, "mlflow server")
+            return http_status(f"{url}/health") is not None
+
+        wait_for(healthy, limit_s, "the MLflow server")
+        yield url
