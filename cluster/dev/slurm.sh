@@ -222,6 +222,8 @@ MinJobAge=600
 JobRequeue=1
 ReturnToService=2
 MailProg=/bin/true
+# scrontab (deploy/slurm/scrontab.example): cron lines that Slurm itself queues as jobs.
+ScronParameters=enable
 GresTypes=gpu
 SlurmdParameters=config_overrides
 $(node_line)
