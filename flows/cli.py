@@ -62,6 +62,10 @@ def _print_summary(summary: object, cfg: PipelineConfig) -> None:
 
     assert isinstance(summary, PipelineSummary)
     ui = " ".join(_ui_command(cfg, 5000)[3:])
+    version = "not registered"
+    if summary.model_version is not None:
+        state = "now the champion" if summary.champion else "not the champion"
+        version = f"{summary.registered_model} v{summary.model_version} ({state})"
     print(
         "\n== trainflow summary ==\n"
         f"test accuracy   {summary.test_accuracy:.4f}\n"
@@ -71,6 +75,7 @@ def _print_summary(summary: object, cfg: PipelineConfig) -> None:
         f"dataset hash    {summary.dataset_hash[:16]} "
         f"({'cached' if summary.preprocess_cached else 'built'})\n"
         f"stage seconds   {summary.stage_seconds}\n"
+        f"model version   {version}\n"
         f"MLflow UI       trainflow ui   (or: mlflow {ui}) -> http://127.0.0.1:5000"
     )
 

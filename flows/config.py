@@ -5,6 +5,7 @@ Presets are small Python definitions derived from the base (no YAML trees). Over
 Everything is validated here, before any work starts.
 """
 
+import hashlib
 import itertools
 import json
 from collections.abc import Callable, Iterable, Mapping
@@ -154,6 +155,42 @@ def _flatten_into(out: dict[str, str], key: str, value: Any) -> None:
             _flatten_into(out, f"{key}.{k}", v)
     else:
         out[key] = json.dumps(value) if isinstance(value, list | tuple) else str(value)
+
+
+# What does not change the trained model stays out of config_hash: labels and places (name,
+# workdir, where runs are logged), the evaluation (it measures the model, never makes it),
+# preprocess.path (a location: the data's content is the dataset hash) and how often metrics
+# are flushed. Of the cluster only the world shape counts (it sets the global batch, the data
+# order and the device); where, how long and with which dask cluster it ran does not.
+HASH_EXCLUDED = (
+    "name",
+    "workdir",
+    "tracking",
+    "evaluate",
+    "preprocess.path",
+    "train.log_every_epochs",
+)
+"""Dotted config keys that config_hash leaves out."""
+HASH_CLUSTER_KEYS = ("nodes", "ranks_per_node", "gpus_per_node")
+"""The only cluster keys config_hash covers."""
+
+
+def config_hash(cfg: PipelineConfig) -> str:
+    """Hex sha256 of the canonical JSON of the config fields that shape the trained model.
+
+    Two runs with equal hashes trained the same recipe on data with the same content hash
+    (tagged separately as dataset_hash). Adding a config field changes every hash once.
+    """
+    tree = cfg.model_dump(mode="json")
+    tree["cluster"] = {k: tree["cluster"][k] for k in HASH_CLUSTER_KEYS}
+    for key in HASH_EXCLUDED:
+        *parents, leaf = key.split(".")
+        node = tree
+        for part in parents:
+            node = node[part]
+        node.pop(leaf, None)
+    text = json.dumps(tree, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 MAX_SWEEP = 256

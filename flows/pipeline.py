@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict
 
 from cluster.registry import cancel_orphans
 from cluster.slurm_checks import check_cluster
-from flows.config import PipelineConfig, build_config, flatten
+from flows.config import PipelineConfig, build_config, config_hash, flatten
 from tasks.evaluate.run import EvalResult
 from tasks.evaluate.task import evaluate_task
 from tasks.preprocess.ref import DatasetRef
@@ -23,7 +23,6 @@ from tasks.preprocess.task import preprocess
 from tasks.tracking.pipeline_runs import PipelineRuns
 from tasks.tracking.report import run_link, summary_markdown
 from tasks.tracking.stage_logs import log_checkpoint, log_dataset
-from tasks.train.config import TrainConfig
 from tasks.train.job import TrainJobSpec
 from tasks.train.ref import CheckpointRef
 from tasks.train.task import train_task
@@ -42,6 +41,12 @@ class PipelineSummary(BaseModel):
     preprocess_cached: bool
     stage_seconds: dict[str, float]
     model_uri: str | None
+    registered_model: str | None = None
+    """Registered model that got a version (None: registration off or model not logged)."""
+    model_version: str | None = None
+    """The registered version of this run's model."""
+    champion: bool = False
+    """Whether that version holds the champion alias now."""
 
 
 @contextmanager
@@ -66,12 +71,13 @@ def run_pipeline(cfg: PipelineConfig) -> PipelineSummary:
     run_dir = (cfg.workdir / "runs" / runs.parent_id).resolve()
     t: dict[str, float] = {}
     with runs.parent(flatten(cfg)):
+        runs.tag(runs.parent_id, {"config_hash": config_hash(cfg)})
         dataset, cached = preprocess_stage(runs, cfg, t)
         with runs.stage("train", flatten(cfg.train)) as run_id, timed(t, "train"):
             spec = train_spec(cfg, dataset, run_dir, runs.tracking_uri, run_id)
             ckpt = train_task(spec, cfg.cluster, run_dir / "jobs", cfg.workdir)
             log_checkpoint(runs.client, run_id, ckpt)
-        result = evaluate_stage(runs, cfg, cfg.train, dataset, ckpt, t)
+        result = evaluate_stage(runs, cfg, dataset, ckpt, t)
     return summarize(runs, dataset, cached, result, t)
 
 
@@ -107,14 +113,22 @@ def preprocess_stage(
 def evaluate_stage(
     runs: PipelineRuns,
     cfg: PipelineConfig,
-    train: TrainConfig,
     dataset: DatasetRef,
     ckpt: CheckpointRef,
     t: dict[str, float],
 ) -> EvalResult:
-    """The evaluate child run, then the headline numbers on the parent run."""
+    """The evaluate child run for ``ckpt`` (trained by ``cfg``), then headline numbers on the
+    parent run. A registered version is tagged with the dataset hash, git commit and config hash.
+    """
+    tags = {
+        "dataset_hash": dataset.content_hash,
+        "git_commit": runs.commit,
+        "config_hash": config_hash(cfg),
+    }
     with runs.stage("evaluate", flatten(cfg.evaluate)) as run_id, timed(t, "evaluate"):
-        result = evaluate_task(cfg.evaluate, train, dataset, ckpt, runs.tracking_uri, run_id)
+        result = evaluate_task(
+            cfg.evaluate, cfg.train, dataset, ckpt, runs.tracking_uri, run_id, tags
+        )
     seconds = {f"seconds_{k}": v for k, v in t.items()}
     runs.log_summary(runs.parent_id, {"test_accuracy": result.test_accuracy, **seconds})
     get_run_logger().info("test accuracy %.4f (stage seconds: %s)", result.test_accuracy, t)
@@ -133,8 +147,9 @@ def summarize(
     create_markdown_artifact(
         summary_markdown(runs.experiment, link, dataset, result, t),
         key="trainflow-summary",
-        description="test accuracy, dataset hash, model and MLflow run of this pipeline run",
+        description="test accuracy, dataset hash, model version and MLflow run of this run",
     )
+    reg = result.registry
     return PipelineSummary(
         test_accuracy=result.test_accuracy,
         experiment=runs.experiment,
@@ -144,4 +159,7 @@ def summarize(
         preprocess_cached=cached,
         stage_seconds=t,
         model_uri=result.model_uri,
+        registered_model=reg.name if reg else None,
+        model_version=reg.version if reg else None,
+        champion=reg.champion if reg else False,
     )

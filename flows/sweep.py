@@ -8,7 +8,7 @@ from typing import Any
 from prefect import flow, get_run_logger
 
 from cluster.slurm_checks import check_cluster
-from flows.config import PipelineConfig, build_sweep, flatten
+from flows.config import PipelineConfig, build_sweep, config_hash, flatten
 from flows.pipeline import (
     PipelineSummary,
     evaluate_stage,
@@ -61,16 +61,18 @@ def run_sweep(
         best = best_element(outcomes)
         best_ckpt = outcomes[best]
         assert isinstance(best_ckpt, CheckpointRef)
-        runs.tag(runs.parent_id, {"best_element": json.dumps(elements[best][0])})
-        get_run_logger().info("best element %d: %s", best, elements[best][0])
-        result = evaluate_stage(runs, base, elements[best][1].train, dataset, best_ckpt, t)
+        element, best_cfg = elements[best]
+        runs.tag(
+            runs.parent_id,
+            {"best_element": json.dumps(element), "config_hash": config_hash(best_cfg)},
+        )
+        get_run_logger().info("best element %d: %s", best, element)
+        result = evaluate_stage(runs, best_cfg, dataset, best_ckpt, t)
     accuracies = [
         o.metrics.get("val_accuracy") if isinstance(o, CheckpointRef) else None for o in outcomes
     ]
     summary = summarize(runs, dataset, cached, result, t)
-    return SweepSummary(
-        **summary.model_dump(), best_overrides=elements[best][0], val_accuracy=accuracies
-    )
+    return SweepSummary(**summary.model_dump(), best_overrides=element, val_accuracy=accuracies)
 
 
 def _train_elements(

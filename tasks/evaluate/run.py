@@ -1,4 +1,4 @@
-"""The evaluation stage: best checkpoint -> test metrics, plots and a logged model."""
+"""The evaluation stage: best checkpoint -> test metrics, plots, a logged and registered model."""
 
 import json
 import time
@@ -14,6 +14,7 @@ from tasks.errors import DataError
 from tasks.evaluate import metrics, plots
 from tasks.evaluate.config import EvaluateConfig
 from tasks.evaluate.model_logging import log_model
+from tasks.evaluate.registry import RegistryResult, register_and_promote
 from tasks.hashing import sha256_file
 from tasks.preprocess.dataset import load_split
 from tasks.preprocess.ref import DatasetRef
@@ -34,6 +35,8 @@ class EvalResult(BaseModel):
     """All logged test metrics (accuracy, macro F1, per-class precision/recall/F1)."""
     model_uri: str | None
     """URI of the logged MLflow model (None when model logging is off)."""
+    registry: RegistryResult | None = None
+    """The registered version and the champion decision (None: not registered)."""
 
 
 def load_model(ckpt: CheckpointRef, train: TrainConfig, dataset: DatasetRef) -> torch.nn.Module:
@@ -62,8 +65,13 @@ def run_evaluate(
     ckpt: CheckpointRef,
     tracking_uri: str,
     run_id: str,
+    version_tags: dict[str, str],
 ) -> EvalResult:
-    """Evaluate the best checkpoint on the test split and log everything to ``run_id``."""
+    """Evaluate the best checkpoint on the test split and log everything to ``run_id``.
+
+    With registration on, the logged model becomes a new registered version tagged with
+    ``version_tags`` (dataset_hash, git_commit, config_hash) and may take the champion alias.
+    """
     model = load_model(ckpt, train, dataset)
     x, y = load_split(dataset.path, "test", verify=True)
     cm = metrics.confusion_matrix(y, predict(model, x, cfg.batch_size), len(dataset.classes))
@@ -72,7 +80,34 @@ def run_evaluate(
     client = MlflowClient(tracking_uri)
     _log_results(client, run_id, cm, report, flat, dataset.classes, ckpt.history_path)
     uri = log_model(model, x[:4], tracking_uri, run_id) if cfg.log_model else None
-    return EvalResult(test_accuracy=flat["test_accuracy"], metrics=flat, model_uri=uri)
+    registry = _register(client, cfg, uri, run_id, flat, version_tags) if uri else None
+    return EvalResult(
+        test_accuracy=flat["test_accuracy"], metrics=flat, model_uri=uri, registry=registry
+    )
+
+
+def _register(
+    client: MlflowClient,
+    cfg: EvaluateConfig,
+    model_uri: str,
+    run_id: str,
+    flat: dict[str, float],
+    version_tags: dict[str, str],
+) -> RegistryResult | None:
+    """A new registered version that takes the champion alias if it wins (None: off)."""
+    if cfg.registered_model is None:
+        return None
+    metric = cfg.champion_metric
+    return register_and_promote(
+        client,
+        model_uri,
+        cfg.registered_model,
+        run_id,
+        metric,
+        flat[metric],
+        version_tags,
+        cfg.champion_alias,
+    )
 
 
 def _log_results(

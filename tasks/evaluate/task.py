@@ -18,6 +18,7 @@ def evaluate_task(
     ckpt: CheckpointRef,
     tracking_uri: str,
     run_id: str,
+    version_tags: dict[str, str],
 ) -> EvalResult:
-    """Test metrics, plots and the logged model for the best checkpoint."""
-    return run_evaluate(cfg, train, dataset, ckpt, tracking_uri, run_id)
+    """Test metrics, plots, the logged model and its registered version for the best checkpoint."""
+    return run_evaluate(cfg, train, dataset, ckpt, tracking_uri, run_id, version_tags)

@@ -1,5 +1,6 @@
 """The pipeline run's summary as Markdown, for the Prefect UI's artifact tab."""
 
+from tasks.evaluate.registry import RegistryResult
 from tasks.evaluate.run import EvalResult
 from tasks.preprocess.ref import DatasetRef
 
@@ -13,7 +14,7 @@ def run_link(tracking_uri: str, experiment_id: str, run_id: str) -> str:
 def summary_markdown(
     name: str, link: str, dataset: DatasetRef, result: EvalResult, seconds: dict[str, float]
 ) -> str:
-    """Key metrics, dataset hash, logged model and the MLflow link of one pipeline run."""
+    """Key metrics, dataset hash, model version, champion decision and the MLflow link."""
     samples = sum(dataset.counts.values())
     lines = [
         f"# trainflow: {name}",
@@ -24,7 +25,30 @@ def summary_markdown(
         f"| macro F1 | {result.metrics.get('test_macro_f1', float('nan')):.4f} |",
         f"| dataset hash | `{dataset.content_hash[:16]}` ({samples} samples) |",
         f"| model | `{result.model_uri or 'not logged'}` |",
+        f"| registered version | {registered_text(result.registry)} |",
+        f"| champion | {champion_text(result.registry)} |",
         f"| stage seconds | {', '.join(f'{k} {v:.1f}' for k, v in seconds.items())} |",
         f"| MLflow run | [{link}]({link}) |",
     ]
     return "\n".join(lines) + "\n"
+
+
+def registered_text(reg: RegistryResult | None) -> str:
+    """`name` version N, with its URI; or why there is none."""
+    if reg is None:
+        return "not registered"
+    return f"`{reg.name}` version **{reg.version}** (`models:/{reg.name}/{reg.version}`)"
+
+
+def champion_text(reg: RegistryResult | None) -> str:
+    """Whether this version took the alias, from whom, and why."""
+    if reg is None:
+        return "-"
+    before = (
+        f"previous: version {reg.previous_version}"
+        + (f" ({reg.previous_metric:.4f})" if reg.previous_metric is not None else "")
+        if reg.previous_version
+        else "no previous champion"
+    )
+    state = f"**yes**: now `@{reg.alias}`" if reg.champion else f"no: `@{reg.alias}` unchanged"
+    return f"{state}; {before}; {reg.reason}"
