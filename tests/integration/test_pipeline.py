@@ -9,6 +9,7 @@ from mlflow.tracking import MlflowClient
 from prefect.artifacts import Artifact
 from prefect.client.schemas.objects import Artifact as ArtifactResponse
 
+from flows.config import build_config, config_hash
 from flows.pipeline import PipelineSummary, pipeline
 
 pytestmark = pytest.mark.integration
@@ -47,6 +48,7 @@ def test_mlflow_holds_parent_and_three_children(first: PipelineSummary) -> None:
     assert parent.data.params["train.epochs"] == "2"
     assert parent.data.tags["dataset_hash"] == first.dataset_hash
     assert parent.data.tags["git_commit"]
+    assert parent.data.tags["config_hash"] == config_hash(build_config("tiny"))
     assert parent.data.metrics["test_accuracy"] == pytest.approx(first.test_accuracy)
     kids = _children(client, first)
     assert set(kids) == {"preprocess", "train", "evaluate"}
@@ -84,6 +86,27 @@ def test_summary_artifact_links_the_mlflow_run(first: PipelineSummary) -> None:
     assert first.dataset_hash[:16] in text
     assert f"/runs/{first.parent_run_id}" in text
     assert str(first.model_uri) in text
+    assert f"`trainflow-classifier` version **{first.model_version}**" in text
+    assert "**yes**: now `@champion`; no previous champion" in text
+
+
+def test_first_model_is_registered_as_the_champion(first: PipelineSummary) -> None:
+    assert (first.registered_model, first.model_version, first.champion) == (
+        "trainflow-classifier",
+        "1",
+        True,
+    )
+    client = MlflowClient(first.tracking_uri)
+    mv = client.get_model_version_by_alias("trainflow-classifier", "champion")
+    assert str(mv.version) == "1"
+    parent_tags = client.get_run(first.parent_run_id).data.tags
+    for key in ("dataset_hash", "git_commit", "config_hash"):
+        assert mv.tags[key] == parent_tags[key], key
+    assert float(mv.tags["test_accuracy"]) == first.test_accuracy
+    ev = _children(client, first)["evaluate"]
+    assert mv.run_id == ev.info.run_id  # type: ignore[attr-defined]
+    assert ev.data.tags["registered_model_version"] == "1"  # type: ignore[attr-defined]
+    assert ev.data.tags["champion"] == "true"  # type: ignore[attr-defined]
 
 
 def test_second_run_hits_the_preprocess_cache(first: PipelineSummary, workdir: Path) -> None:
@@ -94,6 +117,15 @@ def test_second_run_hits_the_preprocess_cache(first: PipelineSummary, workdir: P
     client = MlflowClient(second.tracking_uri)
     pre = _children(client, second)["preprocess"]
     assert pre.data.tags["cache"] == "hit"  # type: ignore[attr-defined]
+    # Same recipe, same data: a second version that takes the alias only on a strictly better
+    # test accuracy (an equal one, the usual outcome, leaves version 1 the champion).
+    assert second.model_version == "2"
+    assert second.champion == (second.test_accuracy > first.test_accuracy)
+    holder = client.get_model_version_by_alias("trainflow-classifier", "champion")
+    assert str(holder.version) == ("2" if second.champion else "1")
+    assert client.get_run(second.parent_run_id).data.tags["config_hash"] == config_hash(
+        build_config("tiny")
+    )
 
 
 def test_deleted_dataset_is_rebuilt_not_served_from_cache(

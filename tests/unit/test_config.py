@@ -7,6 +7,7 @@ from flows.config import (
     PipelineConfig,
     build_config,
     build_sweep,
+    config_hash,
     expand_grid,
     flatten,
     parse_override,
@@ -138,3 +139,53 @@ def test_every_sweep_element_is_validated_up_front() -> None:
     assert base.train.epochs == 3
     assert [cfg.train.lr for _, cfg in elements] == [0.1, 0.2]
     assert all(cfg.train.epochs == 3 for _, cfg in elements)
+
+
+def test_config_hash_is_stable_and_tracks_the_training_recipe() -> None:
+    base = config_hash(build_config("tiny"))
+    assert len(base) == 64
+    assert config_hash(build_config("tiny")) == base
+    # A different recipe is a different hash.
+    assert config_hash(build_config("tiny", ["train.lr=0.001"])) != base
+    assert config_hash(build_config("tiny", ["preprocess.seed=1"])) != base
+    assert config_hash(build_config("tiny", ["cluster.ranks_per_node=1"])) != base  # global batch
+
+
+def test_config_hash_ignores_what_does_not_change_the_model(tmp_path: object) -> None:
+    base = config_hash(build_config("tiny"))
+    same = [
+        f"workdir={tmp_path}",
+        "name=other",
+        "tracking.experiment=elsewhere",
+        "evaluate.batch_size=7",
+        "evaluate.registered_model=other-model",
+        "train.log_every_epochs=2",
+        "cluster.timeout_min=5",
+        "cluster.cpus_per_task=2",
+        "cluster.dask.n_workers=1",
+    ]
+    assert config_hash(build_config("tiny", same)) == base
+
+
+def test_registered_model_and_alias_names_are_checked() -> None:
+    cfg = build_config("tiny", ["evaluate.registered_model=team.cnn-v2_b"])
+    assert cfg.evaluate.registered_model == "team.cnn-v2_b"
+    assert (
+        build_config("tiny", ["evaluate.registered_model=null"]).evaluate.registered_model is None
+    )
+    with pytest.raises(ConfigError, match=r"evaluate\.registered_model.*letters, digits"):
+        build_config("tiny", ["evaluate.registered_model=my/model"])
+    with pytest.raises(ConfigError, match=r"evaluate\.champion_alias.*letters, digits"):
+        build_config("tiny", ["evaluate.champion_alias=best model"])
+    for reserved in ("latest", "v3"):
+        with pytest.raises(ConfigError, match="reserved by MLflow"):
+            build_config("tiny", [f"evaluate.champion_alias={reserved}"])
+
+
+def test_registration_needs_a_logged_model() -> None:
+    # log_model off with the default name: registration is simply skipped.
+    cfg = build_config("demo", ["evaluate.log_model=false"])
+    assert cfg.evaluate.registered_model == "trainflow-classifier"
+    # Asking for both explicitly is a contradiction the user must resolve.
+    with pytest.raises(ConfigError, match=r"needs log_model=true.*registered_model=null"):
+        build_config("demo", ["evaluate.log_model=false", "evaluate.registered_model=m"])

@@ -11,6 +11,7 @@ from mlflow.tracking import MlflowClient
 
 from tasks.evaluate.model_logging import log_model
 from tasks.evaluate.registry import (
+    Champion,
     RegistryResult,
     promote,
     read_champion,
@@ -50,7 +51,8 @@ class Store:
 @pytest.fixture(scope="module")
 def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Store]:
     yield Store(tmp_path_factory.mktemp("registry"))
-    mlflow.set_tracking_uri(None)  # log_model set the process-global URI
+    # log_model set the process-global URI; None restores MLflow's default (untyped upstream).
+    mlflow.set_tracking_uri(None)  # type: ignore[arg-type]
 
 
 def test_first_version_becomes_champion_with_tags(store: Store) -> None:
@@ -87,7 +89,9 @@ def test_worse_version_keeps_the_champion(store: Store) -> None:
     assert (res.version, res.champion, res.previous_version) == ("2", False, "1")
     assert "does not beat version 1" in res.reason
     assert store.alias("worse") == "1"
-    run_tags = store.client.get_run(store.client.get_model_version("worse", "2").run_id).data.tags
+    worse_run = store.client.get_model_version("worse", "2").run_id
+    assert worse_run is not None
+    run_tags = store.client.get_run(worse_run).data.tags
     assert run_tags["champion"] == "false"
     assert run_tags["previous_champion_version"] == "1"
 
@@ -132,7 +136,7 @@ def test_champion_is_read_again_right_before_the_move(store: Store) -> None:
     # registers 0.90 and takes the alias. A's re-check must see B's version and stand down.
     store.register("race", 0.80)
     seen_by_a = read_champion(store.client, "race", "champion", METRIC)
-    assert seen_by_a == ("1", 0.80)
+    assert seen_by_a == Champion("1", 0.80)
     _, uri_a = store.evaluated(0.85)
     version_a = str(store.client.create_model_version("race", uri_a).version)
     assert store.register("race", 0.90).champion  # pipeline B, version 3
