@@ -41,14 +41,9 @@ def registered_text(reg: RegistryResult | None) -> str:
 
 
 def champion_text(reg: RegistryResult | None) -> str:
-    """Whether this version took the alias, from whom, and why."""
+    """Whether this version took the alias (or which version keeps it), and why."""
     if reg is None:
         return "-"
-    before = (
-        f"previous: version {reg.previous_version}"
-        + (f" ({reg.previous_metric:.4f})" if reg.previous_metric is not None else "")
-        if reg.previous_version
-        else "no previous champion"
-    )
-    state = f"**yes**: now `@{reg.alias}`" if reg.champion else f"no: `@{reg.alias}` unchanged"
-    return f"{state}; {before}; {reg.reason}"
+    if reg.champion:
+        return f"**yes**: `@{reg.alias}` moved here; {reg.reason}"
+    return f"no: `@{reg.alias}` stays on version {reg.previous_version}; {reg.reason}"

@@ -87,7 +87,7 @@ def test_summary_artifact_links_the_mlflow_run(first: PipelineSummary) -> None:
     assert f"/runs/{first.parent_run_id}" in text
     assert str(first.model_uri) in text
     assert f"`trainflow-classifier` version **{first.model_version}**" in text
-    assert "**yes**: now `@champion`; no previous champion" in text
+    assert "**yes**: `@champion` moved here; first champion" in text
 
 
 def test_first_model_is_registered_as_the_champion(first: PipelineSummary) -> None:
@@ -123,6 +123,9 @@ def test_second_run_hits_the_preprocess_cache(first: PipelineSummary, workdir: P
     assert second.champion == (second.test_accuracy > first.test_accuracy)
     holder = client.get_model_version_by_alias("trainflow-classifier", "champion")
     assert str(holder.version) == ("2" if second.champion else "1")
+    text = str(Artifact.get("trainflow-summary").data)  # type: ignore[union-attr]
+    assert "version **2**" in text
+    assert ("moved here; beats version 1" if second.champion else "stays on version 1") in text
     assert client.get_run(second.parent_run_id).data.tags["config_hash"] == config_hash(
         build_config("tiny")
     )
