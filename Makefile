@@ -9,7 +9,8 @@ FIND_LINKS := $(if $(wildcard /opt/wheels/torch-*),--find-links /opt/wheels)
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup demo test lint typecheck unit integration gpu bench lock clean
+.PHONY: setup demo test lint typecheck unit integration gpu bench lock clean \
+	stack-up stack-deploy stack-status stack-down
 
 setup: $(VENV)/.installed
 
@@ -45,6 +46,19 @@ gpu: setup
 test: lint typecheck
 	$(BIN)/python -m pytest tests
 
+
+# The local stack (Prefect server, a process worker, MLflow server): see deploy/README.md.
+stack-up: setup
+	deploy/stack.sh up
+
+stack-deploy: setup
+	deploy/stack.sh deploy
+
+stack-status: setup
+	deploy/stack.sh status
+
+stack-down: setup
+	deploy/stack.sh down
 
 lock: setup
 	$(BIN)/uv pip compile pyproject.toml --extra dev $(FIND_LINKS) --python-version 3.11 \
