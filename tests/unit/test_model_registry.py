@@ -17,6 +17,7 @@ from tasks.evaluate.registry import (
     read_champion,
     register_and_promote,
 )
+from tests.services import mlflow_server
 
 TAGS = {"dataset_hash": "d" * 64, "git_commit": "abc123", "config_hash": "c" * 64}
 METRIC = "test_accuracy"
@@ -25,10 +26,10 @@ METRIC = "test_accuracy"
 class Store:
     """A real MLflow SQLite store with one experiment; logs a tiny torch model per run."""
 
-    def __init__(self, folder: Path) -> None:
-        self.uri = f"sqlite:///{folder / 'mlflow.db'}"
-        self.client = MlflowClient(self.uri)
-        self.exp = self.client.create_experiment("t", (folder / "art").as_uri())
+    def __init__(self, uri: str, artifacts: str | None = None) -> None:
+        self.uri = uri
+        self.client = MlflowClient(uri)
+        self.exp = self.client.create_experiment("t", artifacts)
 
     def evaluated(self, value: float | None, seed: int = 0) -> tuple[str, str]:
         """An evaluate run holding the metric (unless None) and a logged model: (run id, URI)."""
@@ -50,7 +51,8 @@ class Store:
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Store]:
-    yield Store(tmp_path_factory.mktemp("registry"))
+    folder = tmp_path_factory.mktemp("registry")
+    yield Store(f"sqlite:///{folder / 'mlflow.db'}", (folder / "art").as_uri())
     # log_model set the process-global URI; None restores MLflow's default (untyped upstream).
     mlflow.set_tracking_uri(None)  # type: ignore[arg-type]
 
@@ -154,3 +156,22 @@ def test_alias_name_is_configurable(store: Store) -> None:
     res = register_and_promote(store.client, uri, "aliased", run_id, METRIC, 0.5, TAGS, "best")
     assert res.champion and res.alias == "best"
     assert str(store.client.get_model_version_by_alias("aliased", "best").version) == "1"
+
+
+def test_the_same_through_an_mlflow_tracking_server(tmp_path: Path) -> None:
+    # A real `mlflow server` (REST, artifacts proxied): versions come back as text there.
+    try:
+        with mlflow_server(tmp_path, env={"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}) as url:
+            server = Store(url)
+            first = server.register("served", 0.7)
+            assert (first.version, first.champion) == ("1", True)
+            tie = server.register("served", 0.7)
+            assert (tie.version, tie.champion, tie.previous_version) == ("2", False, "1")
+            better = server.register("served", 0.75)
+            assert (better.champion, better.previous_metric) == (True, 0.7)
+            assert server.alias("served") == "3"
+            mlflow.set_tracking_uri(url)
+            loaded = mlflow.pytorch.load_model("models:/served@champion")
+            assert loaded(torch.zeros(1, 1, 2, 2)).shape == (1, 2)
+    finally:
+        mlflow.set_tracking_uri(None)  # type: ignore[arg-type]
