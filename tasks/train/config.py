@@ -1,8 +1,8 @@
-"""Config of the training stage: model, optimisation, precision, checkpointing."""
+"""Config of the training stage: model, optimisation, precision, checkpointing, speed."""
 
-from typing import Literal
+from typing import Literal, Self
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from tasks.base import StrictModel
 
@@ -40,3 +40,32 @@ class TrainConfig(StrictModel):
     compile: bool = False
     """torch.compile the model. Off by default: with 2 DDP ranks on the 2-core CPU it ran
     1.6x slower and spent ~20 s compiling; try it on GPUs with larger models."""
+    cuda_graphs: bool = False
+    """Replay each step's forward and backward kernels as CUDA graphs (torch.compile with
+    mode="reduce-overhead"): for small models whose GPU steps are launch-bound. Every batch
+    then has the same shape: the last partial batch of each epoch is dropped, on every device,
+    so the data order does not depend on where a run trains (and a run cannot switch this on
+    or off when it resumes). On a rank without a GPU (device=auto on a CPU node) it is
+    ignored with a warning in the job log; with device=cpu it is a config error."""
+    data_placement: Literal["auto", "device", "host"] = "auto"
+    """Where the train and val splits live. auto: in GPU memory when a split takes at most
+    half of the free GPU memory, else host. device: in GPU memory (error when it cannot fit).
+    host: host memory; on a GPU each batch is gathered into a pinned staging buffer and copied
+    on a side stream one batch ahead, overlapping the previous step. On CPU all three are the
+    same (host memory is the device's memory)."""
+    ddp_bucket_cap_mb: float = Field(25.0, ge=1.0, le=1024.0)
+    """Size cap (MiB) of DDP's gradient all-reduce buckets: smaller buckets start reducing
+    earlier in the backward pass (more overlap) but launch more collectives. 25 is torch's
+    default, kept: our models' gradients (reference CNN 0.05 MiB, resnet width 32 2.7 MiB)
+    fit in one or two buckets at any cap from 1 MiB (DDP's first bucket is always 1 MiB), and
+    2 gloo ranks on CPU showed no difference between 1, 5, 25 and 100 beyond the noise. Tune
+    it for wide resnets on GPUs (width 256: 169 MiB of gradients, 7 buckets at 25)."""
+
+    @model_validator(mode="after")
+    def _cuda_graphs_need_a_gpu(self) -> Self:
+        if self.cuda_graphs and self.device == "cpu":
+            raise ValueError(
+                "train.cuda_graphs=true needs a GPU but train.device=cpu: set train.device=auto "
+                "or cuda, or train.cuda_graphs=false"
+            )
+        return self

@@ -177,13 +177,24 @@ def all_reduce_sum(tensor: torch.Tensor, ctx: DistContext) -> torch.Tensor:
     return tensor
 
 
-def wrap_ddp(model: nn.Module, ctx: DistContext) -> nn.Module:
+def wrap_ddp(model: nn.Module, ctx: DistContext, bucket_cap_mb: float = 25.0) -> nn.Module:
     """`model` wrapped in DistributedDataParallel when the world has several ranks.
 
-    gradient_as_bucket_view: gradients are views into DDP's all-reduce buckets, which saves
-    one copy of every gradient per step and that much memory.
+    - gradient_as_bucket_view: gradients are views into DDP's all-reduce buckets, which saves
+      one copy of every gradient per step and that much memory.
+    - bucket_cap_mb: the size cap of those buckets (TrainConfig.ddp_bucket_cap_mb).
+    - static_graph: our models use every parameter in every step, in the same graph, so DDP
+      may learn the bucket order once and skip its per-step search for unused parameters.
+      Checkpoints are unaffected (they save the unwrapped module), and torch.compile works
+      with it (torch tests DDP + compile + static_graph since 2.2).
     """
     if ctx.world_size == 1:
         return model
     ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-    return DistributedDataParallel(model, device_ids=ids, gradient_as_bucket_view=True)
+    return DistributedDataParallel(
+        model,
+        device_ids=ids,
+        gradient_as_bucket_view=True,
+        bucket_cap_mb=bucket_cap_mb,
+        static_graph=True,
+    )

@@ -10,7 +10,7 @@ import random
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import submitit
 import torch
@@ -30,16 +30,17 @@ from tasks.train.checkpoint import (
     unwrap,
 )
 from tasks.train.config import TrainConfig
-from tasks.train.data import Split, load_split_to, rank_batches
+from tasks.train.data import Split, load_split_to, rank_batches, steps_per_epoch
 from tasks.train.distributed import DistContext, distributed, exit_fast_at_shutdown, wrap_ddp
 from tasks.train.loop import Trainer, evaluate_split, make_optimizer, train_epoch
-from tasks.train.models import build_model, place_model, use_channels_last
+from tasks.train.models import build_model, place_model, use_channels_last, uses_cuda_graphs
 from tasks.train.precision import PrecisionPolicy, resolve_precision
 from tasks.train.ref import CheckpointRef
 
 _NOT_LOGGED = ("epoch", "step")
 # A run may resume with more epochs, on another device, precision or speed setting (memory
-# format, compilation); nothing else may change.
+# format, compilation, data placement, DDP buckets); nothing else may change. Not cuda_graphs:
+# it drops each epoch's last partial batch, so it changes which batches a run takes.
 _MAY_CHANGE_ON_RESUME = {
     "epochs",
     "log_every_epochs",
@@ -47,6 +48,8 @@ _MAY_CHANGE_ON_RESUME = {
     "precision",
     "channels_last",
     "compile",
+    "data_placement",
+    "ddp_bucket_cap_mb",
 }
 
 
@@ -98,10 +101,9 @@ class TrainingJob(submitit.helpers.Checkpointable):
             random.seed(cfg.seed)
             policy = resolve_precision(cfg.precision, dist.device)
             nhwc = use_channels_last(cfg.channels_last, dist.device)
+            train, val = self._load("train", dist, nhwc), self._load("val", dist, nhwc)
             if dist.is_main:
-                self._announce(dist, policy, nhwc)
-            train = load_split_to(spec.dataset.path, "train", dist.device, nhwc)
-            val = load_split_to(spec.dataset.path, "val", dist.device, nhwc)
+                self._announce(dist, policy, nhwc, train)
             trainer = self._trainer(dist, policy, len(train))
             progress = self._resume(trainer)
             logger = make_logger(spec.tracking_uri, spec.run_id, dist.rank)
@@ -112,8 +114,8 @@ class TrainingJob(submitit.helpers.Checkpointable):
                     self._record(trainer, progress, metrics, logger)
             logger.flush()
             result = self._finish(progress) if dist.is_main else None
-        if not cfg.compile:  # compiled runs keep the teardown that stops inductor's workers
-            exit_fast_at_shutdown()
+        if not (cfg.compile or cfg.cuda_graphs):  # compiled runs keep the teardown that
+            exit_fast_at_shutdown()  # stops inductor's compile workers
         return result
 
     def checkpoint(self, *args: Any, **kwargs: Any) -> submitit.helpers.DelayedSubmission:
@@ -125,22 +127,43 @@ class TrainingJob(submitit.helpers.Checkpointable):
         """Where the full training state is written every epoch."""
         return self.spec.out_dir / "checkpoints"
 
-    def _announce(self, dist: DistContext, policy: PrecisionPolicy, nhwc: bool) -> None:
-        """Print where and how this run trains (rank 0's first log line)."""
+    def _load(self, split: Literal["train", "val"], dist: DistContext, nhwc: bool) -> Split:
+        """A split of the dataset, placed per train.data_placement."""
+        placement = self.spec.train.data_placement
+        return load_split_to(self.spec.dataset.path, split, dist.device, nhwc, placement)
+
+    def _announce(
+        self, dist: DistContext, policy: PrecisionPolicy, nhwc: bool, data: Split
+    ) -> None:
+        """Print where and how this run trains (rank 0's first log lines)."""
         cfg = self.spec.train
+        graphs = uses_cuda_graphs(cfg, dist.device)
         print(
             f"training {cfg.model} on {dist.world_size} rank(s): device {dist.device}, "
             f"backend {dist.backend}, precision {policy.name}, channels_last "
-            f"{'on' if nhwc else 'off'}, compile {'on' if cfg.compile else 'off'}",
+            f"{'on' if nhwc else 'off'}, compile {'on' if cfg.compile or graphs else 'off'}, "
+            f"cuda_graphs {'on' if graphs else 'off'}, data in {_memory_of(data, dist)}",
             flush=True,
         )
+        if cfg.cuda_graphs and not graphs:
+            print(
+                f"warning: train.cuda_graphs=true is ignored on {dist.device} (CUDA graphs need "
+                "a GPU); the last partial batch of each epoch is still dropped, as on a GPU",
+                flush=True,
+            )
 
     def _trainer(self, dist: DistContext, policy: PrecisionPolicy, n_train: int) -> Trainer:
         cfg, ref = self.spec.train, self.spec.dataset
         model = place_model(build_model(cfg, ref.shape, len(ref.classes)), cfg, dist.device)
         optimizer = make_optimizer(cfg, model)
-        model = wrap_ddp(model, dist)
-        steps_per_epoch = -(-(n_train // dist.world_size) // cfg.batch_size)  # ceil
+        model = wrap_ddp(model, dist, cfg.ddp_bucket_cap_mb)
+        steps = steps_per_epoch(n_train, cfg.batch_size, dist.world_size, cfg.cuda_graphs)
+        if steps == 0:
+            raise ConfigError(
+                f"train.batch_size={cfg.batch_size} exceeds the {n_train // dist.world_size} "
+                "training samples each rank gets, and train.cuda_graphs=true drops partial "
+                "batches: no step would run. Lower train.batch_size or use fewer ranks"
+            )
         return Trainer(
             model=model,
             optimizer=optimizer,
@@ -148,7 +171,8 @@ class TrainingJob(submitit.helpers.Checkpointable):
             policy=policy,
             dist=dist,
             peak_lr=cfg.lr,
-            total_steps=cfg.epochs * steps_per_epoch,
+            total_steps=cfg.epochs * steps,
+            cuda_graphs=uses_cuda_graphs(cfg, dist.device),
         )
 
     def _resume(self, trainer: Trainer) -> Progress:
@@ -176,6 +200,9 @@ class TrainingJob(submitit.helpers.Checkpointable):
     def _check_same_run(self, saved: dict[str, Any], path: Path) -> None:
         """ConfigError when the checkpoint in out_dir belongs to a different run."""
         current = self._run_identity()
+        # A field added after the checkpoint was written counts as having its default.
+        defaults = TrainConfig().model_dump(mode="json", exclude=_MAY_CHANGE_ON_RESUME)
+        saved = {**defaults, **saved}
         changed = sorted(k for k in current.keys() | saved.keys() if current.get(k) != saved.get(k))
         if changed:
             raise ConfigError(
@@ -190,11 +217,19 @@ class TrainingJob(submitit.helpers.Checkpointable):
         cfg, dist = self.spec.train, trainer.dist
         epoch = progress.epoch + 1
         batches = rank_batches(
-            train, cfg.batch_size, progress.data_seed, epoch, dist.rank, dist.world_size
+            train,
+            cfg.batch_size,
+            progress.data_seed,
+            epoch,
+            dist.rank,
+            dist.world_size,
+            drop_last=cfg.cuda_graphs,
         )
         started = time.perf_counter()
         metrics, progress.step = train_epoch(trainer, train, batches, progress.step)
-        val_metrics = evaluate_split(trainer.model, val, 4 * cfg.batch_size, trainer.policy, dist)
+        val_metrics = evaluate_split(
+            trainer.model, val, 4 * cfg.batch_size, trainer.policy, dist, trainer.cuda_graphs
+        )
         metrics |= {f"val_{k}": v for k, v in val_metrics.items()}
         metrics["epoch_time_s"] = time.perf_counter() - started
         progress.epoch = epoch
@@ -252,6 +287,13 @@ class TrainingJob(submitit.helpers.Checkpointable):
             metrics={k: v for k, v in entry.items() if k.startswith("val_")},
             history_path=history_path,
         )
+
+
+def _memory_of(data: Split, dist: DistContext) -> str:
+    """Where the training data lives, for the start-up line."""
+    if not data.on_host:
+        return f"{dist.device} memory"
+    return "pinned-prefetch host memory" if dist.device.type == "cuda" else "host memory"
 
 
 def _relog(progress: Progress, logger: MetricLogger) -> None:

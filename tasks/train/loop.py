@@ -40,6 +40,9 @@ class Trainer:
     """Learning rate at step 0."""
     total_steps: int
     """Steps of the whole run: the cosine reaches 0 here."""
+    cuda_graphs: bool = False
+    """The model replays CUDA graphs (compiled with mode="reduce-overhead"): each step then
+    tells torch a new iteration begins, so the graphs' outputs of the last one may be reused."""
 
 
 def make_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
@@ -85,6 +88,8 @@ def _train_step(
     """One optimiser step; returns the batch's summed loss and correct count (on device)."""
     for group in trainer.optimizer.param_groups:
         group["lr"] = lr
+    if trainer.cuda_graphs:
+        torch.compiler.cudagraph_mark_step_begin()
     with trainer.policy.autocast():
         logits = trainer.model(x)
         loss = F.cross_entropy(logits, y)
@@ -108,8 +113,7 @@ def train_epoch(
     sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss, correct, count
     lr = cosine_lr(step, trainer.total_steps, trainer.peak_lr)
     start = time.perf_counter()
-    for index in batches:
-        x, y = data.batch(index, device)
+    for x, y in data.batches(batches, device):
         lr = cosine_lr(step, trainer.total_steps, trainer.peak_lr)
         loss_sum, correct = _train_step(trainer, x, y, lr)
         sums[0] += loss_sum
@@ -129,7 +133,12 @@ def train_epoch(
 
 @torch.no_grad()
 def evaluate_split(
-    model: nn.Module, data: Split, batch_size: int, policy: PrecisionPolicy, dist: DistContext
+    model: nn.Module,
+    data: Split,
+    batch_size: int,
+    policy: PrecisionPolicy,
+    dist: DistContext,
+    cuda_graphs: bool = False,
 ) -> dict[str, float]:
     """Mean loss and accuracy of `model` on all of `data`, each rank taking a share.
 
@@ -139,8 +148,10 @@ def evaluate_split(
     net = unwrap(model)
     net.eval()
     sums = torch.zeros(3, dtype=torch.float64, device=dist.device)
-    for index in eval_batches(data, batch_size, dist.rank, dist.world_size):
-        x, y = data.batch(index, dist.device)
+    batches = eval_batches(data, batch_size, dist.rank, dist.world_size)
+    for x, y in data.batches(batches, dist.device):
+        if cuda_graphs:
+            torch.compiler.cudagraph_mark_step_begin()
         with policy.autocast():
             logits = net(x)
         sums[0] += F.cross_entropy(logits.float(), y, reduction="sum")

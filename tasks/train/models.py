@@ -117,11 +117,23 @@ def use_channels_last(pref: str, device: torch.device) -> bool:
     return pref == "on"
 
 
+def uses_cuda_graphs(cfg: TrainConfig, device: torch.device) -> bool:
+    """True when the run asked for CUDA graphs and trains on a GPU (elsewhere they are off)."""
+    return cfg.cuda_graphs and device.type == "cuda"
+
+
 def place_model(model: nn.Module, cfg: TrainConfig, device: torch.device) -> nn.Module:
     """Move `model` to `device` in the configured memory format, compiled if asked for.
 
     Compiled in place (``Module.compile``): state_dict keys stay those of the plain module,
     so checkpoints do not depend on whether a run was compiled.
+
+    CUDA graphs come from torch.compile's "reduce-overhead" mode (cudagraph trees) rather
+    than a hand-made torch.cuda.graph capture of the whole step: it keeps DDP's all-reduce
+    hooks, autocast, the GradScaler and the fused optimizer step outside the graphs, working
+    as in eager mode, and falls back to plain compiled kernels (logged by inductor) where a
+    graph cannot be recorded. dynamic=False: one static graph per batch shape (the train
+    batches all have one shape when CUDA graphs are on; see rank_batches' drop_last).
     """
     model = model.to(device)
     if use_channels_last(cfg.channels_last, device):
@@ -130,6 +142,8 @@ def place_model(model: nn.Module, cfg: TrainConfig, device: torch.device) -> nn.
     if device.type == "cuda":
         # Fixed input shapes: let cuDNN time its algorithms once and keep the fastest.
         torch.backends.cudnn.benchmark = True
-    if cfg.compile:
+    if uses_cuda_graphs(cfg, device):
+        model.compile(mode="reduce-overhead", dynamic=False)
+    elif cfg.compile:
         model.compile()
     return model
