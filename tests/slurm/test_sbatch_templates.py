@@ -171,7 +171,9 @@ def test_pipeline_template_signal_stops_the_flow_and_marks_runs_killed(
         _slurm("scancel", "--signal=TERM", "--batch", job_id)
         state = wait_ended(job_id, out)
 
-    assert state == ("FAILED", "130:0"), _tail(out)  # trainflow's exit status when interrupted
+    assert state[0] == "FAILED", _tail(out)
+    # trainflow's status when interrupted, as the controller saw it (sacct may show another).
+    assert _job_fields(job_id)["ExitCode"] == "130:0"
     assert "trainflow: interrupted; the training job was cancelled" in out.read_text()
     parent, kids = pipeline_runs(workdir)
     assert parent.info.status == "KILLED"
@@ -190,6 +192,23 @@ def test_pipeline_template_refuses_bad_arguments_before_any_work(tmp_path: Path)
     log = out.read_text()
     assert "train.epochs" in log and "pipeline.sbatch: error: invalid arguments" in log
     assert not (tmp_path / "trainflow-work").exists()
+
+
+def test_pipeline_template_gives_each_allocated_gpu_a_rank(tmp_path: Path) -> None:
+    argv = [
+        *(f"--chdir={tmp_path}", f"--output={tmp_path}/%j.out", "--gpus-per-node=2"),
+        *("--cpus-per-task=8", str(TEMPLATES / "pipeline.sbatch"), "--preset", "tiny"),
+    ]
+    with submitted(argv, job_env(TRAINFLOW_ROOT=str(REPO), TRAINFLOW_DRY_RUN="1")) as job_id:
+        out = tmp_path / f"{job_id}.out"
+        assert wait_ended(job_id, out) == ("COMPLETED", "0:0"), _tail(out)
+    log = out.read_text()
+    assert "CPUs 8, GPUs 2, training ranks 2" in log, log
+    assert (
+        "run --set cluster.executor=local --set cluster.gpus_per_node=2 "
+        "--set cluster.ranks_per_node=2 --set cluster.cpus_per_task=4 --preset tiny"
+    ) in log, log
+    assert not (tmp_path / "trainflow-work").exists()  # a dry run does no work
 
 
 # --- prefect-worker.sbatch -------------------------------------------------------------------
@@ -271,8 +290,10 @@ def test_scrontab_entry_runs_the_pipeline_as_scrontab_would(tmp_path: Path) -> N
     # The batch job scrontab makes of an entry: /bin/sh runs the command; no environment of
     # ours but the login one on the node (--export=NONE is sbatch's way to ask for that).
     script = tmp_path / "scron-job.sh"
-    header = "#!/bin/sh\n# This job was submitted through scrontab\n"
-    script.write_text(f"{header}# crontab time request was: '{spec}'\n{command}\n")
+    lines = ["#!/bin/sh", "# This job was submitted through scrontab"]
+    lines += [f"#SCRON {o}" for o in options]
+    lines += [f"# crontab time request was: '{spec}'", command]
+    script.write_text("\n".join(lines) + "\n")
     with submitted(["--export=NONE", *options, str(script)], job_env()) as job_id:
         out = tmp_path / f"{job_id}.out"
         assert wait_ended(job_id, out) == ("COMPLETED", "0:0"), _tail(out)
