@@ -3,12 +3,13 @@
 import argparse
 import os
 import signal
-import subprocess
+import socket
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from flows.config import PRESETS, PipelineConfig, build_config
-from tasks.errors import TrainflowError
+from tasks.errors import ConfigError, TrainflowError
 from tasks.tracking.runs import resolve_tracking_uri
 
 
@@ -45,16 +46,70 @@ def _parser() -> argparse.ArgumentParser:
     clean = sub.add_parser("cleanup", help="cancel jobs whose watching flow process died")
     clean.add_argument("--preset", default="demo")
     clean.add_argument("--set", dest="overrides", action="append", default=[])
-    ui = sub.add_parser("ui", help="start the MLflow UI on the pipeline's store")
-    ui.add_argument("--preset", default="demo")
-    ui.add_argument("--set", dest="overrides", action="append", default=[])
-    ui.add_argument("--port", type=int, default=5000)
+    ui = sub.add_parser("ui", help="start the MLflow UI on the store the pipeline's runs used")
+    ui.add_argument("--preset", default="demo", help="preset whose workdir/tracking to use")
+    ui.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    ui.add_argument("--host", default="127.0.0.1", help="interface to bind (0.0.0.0: all)")
+    ui.add_argument("--port", type=int, default=5000, help="port to listen on")
     return parser
 
 
-def _ui_command(cfg: PipelineConfig, port: int) -> list[str]:
+def _ui_command(cfg: PipelineConfig, port: int, host: str = "127.0.0.1") -> list[str]:
+    """The `mlflow ui` command line serving the store (and artifacts) the pipeline's runs used."""
     uri = resolve_tracking_uri(cfg.tracking, cfg.workdir)
-    return [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--port", str(port)]
+    argv = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri]
+    if _local_store_path(uri) is not None:
+        # Local runs keep artifacts under <workdir>/mlartifacts (file:// locations the server
+        # reads directly); experiments the UI itself creates proxy to the same folder.
+        argv += ["--artifacts-destination", str((cfg.workdir / "mlartifacts").resolve())]
+    # One worker: the UI of one person needs no more, and each worker is a whole MLflow app.
+    return [*argv, "--host", host, "--port", str(port), "--workers", "1"]
+
+
+def _local_store_path(uri: str) -> Path | None:
+    """The file of a sqlite:/// store or the folder of a file: store; None for servers/DBs."""
+    for prefix in ("sqlite:///", "file://"):
+        if uri.startswith(prefix):
+            return Path(uri[len(prefix) :].split("?", 1)[0])
+    return None
+
+
+def _ui(cfg: PipelineConfig, host: str, port: int) -> int:
+    """Serve the MLflow UI on the pipeline's store until Ctrl-C (or point at a running server)."""
+    uri = resolve_tracking_uri(cfg.tracking, cfg.workdir)
+    if uri.startswith(("http://", "https://")):
+        print(f"runs are on the MLflow tracking server {uri}: open {uri} (nothing to start)")
+        return 0
+    store = _local_store_path(uri)
+    if store is not None and not store.exists():
+        raise ConfigError(
+            f"no runs under {cfg.workdir} yet ({store} does not exist): run `trainflow run` "
+            "first or pass --set workdir=<the workdir of your runs>"
+        )
+    _check_port_free(host, port)
+    shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    shown = f"[{shown}]" if ":" in shown else shown
+    print(f"MLflow UI on {uri}: http://{shown}:{port}  (Ctrl-C stops it)", flush=True)
+    env = dict(os.environ)
+    # Without this the server forks a job runner and 7 workers (~1.5 GB) for one user.
+    env.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")
+    argv = _ui_command(cfg, port, host)
+    os.execve(argv[0], argv, env)  # the server replaces us: Ctrl-C and signals reach it
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """Fail with a clear message when the port is out of range or already taken."""
+    if not 0 < port < 65536:
+        raise ConfigError(f"--port {port} is not a TCP port: pass one between 1 and 65535")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as err:
+            raise ConfigError(
+                f"cannot listen on {host}:{port} ({err.strerror}): pass another --port (or --host)"
+            ) from None
 
 
 def _print_summary(summary: object, cfg: PipelineConfig) -> None:
@@ -157,10 +212,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "cleanup":
             return _cleanup(build_config(args.preset, args.overrides))
         if args.command == "ui":
-            cfg = build_config(args.preset, args.overrides)
-            # Without this the server forks a job runner and 7 workers (~1.5 GB) for one user.
-            os.environ.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")
-            return subprocess.call(_ui_command(cfg, args.port))
+            return _ui(build_config(args.preset, args.overrides), args.host, args.port)
         return _run(args)
     except TrainflowError as err:
         print(f"trainflow: error: {err}", file=sys.stderr)

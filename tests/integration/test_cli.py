@@ -1,6 +1,6 @@
-"""The trainflow command: config errors exit before any work; a kill cancels the training job."""
+"""The trainflow command: config errors exit before any work; a kill cancels the training job;
+`trainflow ui` serves the runs' store and artifacts."""
 
-import json
 import os
 import signal
 import socket
@@ -9,13 +9,14 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any
 
 import pytest
 from mlflow.tracking import MlflowClient
+from PIL import Image
 
 from tasks.tracking.config import TrackingConfig
 from tasks.tracking.pipeline_runs import PipelineRuns
+from tests.services import background, free_port, get_json, http_status, service_env, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -79,37 +80,94 @@ def test_sigterm_cancels_the_training_job_and_marks_runs_killed(tmp_path: Path) 
     assert status == {"tiny": "KILLED", "preprocess": "FINISHED", "train": "KILLED"}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _ui_env() -> dict[str, str]:
+    """The test environment minus what would change which store or processes the UI uses."""
+    drop = ("MLFLOW_TRACKING_URI", "MLFLOW_SERVER_ENABLE_JOB_EXECUTION")
+    return {k: v for k, v in service_env().items() if k not in drop}
 
 
-def test_ui_command_serves_the_pipeline_store(tmp_path: Path) -> None:
-    runs = PipelineRuns(TrackingConfig(), tmp_path, "ui-check")
-    port = _free_port()
-    proc = subprocess.Popen(
-        _trainflow("ui", "--set", f"workdir={tmp_path}", "--port", str(port)),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
+def _log_plot(runs: PipelineRuns, folder: Path) -> bytes:
+    """Log a small real PNG to the parent run under plots/; return its bytes."""
+    path = folder / "dot.png"
+    Image.new("RGB", (16, 8), (200, 30, 30)).save(path)
+    runs.client.log_artifact(runs.parent_id, str(path), "plots")
+    return path.read_bytes()
+
+
+def _get_bytes(url: str) -> bytes:
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        return bytes(resp.read())
+
+
+def test_ui_serves_the_runs_and_artifacts_of_the_pipeline_store(tmp_path: Path) -> None:
+    workdir, cwd = tmp_path / "work", tmp_path / "cwd"
+    cwd.mkdir()
+    runs = PipelineRuns(TrackingConfig(), workdir, "ui-check")
+    png = _log_plot(runs, tmp_path)
+    experiment = runs.client.get_experiment(runs.experiment_id)
+    assert experiment.artifact_location == (workdir / "mlartifacts").resolve().as_uri()
+    port = free_port()
+    argv = _trainflow("ui", "--set", f"workdir={workdir}", "--port", str(port))
+    log = tmp_path / "ui.log"
+    with background(argv, log, _ui_env(), cwd=cwd) as proc:
+        url = f"http://127.0.0.1:{port}"
+        wait_for(lambda: http_status(f"{url}/health") == 200, 120, "the MLflow UI")
+        assert f"MLflow UI on sqlite:///{workdir}/mlflow.db: {url}" in log.read_text()
+        body = get_json(f"{url}/api/2.0/mlflow/runs/get?run_id={runs.parent_id}")
+        assert body["run"]["info"]["run_name"] == "ui-check"
+        # The UI lists and serves artifacts stored at the run's file:// location.
+        listing = get_json(f"{url}/ajax-api/2.0/mlflow/artifacts/list?run_id={runs.parent_id}")
+        assert {"path": "plots", "is_dir": True} in listing["files"]
+        served = _get_bytes(f"{url}/get-artifact?path=plots/dot.png&run_uuid={runs.parent_id}")
+        assert served == png
+        # No job runner or extra workers: the server and its one uvicorn process only.
+        ps = subprocess.run(["ps", "-o", "args=", "-s", str(proc.pid)], capture_output=True)
+        procs = ps.stdout.decode().splitlines()
+        assert len(procs) == 2 and all("huey" not in p for p in procs), procs
+    assert list(cwd.iterdir()) == []  # nothing written where the command was started
+
+
+def test_ui_without_runs_says_how_to_fix_it(tmp_path: Path) -> None:
+    out = subprocess.run(
+        _trainflow("ui", "--set", f"workdir={tmp_path}/none", "--port", str(free_port())),
+        capture_output=True,
+        text=True,
+        env=_ui_env(),
+        timeout=120,
     )
-    url = f"http://127.0.0.1:{port}/api/2.0/mlflow/runs/get?run_id={runs.parent_id}"
-    try:
-        body = _poll_json(url, limit_s=90)
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=30)
-    assert body["run"]["info"]["run_name"] == "ui-check"
+    assert out.returncode == 2, out.stderr
+    assert f"no runs under {tmp_path}/none yet" in out.stderr
+    assert "run `trainflow run` first or pass --set workdir=" in out.stderr
+    assert "Traceback" not in out.stderr
+    assert not (tmp_path / "none").exists()
 
 
-def _poll_json(url: str, limit_s: float) -> dict[str, Any]:
-    deadline = time.monotonic() + limit_s
-    while True:
-        try:
-            with urllib.request.urlopen(url, timeout=5) as resp:
-                return dict(json.load(resp))
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(1)
+def test_ui_on_a_tracking_server_prints_its_address_and_starts_nothing(tmp_path: Path) -> None:
+    server = "http://mlflow.example.internal:5000"
+    out = subprocess.run(
+        _trainflow("ui", "--set", f"workdir={tmp_path}", "--port", str(free_port())),
+        capture_output=True,
+        text=True,
+        env={**_ui_env(), "MLFLOW_TRACKING_URI": server},
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert f"open {server}" in out.stdout
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_ui_on_a_taken_port_fails_with_a_clear_error(tmp_path: Path) -> None:
+    PipelineRuns(TrackingConfig(), tmp_path, "ui-check")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = subprocess.run(
+            _trainflow("ui", "--set", f"workdir={tmp_path}", "--port", str(port)),
+            capture_output=True,
+            text=True,
+            env=_ui_env(),
+            timeout=120,
+        )
+    assert out.returncode == 2, out.stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in out.stderr and "--port" in out.stderr
