@@ -9,40 +9,18 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 from mlflow.tracking import MlflowClient
 
 from cluster import registry
+from tests.services import background, get_json, prefect_server, service_env, wait_for
 
 _LONG = ["--preset", "tiny", "--set", "cluster.executor=slurm", "--set", "train.epochs=5000"]
-
-
-def _env(**extra: str) -> dict[str, str]:
-    return {
-        **os.environ,
-        "PYTHONUNBUFFERED": "1",
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        **extra,
-    }
-
-
-def _wait(predicate: Callable[[], Any], limit_s: float, what: str) -> Any:
-    deadline = time.monotonic() + limit_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.5)
-    raise AssertionError(f"timed out after {limit_s} s waiting for {what}")
 
 
 def _in_squeue(job_id: str) -> bool:
@@ -60,7 +38,7 @@ def _running_job(workdir: Path) -> str:
         logs = list(Path(jobs[0].folder).glob(f"{jobs[0].job_id}_0_log.out"))
         return jobs[0].job_id if logs and "epoch 2/" in logs[0].read_text() else None
 
-    return str(_wait(ready, 240, "the Slurm job to train"))
+    return str(wait_for(ready, 240, "the Slurm job to train"))
 
 
 def _statuses(workdir: Path) -> dict[str, str]:
@@ -76,7 +54,7 @@ def _long_run(workdir: Path, new_session: bool = False) -> subprocess.Popen[byte
         [sys.executable, "-m", "flows.cli", "run", *_LONG, "--set", f"workdir={workdir}"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
-        env=_env(),
+        env=service_env(),
         start_new_session=new_session,
     )
 
@@ -90,7 +68,7 @@ def test_ctrl_c_on_trainflow_run_cancels_the_slurm_job(tmp_path: Path) -> None:
         assert proc.wait(timeout=60) == 130
     finally:
         proc.kill()
-    _wait(lambda: not _in_squeue(job_id), 20, f"job {job_id} to leave squeue")
+    wait_for(lambda: not _in_squeue(job_id), 20, f"job {job_id} to leave squeue")
     assert _statuses(tmp_path) == {"tiny": "KILLED", "preprocess": "FINISHED", "train": "KILLED"}
     assert registry.recorded(tmp_path) == []
 
@@ -108,76 +86,29 @@ def test_killed_flow_process_leaves_a_job_that_cleanup_cancels(tmp_path: Path) -
         capture_output=True,
         text=True,
         timeout=120,
-        env=_env(),
+        env=service_env(),
     )
     assert out.returncode == 0 and f"cancelled slurm job {job_id}" in out.stdout
-    _wait(lambda: not _in_squeue(job_id), 20, f"job {job_id} to leave squeue")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _get(url: str) -> Any:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as resp:
-            return json.load(resp)
-    except OSError:
-        return None
+    wait_for(lambda: not _in_squeue(job_id), 20, f"job {job_id} to leave squeue")
 
 
 @pytest.fixture
 def prefect_api(tmp_path: Path) -> Iterator[str]:
     """A real Prefect server on a free loopback port, SQLite in tmp_path."""
-    port = _free_port()
-    env = _env(
-        PREFECT_HOME=str(tmp_path / "prefect"),
-        PREFECT_API_DATABASE_CONNECTION_URL=f"sqlite+aiosqlite:///{tmp_path}/prefect.db",
-    )
-    server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "prefect",
-            "server",
-            "start",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env=env,
-        start_new_session=True,
-    )
-    api = f"http://127.0.0.1:{port}/api"
-    try:
-        _wait(lambda: _get(f"{api}/health"), 90, "the Prefect server")
+    with prefect_server(tmp_path) as api:
         yield api
-    finally:
-        os.killpg(server.pid, signal.SIGINT)
-        server.wait(timeout=60)
 
 
 def test_cancelling_the_prefect_flow_run_cancels_the_slurm_job(
     tmp_path: Path, prefect_api: str
 ) -> None:
-    env = _env(PREFECT_API_URL=prefect_api, PREFECT_HOME=str(tmp_path / "prefect"))
-    serve = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "from flows.pipeline import pipeline; pipeline.serve(name='cancel-test')",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env=env,
-        start_new_session=True,
-    )
-    try:
+    env = service_env(PREFECT_API_URL=prefect_api, PREFECT_HOME=str(tmp_path / "prefect-home"))
+    serve = [
+        sys.executable,
+        "-c",
+        "from flows.pipeline import pipeline; pipeline.serve(name='cancel-test')",
+    ]
+    with background(serve, tmp_path / "serve.log", env):
         overrides = json.dumps(
             ["cluster.executor=slurm", "train.epochs=5000", f"workdir={tmp_path / 'work'}"]
         )
@@ -203,22 +134,19 @@ def test_cancelling_the_prefect_flow_run_cancels_the_slurm_job(
             found = re.search(r"UUID:\s*([0-9a-f-]{36})", out.stdout)
             return found.group(1) if out.returncode == 0 and found else None
 
-        flow_run = str(_wait(deploy, 90, "the deployment to accept a run"))
+        flow_run = str(wait_for(deploy, 90, "the deployment to accept a run"))
         job_id = _running_job(tmp_path / "work")
         subprocess.run([*cli, "flow-run", "cancel", flow_run], env=env, check=True, timeout=60)
-        _wait(lambda: not _in_squeue(job_id), 30, f"job {job_id} to leave squeue")
+        wait_for(lambda: not _in_squeue(job_id), 30, f"job {job_id} to leave squeue")
 
         def state() -> str | None:
-            run = _get(f"{prefect_api}/flow_runs/{flow_run}")
+            run = get_json(f"{prefect_api}/flow_runs/{flow_run}")
             return run["state"]["type"] if run and run["state"]["type"] == "CANCELLED" else None
 
-        _wait(state, 60, "the flow run to be Cancelled")
-        statuses = _wait(
+        wait_for(state, 60, "the flow run to be Cancelled")
+        statuses = wait_for(
             lambda: (s := _statuses(tmp_path / "work")).get("train") == "KILLED" and s,
             30,
             "MLflow to show the runs KILLED",
         )
         assert statuses == {"tiny": "KILLED", "preprocess": "FINISHED", "train": "KILLED"}
-    finally:
-        os.killpg(serve.pid, signal.SIGINT)
-        serve.wait(timeout=60)
