@@ -201,6 +201,7 @@ for d in yaml.safe_load(open(sys.argv[1]))["deployments"]: print(d["name"])' dep
 
 cmd_deploy() {
   http_ok "$PREFECT_API/health" || die "no Prefect server answers at $PREFECT_API: run deploy/stack.sh up first"
+  mkdir -p "$STACK_DIR"
   cd "$REPO"  # the recorded working directory: the worker runs flows from the repository root
   local name
   for name in $(deployment_names); do
