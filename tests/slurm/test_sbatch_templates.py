@@ -84,6 +84,20 @@ def _job_fields(job_id: str) -> dict[str, str]:
     return dict(re.findall(r"(\w+)=(\S*)", line))
 
 
+def _live_processes_with(arg: str) -> list[int]:
+    """Pids of live (not zombie) processes with `arg` among their arguments."""
+    pids = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            args = (proc / "cmdline").read_bytes().split(b"\0")
+            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if arg.encode() in args and state not in ("Z", "X"):
+            pids.append(int(proc.name))
+    return pids
+
+
 # --- Prefect and MLflow ----------------------------------------------------------------------
 
 
@@ -253,6 +267,8 @@ def test_worker_template_serves_the_pool_and_requeues_itself(
         assert _job_fields(job_id)["JobState"] == "RUNNING"
         _slurm("scancel", job_id)
         wait_for(lambda: not _in_squeue(job_id), 60, f"job {job_id} to leave squeue")
+        # No worker outlives its job (without cgroups Slurm tracks processes by parentage).
+        assert _live_processes_with(name) == []
 
     log = out.read_text()
     assert "attempt 1 on" in log and f"requeueing job {job_id}" in log, log[-4000:]
