@@ -111,4 +111,24 @@ def load_state(path: Path) -> dict[str, Any]:
 
 def save_best(model: nn.Module, path: Path, meta: dict[str, Any]) -> None:
     """Write the model's weights plus `meta` (plain values) as the best model, atomically."""
-    atomic_save({"model": unwrap(model).state_dict(), "meta": meta}, path)
+    save_best_weights(unwrap(model).state_dict(), path, meta)
+
+
+def save_best_weights(weights: dict[str, Any], path: Path, meta: dict[str, Any]) -> None:
+    """Write a state_dict plus `meta` as the best model, atomically (see save_best)."""
+    atomic_save({"model": weights, "meta": meta}, path)
+
+
+def host_copy(obj: Any) -> Any:
+    """`obj` with every tensor copied to host memory, through dicts, lists and tuples.
+
+    A snapshot of a training state that later steps cannot change: state_dict() returns the
+    live parameter and optimizer tensors themselves.
+    """
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: host_copy(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(host_copy(v) for v in obj)
+    return obj

@@ -21,10 +21,11 @@ from tasks.hashing import sha256_file
 from tasks.preprocess.ref import DatasetRef
 from tasks.tracking.logger import MetricLogger, make_logger
 from tasks.train.checkpoint import (
+    host_copy,
     latest_checkpoint,
     load_state,
     restore_rng,
-    save_best,
+    save_best_weights,
     save_checkpoint,
     training_state,
     unwrap,
@@ -35,6 +36,7 @@ from tasks.train.distributed import DistContext, distributed, exit_fast_at_shutd
 from tasks.train.loop import Trainer, evaluate_split, make_optimizer, train_epoch
 from tasks.train.models import build_model, place_model, use_channels_last, uses_cuda_graphs
 from tasks.train.precision import PrecisionPolicy, resolve_precision
+from tasks.train.recorder import EpochRecorder
 from tasks.train.ref import CheckpointRef
 
 _NOT_LOGGED = ("epoch", "step")
@@ -96,7 +98,7 @@ class TrainingJob(submitit.helpers.Checkpointable):
         """Set up, resume if a checkpoint exists, train the remaining epochs, clean up."""
         spec, cfg = self.spec, self.spec.train
         torch.set_num_threads(spec.cpus_per_task)
-        with distributed(cfg.device) as dist:
+        with distributed(cfg.device) as dist, EpochRecorder() as recorder:
             torch.manual_seed(cfg.seed)
             random.seed(cfg.seed)
             policy = resolve_precision(cfg.precision, dist.device)
@@ -111,7 +113,8 @@ class TrainingJob(submitit.helpers.Checkpointable):
             while progress.epoch < cfg.epochs:
                 metrics = self._run_epoch(trainer, train, val, progress)
                 if dist.is_main:
-                    self._record(trainer, progress, metrics, logger)
+                    self._record(trainer, progress, metrics, logger, recorder)
+            recorder.wait()
             logger.flush()
             result = self._finish(progress) if dist.is_main else None
         if not (cfg.compile or cfg.cuda_graphs):  # compiled runs keep the teardown that
@@ -237,26 +240,44 @@ class TrainingJob(submitit.helpers.Checkpointable):
         return metrics
 
     def _record(
-        self, trainer: Trainer, progress: Progress, metrics: dict[str, float], logger: MetricLogger
+        self,
+        trainer: Trainer,
+        progress: Progress,
+        metrics: dict[str, float],
+        logger: MetricLogger,
+        recorder: EpochRecorder,
     ) -> None:
-        """Rank 0's side effects of an epoch: log, best model, checkpoint, progress line."""
+        """Rank 0's side effects of an epoch: log, best model, checkpoint, progress line.
+
+        Decided and snapshotted here, written by the recorder's thread while the next epoch
+        trains (tasks.train.recorder).
+        """
         cfg, epoch = self.spec.train, progress.epoch
-        logger.log(metrics, step=epoch)
-        if epoch % cfg.log_every_epochs == 0 or epoch == cfg.epochs:
-            logger.flush()
+        flush = epoch % cfg.log_every_epochs == 0 or epoch == cfg.epochs
+        if flush:
             progress.logged_epochs = epoch
+        best_meta = None
         if metrics["val_accuracy"] > progress.best_metric:
             progress.best_metric, progress.best_epoch = metrics["val_accuracy"], epoch
-            save_best(trainer.model, self.spec.out_dir / "best.pt", self._best_meta(progress))
+            best_meta = self._best_meta(progress)
         extra = {**asdict(progress), "run": self._run_identity()}
-        state = training_state(trainer.model, trainer.optimizer, trainer.scaler, extra)
-        save_checkpoint(state, self.checkpoint_dir)
-        print(
-            f"epoch {epoch}/{cfg.epochs} loss {metrics['train_loss']:.4f} "
-            f"acc {metrics['train_accuracy']:.4f} val_acc {metrics['val_accuracy']:.4f} "
-            f"{metrics['samples_per_s']:.0f} samples/s",
-            flush=True,
-        )
+        state = host_copy(training_state(trainer.model, trainer.optimizer, trainer.scaler, extra))
+
+        def write() -> None:
+            logger.log(metrics, step=epoch)
+            if flush:
+                logger.flush()
+            if best_meta is not None:
+                save_best_weights(state["model"], self.spec.out_dir / "best.pt", best_meta)
+            save_checkpoint(state, self.checkpoint_dir)
+            print(
+                f"epoch {epoch}/{cfg.epochs} loss {metrics['train_loss']:.4f} "
+                f"acc {metrics['train_accuracy']:.4f} val_acc {metrics['val_accuracy']:.4f} "
+                f"{metrics['samples_per_s']:.0f} samples/s",
+                flush=True,
+            )
+
+        recorder.submit(write)
 
     def _best_meta(self, progress: Progress) -> dict[str, Any]:
         """What evaluation needs next to the weights: how to rebuild the model, and when."""

@@ -4,11 +4,12 @@ Nothing is mocked: each test submits real processes (gloo on CPU) and watches th
 cluster.jobs.wait_for_job, as the flow does.
 """
 
+import copy
 import json
 import signal
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import cloudpickle
@@ -23,7 +24,7 @@ from cluster.jobs import wait_for_job
 from tasks.errors import ConfigError, JobError
 from tasks.hashing import sha256_file
 from tasks.preprocess.ref import DatasetRef
-from tasks.train.checkpoint import latest_checkpoint
+from tasks.train.checkpoint import host_copy, latest_checkpoint, training_state
 from tasks.train.config import TrainConfig
 from tasks.train.data import Split, eval_batches, rank_batches
 from tasks.train.distributed import distributed
@@ -31,6 +32,7 @@ from tasks.train.job import Progress, TrainingJob, TrainJobSpec
 from tasks.train.loop import Trainer, cosine_lr
 from tasks.train.models import ReferenceCNN
 from tasks.train.precision import cpu_supports_bf16
+from tasks.train.recorder import EpochRecorder
 from tasks.train.ref import CheckpointRef
 from tests.unit.datasets import write_dataset
 
@@ -223,3 +225,87 @@ def test_a_plain_process_is_a_world_of_one_without_a_process_group() -> None:
 def test_asking_for_cuda_without_a_gpu_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match=r"train\.device=auto or cpu"), distributed("cuda"):
         pass
+
+
+# --- epoch records on a background thread ------------------------------------------------
+
+
+def test_the_recorder_writes_in_order_one_at_a_time() -> None:
+    events: list[str] = []
+
+    def record(name: str) -> Callable[[], None]:
+        def write() -> None:
+            events.append(f"start {name}")
+            time.sleep(0.05)  # a slow disk: the next hand-off must wait for this one
+            events.append(f"end {name}")
+
+        return write
+
+    with EpochRecorder() as recorder:
+        for name in "abc":
+            recorder.submit(record(name))
+            events.append(f"handed {name}")
+    assert events.index("end a") < events.index("handed b") and events[-1] == "end c"
+    assert [e for e in events if e.startswith("start")] == ["start a", "start b", "start c"]
+
+
+def test_a_failed_record_fails_the_next_hand_off() -> None:
+    def fail() -> None:
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"), EpochRecorder() as recorder:
+        recorder.submit(fail)
+        recorder.submit(lambda: None)
+
+
+def test_the_error_ending_the_job_is_not_hidden_by_a_failed_record() -> None:
+    def fail() -> None:
+        raise OSError("disk full")
+
+    with pytest.raises(ValueError, match="the job's own error"), EpochRecorder() as recorder:
+        recorder.submit(fail)
+        raise ValueError("the job's own error")
+
+
+def test_a_training_job_fails_when_its_checkpoints_cannot_be_written(
+    dataset: DatasetRef, tmp_path: Path
+) -> None:
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "checkpoints").write_text("a file where the checkpoint folder should be")
+    job = TrainingJob(_spec(dataset, out, epochs=3))
+    with pytest.raises(FileExistsError):
+        job()
+
+
+def test_a_state_snapshot_does_not_follow_later_steps() -> None:
+    torch.manual_seed(0)
+    model = ReferenceCNN(1, 4, 12, 12)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+
+    def step() -> None:
+        opt.zero_grad()
+        model(torch.randn(8, 1, 12, 12)).sum().backward()
+        opt.step()
+
+    step()
+    snapshot = host_copy(training_state(model, opt, scaler, {"epoch": 1}))
+    frozen = copy.deepcopy(snapshot)
+    step()  # the next epoch trains on while the snapshot is written
+    for part in ("model", "optimizer"):
+        flat_now = _tensors(snapshot[part])
+        assert flat_now and all(
+            torch.equal(a, b) for a, b in zip(flat_now, _tensors(frozen[part]), strict=True)
+        )
+    assert not torch.equal(snapshot["model"]["fc.weight"], model.fc.weight)
+
+
+def _tensors(obj: object) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _tensors(v)]
+    if isinstance(obj, list | tuple):
+        return [t for v in obj for t in _tensors(v)]
+    return []
