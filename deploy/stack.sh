@@ -143,9 +143,12 @@ up_mlflow() {
     check_port "MLflow server" "$MLFLOW_PORT" MLFLOW_PORT
     if [[ $MLFLOW_STORE == sqlite:///* ]]; then mkdir -p "$(dirname "${MLFLOW_STORE#sqlite://}")"; fi
     mkdir -p "$MLFLOW_ARTIFACTS"
+    # New experiments get a file: artifact root rather than the mlflow-artifacts: proxy, so
+    # that `trainflow run` on the SQLite store directly (no server URI) can still log
+    # artifacts to an experiment a deployment run created (the proxy URI needs an http client).
     MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false start mlflow-server "$BIN/mlflow" server \
-      --host 127.0.0.1 --port "$MLFLOW_PORT" --workers 1 \
-      --backend-store-uri "$MLFLOW_STORE" --artifacts-destination "$MLFLOW_ARTIFACTS"
+      --host 127.0.0.1 --port "$MLFLOW_PORT" --workers 1 --backend-store-uri "$MLFLOW_STORE" \
+      --default-artifact-root "file://$MLFLOW_ARTIFACTS" --artifacts-destination "$MLFLOW_ARTIFACTS"
     say "starting the mlflow server on port $MLFLOW_PORT ($MLFLOW_STORE)"
   fi
   wait_healthy mlflow-server "$MLFLOW_URL/health"

@@ -167,11 +167,22 @@ def test_deployment_run_completes_and_logs_to_the_stack_mlflow(
     assert 0.0 <= parent.data.metrics["test_accuracy"] <= 1.0
     assert (work / "runs" / parent.info.run_id).is_dir()  # this flow run's own tree
     children = {
-        r.info.run_name: r.info.status
+        r.info.run_name: r
         for r in runs
         if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id
     }
-    assert children == {"preprocess": "FINISHED", "train": "FINISHED", "evaluate": "FINISHED"}
+    statuses = {name: r.info.status for name, r in children.items()}
+    assert statuses == {"preprocess": "FINISHED", "train": "FINISHED", "evaluate": "FINISHED"}
+    server = MlflowClient(stack.mlflow)
+    plots = [f.path for f in server.list_artifacts(children["evaluate"].info.run_id)]
+    assert "confusion_matrix.png" in plots  # what the UI shows
+    # `trainflow run` without a server URI writes the store itself: it must be able to log
+    # artifacts to the experiment the deployment run created (a proxied mlflow-artifacts:
+    # location would refuse a SQLite client).
+    local = MlflowClient(stack.env["TRAINFLOW_MLFLOW_STORE"])
+    run_id = local.create_run(parent.info.experiment_id, run_name="local").info.run_id
+    local.log_text(run_id, "written without the server", "note.txt")
+    assert [f.path for f in server.list_artifacts(run_id)] == ["note.txt"]
 
     nightly = json.loads(
         stack.prefect("deployment", "inspect", "trainflow-pipeline/nightly", "-o", "json")
