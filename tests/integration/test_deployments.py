@@ -85,6 +85,7 @@ class Stack:
             raise AssertionError(f"{err}; worker log:\n{self.log('worker')}") from None
 
     def log(self, service: str) -> str:
+        """The end of a service's log (for failure messages)."""
         path = self.dir / f"{service}.log"
         return path.read_text()[-4000:] if path.exists() else "(no log)"
 
