@@ -1,10 +1,11 @@
 """DDP bucket size and static_graph, measured: `python -m bench.ddp_buckets [STEPS]`.
 
-Not part of `make bench` (a one-off measurement behind the `train.ddp_bucket_cap_mb`
-default): 2 gloo ranks on this machine's CPU (one thread each), the reference CNN and the
-resnet on random MNIST-shaped batches of 64 under the run's own precision policy. Each
-setting gets a fresh DDP wrapper; settings are interleaved over ROUNDS rounds so that
-machine noise hits them alike, and the table shows per-step medians with their spread.
+Not part of `make bench`: a one-off measurement behind the `train.ddp_bucket_cap_mb` default
+(~4 min on the 2-core CPU, where a resnet step takes 0.2-0.7 s). 2 gloo ranks on this
+machine's CPU (one thread each), the reference CNN and the resnet on random MNIST-shaped
+batches of 64 under the run's own precision policy. Each setting gets a fresh DDP wrapper;
+settings are interleaved over ROUNDS rounds so that machine noise hits them alike, and the
+table shows per-step medians with their spread.
 """
 
 import os
@@ -26,7 +27,7 @@ from tasks.train.precision import resolve_precision
 
 CAPS_MB = (1.0, 5.0, 25.0, 100.0)
 """Bucket caps tried (torch's default is 25)."""
-ROUNDS = 5
+ROUNDS = 3
 """Interleaved repetitions of every setting."""
 BATCH = 64
 """Samples per rank per step."""
@@ -80,7 +81,7 @@ def _rank(rank: int, port: int, steps: int, out: Any) -> None:
 
 def main(argv: list[str]) -> int:
     """Measure every setting; print median ms/step, the spread over rounds, and the ratio."""
-    steps = int(argv[0]) if argv else 40
+    steps = int(argv[0]) if argv else 15
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = 29_500 + os.getpid() % 1000
