@@ -112,13 +112,14 @@ def _check_alive(proc: subprocess.Popen[bytes], log: Path, what: str) -> None:
 def prefect_server(
     folder: Path, env: Mapping[str, str] | None = None, limit_s: float = 120
 ) -> Iterator[str]:
-    """A real `prefect server start` on SQLite under `folder`; yields its API URL."""
+    """A real `prefect server start` (SQLite under `folder` unless env names a database);
+    yields its API URL."""
     port = free_port()
-    server_env = service_env(
-        PREFECT_HOME=str(folder / "prefect-home"),
-        PREFECT_API_DATABASE_CONNECTION_URL=f"sqlite+aiosqlite:///{folder}/prefect.db",
-        **dict(env or {}),
-    )
+    defaults = {
+        "PREFECT_HOME": str(folder / "prefect-home"),
+        "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{folder}/prefect.db",
+    }
+    server_env = service_env(**{**defaults, **dict(env or {})})
     argv = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1"]
     log = folder / "prefect-server.log"
     with background([*argv, "--port", str(port)], log, server_env) as proc:

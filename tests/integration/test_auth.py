@@ -1,27 +1,44 @@
-"""Prefect and MLflow servers with authentication, as deploy/production.md sets them up.
+"""Prefect and MLflow servers with authentication on PostgreSQL, as deploy/production.md has it.
 
-Both servers are the real programs: Prefect with an API auth string (HTTP basic), MLflow with
-its basic-auth app (a user store, an admin, a service user for pipelines). Requests without
-credentials or with wrong ones are refused with 401, and a whole `trainflow run` in a separate
-process (its training ranks are processes of their own) logs to both with credentials taken
-from the environment only.
+All servers are the real programs: a PostgreSQL (password login over TCP) holding Prefect's
+database, MLflow's tracking store and MLflow's user store; Prefect with an API auth string
+(HTTP basic); MLflow with its basic-auth app (an admin, a service user for pipelines).
+Requests without credentials or with wrong ones are refused with 401, and a whole
+`trainflow run` in a separate process (its training ranks are processes of their own) logs to
+both with credentials taken from the environment only.
+
+PostgreSQL comes from Debian's package, installed when missing (as root, with apt). Where it
+cannot be had, the servers run on SQLite instead (fail in CI, where PostgreSQL is required).
 """
 
 import base64
 import json
+import os
+import secrets
+import shutil
 import subprocess
 import sys
+import tempfile
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
 from mlflow.tracking import MlflowClient
 
-from tests.services import get_json, http_status, mlflow_server, prefect_server, service_env
+from tests.services import (
+    free_port,
+    get_json,
+    http_status,
+    mlflow_server,
+    prefect_server,
+    service_env,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -33,7 +50,7 @@ PIPELINE_USER = ("pipeline", "pipeline-secret-5a9e")
 # check of a new model answers 403 instead of 404; see deploy/production.md).
 AUTH_INI = """[mlflow]
 default_permission = READ
-database_uri = sqlite:///{folder}/basic_auth.db
+database_uri = {database_uri}
 admin_username = {admin}
 authorization_function = mlflow.server.auth:authenticate_request_basic_auth
 """
@@ -61,27 +78,128 @@ def post(url: str, body: dict[str, Any], headers: dict[str, str] | None = None) 
 
 
 @dataclass(frozen=True)
-class Servers:
-    """The API URL of an authenticated Prefect server and the URL of an MLflow one."""
+class Databases:
+    """SQLAlchemy URLs of the three databases the servers use."""
 
-    prefect_api: str
+    kind: str  # "postgresql" or "sqlite"
+    prefect: str
     mlflow: str
+    mlflow_auth: str
+
+
+def _postgres_bin() -> Path | None:
+    """The bin folder of the newest installed PostgreSQL server, installing it if possible."""
+
+    def newest() -> Path | None:
+        found = sorted(Path("/usr/lib/postgresql").glob("*/bin/initdb"), key=lambda p: p.parts)
+        return found[-1].parent if found else None
+
+    if newest() is None and os.geteuid() == 0 and shutil.which("apt-get"):
+        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", "postgresql"]
+        # A fresh machine may have no package lists yet: update only when the install needs it.
+        for argv in (install, ["apt-get", "update", "-q"], install):
+            subprocess.run(argv, capture_output=True, env=env, timeout=900)
+            if newest() is not None:
+                break
+    return newest()
+
+
+@contextmanager
+def postgres() -> Iterator[str | None]:
+    """A throw-away PostgreSQL on loopback; yields `user:password@127.0.0.1:port`, or None."""
+    bin_dir = _postgres_bin()
+    if bin_dir is None:
+        yield None
+        return
+    # The server refuses to run as root, and pytest's tmp folders are private to root.
+    folder = Path(tempfile.mkdtemp(prefix="trainflow-pg-"))
+    as_owner = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
+    password = secrets.token_urlsafe(16)
+    (folder / "pw").write_text(password)
+    if as_owner:
+        shutil.chown(folder, "postgres", "postgres")
+        shutil.chown(folder / "pw", "postgres", "postgres")
+    port = free_port()
+    options = f"-c listen_addresses=127.0.0.1 -c port={port} -c unix_socket_directories={folder}"
+
+    def pg(tool: str, *args: str) -> None:
+        argv = [*as_owner, str(bin_dir / tool), *args]
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, f"{tool} failed:\n{out.stdout}{out.stderr}"
+
+    try:
+        pg("initdb", "-D", f"{folder}/data", "-U", "trainflow", "--pwfile", f"{folder}/pw",
+           "--auth-local=trust", "--auth-host=scram-sha-256", "--no-sync")  # fmt: skip
+        pg("pg_ctl", "-D", f"{folder}/data", "-l", f"{folder}/log", "-o", options, "-w", "start")
+        try:
+            yield f"trainflow:{password}@127.0.0.1:{port}"
+        finally:
+            pg("pg_ctl", "-D", f"{folder}/data", "-m", "fast", "-w", "stop")
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
+def databases(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Databases]:
+    """PostgreSQL databases for both servers; SQLite files where PostgreSQL cannot run."""
+    with postgres() as server:
+        if server is None:
+            if os.environ.get("CI"):
+                pytest.fail("no PostgreSQL in CI: `apt-get install postgresql` failed")
+            folder = tmp_path_factory.mktemp("sqlite")
+            yield Databases(
+                "sqlite",
+                f"sqlite+aiosqlite:///{folder}/prefect.db",
+                f"sqlite:///{folder}/mlflow.db",
+                f"sqlite:///{folder}/basic_auth.db",
+            )
+            return
+        with psycopg.connect(f"postgresql://{server}/postgres", autocommit=True) as conn:
+            for name in ("prefect", "mlflow", "mlflow_auth"):
+                conn.execute(f"CREATE DATABASE {name}")
+        yield Databases(
+            "postgresql",
+            f"postgresql+asyncpg://{server}/prefect",
+            f"postgresql+psycopg://{server}/mlflow",
+            f"postgresql+psycopg://{server}/mlflow_auth",
+        )
+
+
+def sql_rows(database: str, sql: str, *args: str) -> list[tuple[Any, ...]]:
+    """Rows of one SQL query on a PostgreSQL database given by its SQLAlchemy URL."""
+    url = "postgresql://" + database.split("://", 1)[1]
+    with psycopg.connect(url) as conn:
+        return conn.execute(sql, args).fetchall()
+
+
+@dataclass(frozen=True)
+class Servers:
+    """An authenticated Prefect server (its API URL), an MLflow one, and their databases."""
+
+    prefect_api: str
+    mlflow: str
+    db: Databases
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory, databases: Databases) -> Iterator[Servers]:
     folder = tmp_path_factory.mktemp("auth")
     ini = folder / "basic_auth.ini"
-    ini.write_text(AUTH_INI.format(folder=folder, admin=ADMIN[0]))
+    ini.write_text(AUTH_INI.format(database_uri=databases.mlflow_auth, admin=ADMIN[0]))
     mlflow_env = {
         "MLFLOW_AUTH_CONFIG_PATH": str(ini),
         "MLFLOW_AUTH_ADMIN_PASSWORD": ADMIN[1],
         "MLFLOW_FLASK_SERVER_SECRET_KEY": "test-only-csrf-key-3b1e9f",
     }
-    prefect_env = {"PREFECT_SERVER_API_AUTH_STRING": PREFECT_AUTH}
+    mlflow_args = ["--app-name", "basic-auth", "--backend-store-uri", databases.mlflow]
+    prefect_env = {
+        "PREFECT_SERVER_API_AUTH_STRING": PREFECT_AUTH,
+        "PREFECT_API_DATABASE_CONNECTION_URL": databases.prefect,
+    }
     with (
         prefect_server(folder / "prefect", env=prefect_env) as api,
-        mlflow_server(folder / "mlflow", ["--app-name", "basic-auth"], env=mlflow_env) as url,
+        mlflow_server(folder / "mlflow", mlflow_args, env=mlflow_env) as url,
     ):
         created = post(
             f"{url}/api/2.0/mlflow/users/create",
@@ -89,7 +207,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
             basic(*ADMIN),
         )
         assert isinstance(created, dict), f"creating the pipeline user failed: HTTP {created}"
-        yield Servers(api, url)
+        yield Servers(api, url, databases)
 
 
 def test_requests_without_or_with_wrong_credentials_are_refused(servers: Servers) -> None:
@@ -175,6 +293,14 @@ def test_pipeline_logs_to_both_servers_with_credentials(
     (flow_run,) = _flow_runs(servers, workdir)
     assert flow_run["state_type"] == "COMPLETED"
     assert flow_run["parameters"]["preset"] == "tiny"
+    if servers.db.kind == "postgresql":  # the records are in PostgreSQL itself
+        parent_id = runs["tiny"].info.run_id
+        sql = "SELECT status FROM runs WHERE run_uuid = %s"
+        assert sql_rows(servers.db.mlflow, sql, parent_id) == [("FINISHED",)]
+        sql = "SELECT state_type FROM flow_run WHERE id = %s"
+        assert sql_rows(servers.db.prefect, sql, flow_run["id"]) == [("COMPLETED",)]
+        sql = "SELECT is_admin FROM users WHERE username = %s"
+        assert sql_rows(servers.db.mlflow_auth, sql, PIPELINE_USER[0]) == [(False,)]
 
 
 def test_pipeline_with_wrong_credentials_is_refused_before_any_work(
