@@ -332,3 +332,46 @@ def test_pipeline_with_wrong_credentials_is_refused_before_any_work(
     assert "401" in output, output[-3000:]
     assert _flow_runs(servers, no_prefect) == []
     assert admin_client.get_experiment_by_name(no_prefect.name) is None
+
+
+CHECK_BOTH = """
+from mlflow.tracking import MlflowClient
+from prefect.client.orchestration import get_client
+
+MlflowClient({mlflow!r}).search_experiments()
+with get_client(sync_client=True) as client:
+    client.read_flow_runs(limit=1)
+print("both answered")
+"""
+
+
+def test_credentials_can_come_from_private_files_in_home(servers: Servers, tmp_path: Path) -> None:
+    """MLflow reads ~/.mlflow/credentials, Prefect its profile: no secret in the environment."""
+    home = tmp_path / "home"
+    (home / ".mlflow").mkdir(parents=True)
+    (home / ".prefect").mkdir()
+    env = service_env(HOME=str(home), PREFECT_HOME=str(home / ".prefect"))
+    for name in ("PREFECT_API_URL", "PREFECT_API_AUTH_STRING", "PREFECT_PROFILES_PATH"):
+        env.pop(name, None)
+    env = {k: v for k, v in env.items() if not k.startswith("MLFLOW_TRACKING_")}
+    argv = [sys.executable, "-c", CHECK_BOTH.format(mlflow=servers.mlflow)]
+
+    refused = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+    assert refused.returncode != 0 and "401" in refused.stderr, refused.stderr[-2000:]
+
+    credentials = home / ".mlflow" / "credentials"
+    credentials.write_text(
+        f"[mlflow]\nmlflow_tracking_username = {PIPELINE_USER[0]}\n"
+        f"mlflow_tracking_password = {PIPELINE_USER[1]}\n"
+    )
+    profiles = home / ".prefect" / "profiles.toml"
+    profiles.write_text(
+        f'active = "production"\n\n[profiles.production]\n'
+        f'PREFECT_API_URL = "{servers.prefect_api}"\n'
+        f'PREFECT_API_AUTH_STRING = "{PREFECT_AUTH}"\n'
+    )
+    for secret in (credentials, profiles):
+        secret.chmod(0o600)
+    answered = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+    assert answered.returncode == 0, answered.stderr[-3000:]
+    assert "both answered" in answered.stdout
