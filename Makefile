@@ -62,8 +62,9 @@ stack-down: setup
 
 lock: setup
 	$(BIN)/uv pip compile pyproject.toml --extra dev $(FIND_LINKS) --python-version 3.11 \
-	  --no-header -q -o requirements.lock
-	sed -i 's/^torch==\(.*\)+cpu/torch==\1/' requirements.lock
+	  $(if $(FIND_LINKS),--override <(echo torch==2.13.0+cpu)) --no-header -q -o requirements.lock
+	sed -i -e 's/^torch==\(.*\)+cpu/torch==\1/' -e '/#   --override/d' requirements.lock
+	sed -i '1i # Locked dependency set (uv pip compile pyproject.toml --extra dev; torch local tag stripped so\n# CPU machines take the +cpu wheel from /opt/wheels and GPU nodes the CUDA build). Regenerate: make lock' requirements.lock
 
 clean:
 	rm -rf $(VENV) trainflow-work .mypy_cache .ruff_cache

@@ -116,7 +116,11 @@ def _print_summary(summary: object, cfg: PipelineConfig) -> None:
     from flows.pipeline import PipelineSummary
 
     assert isinstance(summary, PipelineSummary)
-    ui = " ".join(_ui_command(cfg, 5000)[3:])
+    if summary.tracking_uri.startswith(("http://", "https://")):
+        ui_line = f"{summary.tracking_uri}   (the tracking server's own UI)"
+    else:
+        ui = " ".join(_ui_command(cfg, 5000)[3:])
+        ui_line = f"trainflow ui   (or: mlflow {ui}) -> http://127.0.0.1:5000"
     version = "not registered"
     if summary.model_version is not None:
         state = "now the champion" if summary.champion else "not the champion"
@@ -131,7 +135,7 @@ def _print_summary(summary: object, cfg: PipelineConfig) -> None:
         f"({'cached' if summary.preprocess_cached else 'built'})\n"
         f"stage seconds   {summary.stage_seconds}\n"
         f"model version   {version}\n"
-        f"MLflow UI       trainflow ui   (or: mlflow {ui}) -> http://127.0.0.1:5000"
+        f"MLflow UI       {ui_line}"
     )
 
 
@@ -159,11 +163,24 @@ def _sweep(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("trainflow: interrupted; the training jobs were cancelled", file=sys.stderr)
         return 130
+    except Exception as err:
+        return _refused(err)
     for i, acc in enumerate(summary.val_accuracy):
         print(f"element {i}: val_accuracy {acc}")
     print(f"best: {summary.best_overrides}")
     _print_summary(summary, base)
     return 0
+
+
+def _refused(err: Exception) -> int:
+    """Exit 2 with what to fix when a server refused our credentials; re-raise anything else."""
+    from flows.service_errors import explain_refusal
+
+    message = explain_refusal(err)
+    if message is None:
+        raise err
+    print(f"trainflow: error: {message}", file=sys.stderr)
+    return 2
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -188,6 +205,8 @@ def _run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("trainflow: interrupted; the training job was cancelled", file=sys.stderr)
         return 130
+    except Exception as err:
+        return _refused(err)
     _print_summary(summary, cfg)
     return 0
 

@@ -92,17 +92,16 @@ def register_and_promote(
 
 
 def ensure_registered_model(client: MlflowClient, name: str) -> None:
-    """Create the registered model unless it exists (another pipeline may create it too)."""
-    try:
-        client.get_registered_model(name)
-        return
-    except MlflowException as err:
-        if err.error_code not in _MISSING:
-            raise
+    """Create the registered model unless it exists (another pipeline may create it too).
+
+    Creating first, instead of looking it up first: a basic-auth server with
+    ``default_permission = NO_PERMISSIONS`` answers 403, not 404, for a model that does not
+    exist yet, while "already exists" is the same answer everywhere.
+    """
     try:
         client.create_registered_model(name, description="Models evaluated by trainflow.")
     except MlflowException as err:
-        if err.error_code not in _EXISTS:  # created meanwhile by a concurrent pipeline
+        if err.error_code not in _EXISTS:  # created earlier or meanwhile by another pipeline
             raise
 
 

@@ -314,8 +314,9 @@ def test_pipeline_with_wrong_credentials_is_refused_before_any_work(
         MLFLOW_TRACKING_USERNAME=PIPELINE_USER[0],
         MLFLOW_TRACKING_PASSWORD="wrong",
     )
-    assert code != 0
+    assert code == 2
     assert "401" in output and "not authenticated" in output, output[-3000:]
+    assert "refused the request" in output and "MLFLOW_TRACKING_PASSWORD" in output
     assert admin_client.get_experiment_by_name(wrong_mlflow.name) is None
     assert not (wrong_mlflow / "datasets").exists()  # refused before preprocessing
     (flow_run,) = _flow_runs(servers, wrong_mlflow)
@@ -328,8 +329,8 @@ def test_pipeline_with_wrong_credentials_is_refused_before_any_work(
         MLFLOW_TRACKING_USERNAME=PIPELINE_USER[0],
         MLFLOW_TRACKING_PASSWORD=PIPELINE_USER[1],
     )
-    assert code != 0
-    assert "401" in output, output[-3000:]
+    assert code == 2
+    assert "401" in output and "PREFECT_API_AUTH_STRING" in output, output[-3000:]
     assert _flow_runs(servers, no_prefect) == []
     assert admin_client.get_experiment_by_name(no_prefect.name) is None
 

@@ -34,3 +34,8 @@ def test_sweep_trains_each_element_and_evaluates_the_best(tmp_path: Path) -> Non
     assert all(r.info.status == "FINISHED" for r in kids)
     train1 = next(r for r in kids if r.info.run_name == "train[1]")
     assert len(client.get_metric_history(train1.info.run_id, "val_accuracy")) == 2
+    # The best element's model is registered, tagged like the parent run, and (first in this
+    # store) takes the champion alias.
+    assert summary.model_version == "1" and summary.champion
+    version = client.get_model_version(summary.registered_model or "", "1")
+    assert version.tags["config_hash"] == parent.data.tags["config_hash"]
