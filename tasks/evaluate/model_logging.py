@@ -1,15 +1,13 @@
 """Log the trained model to MLflow with signature, input example and explicit requirements."""
 
-import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 from importlib.metadata import version
 
 import mlflow
 import numpy as np
 import torch
 from mlflow.models import infer_signature
-from mlflow.tracking._tracking_service import utils as tracking_utils
+
+from tasks.tracking.runs import use_tracking_uri
 
 # Explicit requirements: MLflow otherwise spends ~7 s guessing them by importing the model.
 _REQUIREMENTS = ("torch", "numpy", "mlflow")
@@ -18,28 +16,6 @@ _REQUIREMENTS = ("torch", "numpy", "mlflow")
 def pip_requirements() -> list[str]:
     """Pinned requirements of the logged model, read from this environment."""
     return [f"{name}=={version(name).split('+')[0]}" for name in _REQUIREMENTS]
-
-
-@contextmanager
-def use_tracking_uri(uri: str) -> Iterator[None]:
-    """Point MLflow's fluent API at `uri` for the block, then restore everything.
-
-    `mlflow.set_tracking_uri` also writes MLFLOW_TRACKING_URI into os.environ (so that child
-    processes inherit it). Left behind, that would send every later run of this process, and
-    every process it starts (e.g. another pipeline's training ranks), to this run's store.
-    """
-    env_before = os.environ.get("MLFLOW_TRACKING_URI")
-    uri_before = tracking_utils._tracking_uri
-    mlflow.set_tracking_uri(uri)
-    try:
-        yield
-    finally:
-        # None (nothing set before) is accepted at run time and unsets the variable too.
-        tracking_utils.set_tracking_uri(uri_before)  # type: ignore[arg-type]
-        if env_before is None:
-            os.environ.pop("MLFLOW_TRACKING_URI", None)
-        else:
-            os.environ["MLFLOW_TRACKING_URI"] = env_before
 
 
 def log_model(model: torch.nn.Module, example: np.ndarray, tracking_uri: str, run_id: str) -> str:

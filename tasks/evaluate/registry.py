@@ -25,6 +25,8 @@ from mlflow.tracking import MlflowClient
 from mlflow.utils.mlflow_tags import MLFLOW_MODEL_VERSIONS
 from pydantic import BaseModel, ConfigDict
 
+from tasks.tracking.runs import use_tracking_uri
+
 _MISSING = ("RESOURCE_DOES_NOT_EXIST", "NOT_FOUND")
 _EXISTS = ("RESOURCE_ALREADY_EXISTS", "ALREADY_EXISTS")
 
@@ -110,9 +112,12 @@ def create_version(
 ) -> str:
     """A new version of ``name`` from a logged model URI; returns the version number."""
     model_id = _model_id(model_uri)
-    mv = client.create_model_version(
-        name, model_uri, run_id=run_id, tags=dict(tags), model_id=model_id
-    )
+    # A `models:/m-...` source is resolved through MLflow's global tracking URI, not the
+    # client's: point it at the client's store for the call.
+    with use_tracking_uri(client.tracking_uri):
+        mv = client.create_model_version(
+            name, model_uri, run_id=run_id, tags=dict(tags), model_id=model_id
+        )
     version = str(mv.version)
     if model_id:
         _link_logged_model(client, model_id, name, version)

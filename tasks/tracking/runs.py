@@ -7,10 +7,14 @@ nothing depends on MLflow's process-global "active run" (which a Slurm job never
 import os
 import subprocess
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
+import mlflow
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
+from mlflow.tracking._tracking_service import utils as tracking_utils
 
 from tasks.tracking.config import TrackingConfig
 
@@ -97,3 +101,25 @@ def log_metrics(client: MlflowClient, run_id: str, values: dict[str, float], ste
     """Log several metrics in one call."""
     ts = int(time.time() * 1000)
     client.log_batch(run_id, metrics=[Metric(k, float(v), ts, step) for k, v in values.items()])
+
+
+@contextmanager
+def use_tracking_uri(uri: str) -> Iterator[None]:
+    """Point MLflow's fluent API at `uri` for the block, then restore everything.
+
+    `mlflow.set_tracking_uri` also writes MLFLOW_TRACKING_URI into os.environ (so that child
+    processes inherit it). Left behind, that would send every later run of this process, and
+    every process it starts (e.g. another pipeline's training ranks), to this run's store.
+    """
+    env_before = os.environ.get("MLFLOW_TRACKING_URI")
+    uri_before = tracking_utils._tracking_uri
+    mlflow.set_tracking_uri(uri)
+    try:
+        yield
+    finally:
+        # None (nothing set before) is accepted at run time and unsets the variable too.
+        tracking_utils.set_tracking_uri(uri_before)  # type: ignore[arg-type]
+        if env_before is None:
+            os.environ.pop("MLFLOW_TRACKING_URI", None)
+        else:
+            os.environ["MLFLOW_TRACKING_URI"] = env_before

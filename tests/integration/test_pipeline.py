@@ -11,6 +11,7 @@ from prefect.client.schemas.objects import Artifact as ArtifactResponse
 
 from flows.config import build_config, config_hash
 from flows.pipeline import PipelineSummary, pipeline
+from tasks.tracking.runs import use_tracking_uri
 
 pytestmark = pytest.mark.integration
 
@@ -73,7 +74,8 @@ def test_evaluate_run_has_metrics_images_and_model(first: PipelineSummary) -> No
     names = {a.path for a in client.list_artifacts(run_id)}
     assert {"confusion_matrix.png", "training_curves.png", "per_class.json"} <= names
     assert first.model_uri
-    info = mlflow.models.get_model_info(first.model_uri)
+    with use_tracking_uri(first.tracking_uri):  # models:/ URIs resolve via the global URI
+        info = mlflow.models.get_model_info(first.model_uri)
     assert info.signature is not None
     assert info.run_id == run_id
 

@@ -17,6 +17,7 @@ from tasks.evaluate.registry import (
     read_champion,
     register_and_promote,
 )
+from tasks.tracking.runs import use_tracking_uri
 from tests.services import mlflow_server
 
 TAGS = {"dataset_hash": "d" * 64, "git_commit": "abc123", "config_hash": "c" * 64}
@@ -52,9 +53,11 @@ class Store:
 @pytest.fixture(scope="module")
 def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Store]:
     folder = tmp_path_factory.mktemp("registry")
-    yield Store(f"sqlite:///{folder / 'mlflow.db'}", (folder / "art").as_uri())
-    # log_model set the process-global URI; None restores MLflow's default (untyped upstream).
-    mlflow.set_tracking_uri(None)  # type: ignore[arg-type]
+    uri = f"sqlite:///{folder / 'mlflow.db'}"
+    # The tests' own direct calls (create_model_version of a models:/ source, load_model) go
+    # through MLflow's global URI; trainflow's code sets it only around its own calls.
+    with use_tracking_uri(uri):
+        yield Store(uri, (folder / "art").as_uri())
 
 
 def test_first_version_becomes_champion_with_tags(store: Store) -> None:
@@ -160,18 +163,15 @@ def test_alias_name_is_configurable(store: Store) -> None:
 
 def test_the_same_through_an_mlflow_tracking_server(tmp_path: Path) -> None:
     # A real `mlflow server` (REST, artifacts proxied): versions come back as text there.
-    try:
-        with mlflow_server(tmp_path, env={"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}) as url:
-            server = Store(url)
-            first = server.register("served", 0.7)
-            assert (first.version, first.champion) == ("1", True)
-            tie = server.register("served", 0.7)
-            assert (tie.version, tie.champion, tie.previous_version) == ("2", False, "1")
-            better = server.register("served", 0.75)
-            assert (better.champion, better.previous_metric) == (True, 0.7)
-            assert server.alias("served") == "3"
-            mlflow.set_tracking_uri(url)
+    with mlflow_server(tmp_path, env={"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}) as url:
+        server = Store(url)
+        first = server.register("served", 0.7)
+        assert (first.version, first.champion) == ("1", True)
+        tie = server.register("served", 0.7)
+        assert (tie.version, tie.champion, tie.previous_version) == ("2", False, "1")
+        better = server.register("served", 0.75)
+        assert (better.champion, better.previous_metric) == (True, 0.7)
+        assert server.alias("served") == "3"
+        with use_tracking_uri(url):
             loaded = mlflow.pytorch.load_model("models:/served@champion")
-            assert loaded(torch.zeros(1, 1, 2, 2)).shape == (1, 2)
-    finally:
-        mlflow.set_tracking_uri(None)  # type: ignore[arg-type]
+        assert loaded(torch.zeros(1, 1, 2, 2)).shape == (1, 2)
