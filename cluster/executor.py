@@ -1,6 +1,8 @@
 """The submitit executor factory: where a job runs. Knows nothing of training."""
 
 import math
+import signal
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,7 @@ def make_executor(cfg: ClusterConfig, folder: Path) -> submitit.Executor:
         return submitit.DebugExecutor(folder)
     if cfg.executor == "slurm":
         return _slurm_executor(cfg, folder)
+    restore_sigint()
     executor = submitit.LocalExecutor(folder)
     executor.update_parameters(
         nodes=1,
@@ -29,6 +32,20 @@ def make_executor(cfg: ClusterConfig, folder: Path) -> submitit.Executor:
         timeout_min=cfg.timeout_min,
     )
     return executor
+
+
+def restore_sigint() -> None:
+    """Un-ignore SIGINT in this process, so the local job controllers it starts obey it.
+
+    A shell starts background commands (`cmd &`, nohup) with SIGINT ignored, and an ignored
+    signal stays ignored across fork and exec: the controller of a local job would then
+    survive the SIGINT that submitit's `cancel()` and `trainflow cleanup` send, and its ranks
+    would train on. Only the main thread may change handlers; elsewhere this does nothing.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _slurm_executor(cfg: ClusterConfig, folder: Path) -> submitit.SlurmExecutor:
