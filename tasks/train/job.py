@@ -33,6 +33,7 @@ from tasks.train.checkpoint import (
 from tasks.train.config import TrainConfig
 from tasks.train.data import Split, load_split_to, rank_batches, steps_per_epoch
 from tasks.train.distributed import DistContext, distributed, exit_fast_at_shutdown, wrap_ddp
+from tasks.train.early_signal import deliver_held_signal
 from tasks.train.loop import Trainer, evaluate_split, make_optimizer, train_epoch
 from tasks.train.models import build_model, place_model, use_channels_last, uses_cuda_graphs
 from tasks.train.precision import PrecisionPolicy, resolve_precision
@@ -96,6 +97,7 @@ class TrainingJob(submitit.helpers.Checkpointable):
 
     def __call__(self) -> CheckpointRef | None:
         """Set up, resume if a checkpoint exists, train the remaining epochs, clean up."""
+        deliver_held_signal()  # a requeue signal that came during start-up: requeue now
         spec, cfg = self.spec, self.spec.train
         torch.set_num_threads(spec.cpus_per_task)
         with distributed(cfg.device) as dist, EpochRecorder() as recorder:

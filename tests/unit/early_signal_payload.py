@@ -1,0 +1,24 @@
+"""A job module whose import is hit by the preemption signal once, as on a loaded Slurm node
+where the requeue signal arrives while the ranks still import torch (test payload)."""
+
+import os
+from pathlib import Path
+
+import submitit
+
+import tasks.train  # noqa: F401  (what unpickling a training job imports first)
+from tasks.train.early_signal import _in_submitit_task, deliver_held_signal, preemption_signal
+
+_MARK = Path(os.environ.get("TRAINFLOW_TEST_MARK", "/nonexistent/mark"))
+
+if _in_submitit_task() and _MARK.parent.is_dir() and not _MARK.exists():
+    _MARK.write_text("signalled during import\n")
+    os.kill(os.getpid(), preemption_signal())
+
+
+class Job(submitit.helpers.Checkpointable):
+    """Returns which attempt finished; requeued (default checkpoint) when signalled."""
+
+    def __call__(self) -> str:
+        deliver_held_signal()
+        return f"finished after {_MARK.read_text().strip()}"
