@@ -38,3 +38,29 @@ def write_dataset(root: Path, n_train: int = 256, n_val: int = 64, seed: int = 0
     }
     (root / "manifest.json").write_text(json.dumps(manifest))
     return read_manifest(root)
+
+
+def write_rgb_dataset(root: Path, n: int = 8) -> DatasetRef:
+    """A 3-channel dataset: with one channel, NCHW and NHWC are the same bytes."""
+    root.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    splits = {}
+    for split in ("train", "val", "test"):
+        names = {"x": f"{split}-00000.x.npy", "y": f"{split}-00000.y.npy"}
+        np.save(root / names["x"], rng.normal(size=(n, 3, 12, 12)).astype(np.float32))
+        np.save(root / names["y"], rng.integers(0, 2, n).astype(np.int64))
+        hashes = {f"{k}_sha256": sha256_file(root / v) for k, v in names.items()}
+        splits[split] = [{**names, **hashes, "n": n}]
+    manifest = {
+        "format_version": 1,
+        "content_hash": "rgb",
+        "cache_key": "rgb",
+        "counts": {split: n for split in splits},
+        "shape": [3, 12, 12],
+        "classes": ["a", "b"],
+        "mean": [0.0] * 3,
+        "std": [1.0] * 3,
+        "splits": splits,
+    }
+    (root / "manifest.json").write_text(json.dumps(manifest))
+    return read_manifest(root)
