@@ -11,8 +11,6 @@ import base64
 import itertools
 import json
 import os
-import shutil
-import subprocess
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -21,13 +19,9 @@ from typing import Any
 
 from websockets.sync.client import ClientConnection, connect
 
-from tests.services import background, free_port, get_json, wait_for
+from tests.services import apt_install, background, free_port, get_json, wait_for
 
 CHROMIUM = Path("/usr/bin/chromium")
-APT_INSTALL = (
-    *("apt-get", "install", "-y", "-q", "--no-install-recommends"),
-    *("-o", "DPkg::Lock::Timeout=300", "chromium"),
-)
 # Headless as root in a container, on loopback only: no sandbox (needs user namespaces), no
 # GPU, and none of the background services that would try to reach the internet.
 FLAGS = (
@@ -47,19 +41,8 @@ FLAGS = (
 
 def install_chromium() -> tuple[Path | None, str]:
     """Chromium's path, installed with apt when missing and possible; else None and why not."""
-    if CHROMIUM.exists():
-        return CHROMIUM, ""
-    if os.geteuid() != 0 or shutil.which("apt-get") is None:
-        return None, "needs /usr/bin/chromium: `apt-get install chromium` (as root, Debian)"
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    out = ""
-    # A fresh machine may have no package lists yet: update only when the install needs it.
-    for argv in ([*APT_INSTALL], ["apt-get", "update", "-q"], [*APT_INSTALL]):
-        proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=900)
-        out += proc.stdout + proc.stderr
-        if argv[1] == "install" and proc.returncode == 0 and CHROMIUM.exists():
-            return CHROMIUM, ""
-    return None, f"`apt-get install chromium` failed:\n{out[-3000:]}"
+    why = apt_install("chromium", CHROMIUM.exists)
+    return (CHROMIUM, "") if why is None else (None, why)
 
 
 class Page:

@@ -7,6 +7,7 @@ or worker ignores SIGTERM for 25+ s).
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -103,9 +104,18 @@ def stop_group(proc: subprocess.Popen[bytes], grace_s: float = 30) -> None:
             pass
 
 
-def _check_alive(proc: subprocess.Popen[bytes], log: Path, what: str) -> None:
-    if proc.poll() is not None:
-        raise AssertionError(f"{what} exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+def _wait_healthy(
+    proc: subprocess.Popen[bytes], log: Path, health_url: str, what: str, limit_s: float
+) -> None:
+    """Wait until `health_url` answers; fail at once with the log's tail if `proc` exits."""
+
+    def healthy() -> bool:
+        if proc.poll() is not None:
+            tail = log.read_text()[-3000:]
+            raise AssertionError(f"{what} exited with {proc.returncode}:\n{tail}")
+        return http_status(health_url) is not None
+
+    wait_for(healthy, limit_s, what)
 
 
 @contextmanager
@@ -124,12 +134,7 @@ def prefect_server(
     log = folder / "prefect-server.log"
     with background([*argv, "--port", str(port)], log, server_env) as proc:
         api = f"http://127.0.0.1:{port}/api"
-
-        def healthy() -> bool:
-            _check_alive(proc, log, "prefect server")
-            return http_status(f"{api}/health") is not None
-
-        wait_for(healthy, limit_s, "the Prefect server")
+        _wait_healthy(proc, log, f"{api}/health", "the Prefect server", limit_s)
         yield api
 
 
@@ -151,10 +156,27 @@ def mlflow_server(
     log = folder / "mlflow-server.log"
     with background(argv, log, service_env(**dict(env or {}))) as proc:
         url = f"http://127.0.0.1:{port}"
-
-        def healthy() -> bool:
-            _check_alive(proc, log, "mlflow server")
-            return http_status(f"{url}/health") is not None
-
-        wait_for(healthy, limit_s, "the MLflow server")
+        _wait_healthy(proc, log, f"{url}/health", "the MLflow server", limit_s)
         yield url
+
+
+def apt_install(package: str, installed: Callable[[], bool]) -> str | None:
+    """Install a Debian package unless `installed()` already holds; None on success, else why.
+
+    Needs root and apt-get. A fresh machine may have no package lists yet, so `apt-get update`
+    runs only when a first install fails.
+    """
+    if installed():
+        return None
+    if os.geteuid() != 0 or shutil.which("apt-get") is None:
+        return f"needs `apt-get install {package}` as root (Debian)"
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    install = ["apt-get", "install", "-y", "-q", "--no-install-recommends"]
+    install += ["-o", "DPkg::Lock::Timeout=300", package]
+    out = ""
+    for argv in (install, ["apt-get", "update", "-q"], install):
+        proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=900)
+        out += proc.stdout + proc.stderr
+        if argv[1] == "install" and proc.returncode == 0 and installed():
+            return None
+    return f"`apt-get install {package}` failed:\n{out[-3000:]}"

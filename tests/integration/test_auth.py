@@ -32,6 +32,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from tests.services import (
+    apt_install,
     free_port,
     get_json,
     http_status,
@@ -94,14 +95,7 @@ def _postgres_bin() -> Path | None:
         found = sorted(Path("/usr/lib/postgresql").glob("*/bin/initdb"), key=lambda p: p.parts)
         return found[-1].parent if found else None
 
-    if newest() is None and os.geteuid() == 0 and shutil.which("apt-get"):
-        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-        install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", "postgresql"]
-        # A fresh machine may have no package lists yet: update only when the install needs it.
-        for argv in (install, ["apt-get", "update", "-q"], install):
-            subprocess.run(argv, capture_output=True, env=env, timeout=900)
-            if newest() is not None:
-                break
+    apt_install("postgresql", lambda: newest() is not None)
     return newest()
 
 
