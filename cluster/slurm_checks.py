@@ -8,10 +8,13 @@ offers and the fix. Facts come from ``scontrol show partition|node -o`` (one lin
 """
 
 import math
+import os
 import re
 import shutil
 import subprocess
+from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 from cluster.config import ClusterConfig
 from cluster.dev.slurm import slurm_conf
@@ -89,9 +92,34 @@ def scontrol_records(kind: str) -> list[dict[str, str]]:
     if out.returncode != 0:
         why = "; ".join(out.stderr.split("\n")).strip("; ") or f"exit status {out.returncode}"
         raise ConfigError(
-            f"cluster.executor=slurm, but `scontrol show {kind}` failed ({why}): {_NO_CLUSTER_FIX}"
+            f"cluster.executor=slurm, but Slurm is not reachable (`scontrol show {kind}`: "
+            f"{why}): {unreachable_hint()}"
         )
     return [parse_pairs(line) for line in out.stdout.splitlines() if "=" in line]
+
+
+def unreachable_hint(env: Mapping[str, str] | None = None) -> str:
+    """What to do when the Slurm client tools cannot reach a controller, from SLURM_CONF."""
+    env = os.environ if env is None else env
+    dev_env = 'eval "$(cluster/dev/slurm.sh env)"'
+    conf = env.get("SLURM_CONF")
+    if not conf:
+        where = (
+            f"the dev cluster's is {slurm_conf()}: run {dev_env} in this shell"
+            if slurm_conf().exists()
+            else "start a dev cluster with `trainflow cluster up`, then run " + dev_env
+        )
+        return (
+            "SLURM_CONF is not set, so Slurm looked for /etc/slurm/slurm.conf and then for DNS "
+            f"SRV records; point SLURM_CONF at your cluster's slurm.conf ({where}), or choose "
+            "cluster.executor=local"
+        )
+    if not Path(conf).is_file():
+        return f"SLURM_CONF={conf} does not exist: {dev_env}, or fix the path"
+    return (
+        f"SLURM_CONF={conf} names a controller that does not answer: is slurmctld running? "
+        "(the dev cluster: `trainflow cluster status`, `trainflow cluster up`)"
+    )
 
 
 def parse_pairs(line: str) -> dict[str, str]:

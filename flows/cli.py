@@ -5,22 +5,30 @@ import os
 import signal
 import socket
 import sys
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
 from flows.config import PRESETS, PipelineConfig, build_config
+from flows.error_output import DEBUG_ENV, debug_enabled
+from flows.preflight import preflight
 from tasks.errors import ConfigError, TrainflowError
-from tasks.tracking.runs import resolve_tracking_uri
+
+_DEBUG_HELP = "show tracebacks of errors (also: TRAINFLOW_DEBUG=1)"
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trainflow", description=__doc__)
+    parser.add_argument("--debug", action="store_true", help=_DEBUG_HELP)
+    # `--debug` after the command too; SUPPRESS keeps a top-level --debug from being reset.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=_DEBUG_HELP)
     sub = parser.add_subparsers(dest="command", required=True)
     for name, text in (
         ("run", "run a whole pipeline: preprocess -> train -> evaluate"),
         ("config", "print the resolved, validated config as JSON"),
     ):
-        p = sub.add_parser(name, help=text)
+        p = sub.add_parser(name, help=text, parents=[common])
         p.add_argument("--preset", default="demo", help=f"one of: {', '.join(PRESETS)}")
         p.add_argument(
             "--set",
@@ -30,7 +38,11 @@ def _parser() -> argparse.ArgumentParser:
             metavar="KEY=VALUE",
             help="dotted override, e.g. --set train.epochs=3 (repeatable)",
         )
-    sw = sub.add_parser("sweep", help="train a grid of configs as one job array, evaluate the best")
+    sw = sub.add_parser(
+        "sweep",
+        help="train a grid of configs as one job array, evaluate the best",
+        parents=[common],
+    )
     sw.add_argument("--preset", default="demo", help=f"one of: {', '.join(PRESETS)}")
     sw.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     sw.add_argument(
@@ -56,6 +68,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def _ui_command(cfg: PipelineConfig, port: int, host: str = "127.0.0.1") -> list[str]:
     """The `mlflow ui` command line serving the store (and artifacts) the pipeline's runs used."""
+    from tasks.tracking.runs import resolve_tracking_uri  # imports mlflow: ~2 s, not for errors
+
     uri = resolve_tracking_uri(cfg.tracking, cfg.workdir)
     argv = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri]
     if _local_store_path(uri) is not None:
@@ -76,6 +90,8 @@ def _local_store_path(uri: str) -> Path | None:
 
 def _ui(cfg: PipelineConfig, host: str, port: int) -> int:
     """Serve the MLflow UI on the pipeline's store until Ctrl-C (or point at a running server)."""
+    from tasks.tracking.runs import resolve_tracking_uri
+
     uri = resolve_tracking_uri(cfg.tracking, cfg.workdir)
     if uri.startswith(("http://", "https://")):
         print(f"runs are on the MLflow tracking server {uri}: open {uri} (nothing to start)")
@@ -155,6 +171,7 @@ def _sweep(args: argparse.Namespace) -> int:
 
     grid = {".".join(path): value for path, value in map(parse_override, args.grid)}
     base, _ = build_sweep(args.preset, args.overrides, grid)  # fail fast, before Prefect
+    preflight(base)
     _prepare_flow_process()
     from flows.sweep import sweep
 
@@ -197,6 +214,7 @@ def _prepare_flow_process() -> None:
 
 def _run(args: argparse.Namespace) -> int:
     cfg = build_config(args.preset, args.overrides)  # fail fast, before Prefect starts
+    preflight(cfg)
     _prepare_flow_process()
     from flows.pipeline import pipeline
 
@@ -214,6 +232,8 @@ def _run(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``trainflow`` command."""
     args = _parser().parse_args(argv)
+    if args.debug:
+        os.environ[DEBUG_ENV] = "1"  # the flows and the training job's payload see it too
     try:
         if args.command == "presets":
             for name in PRESETS:
@@ -234,6 +254,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _ui(build_config(args.preset, args.overrides), args.host, args.port)
         return _run(args)
     except TrainflowError as err:
+        if debug_enabled():
+            traceback.print_exc()
         print(f"trainflow: error: {err}", file=sys.stderr)
         return 2
 

@@ -14,8 +14,9 @@ from prefect.artifacts import create_markdown_artifact
 from pydantic import BaseModel, ConfigDict
 
 from cluster.registry import cancel_orphans
-from cluster.slurm_checks import check_cluster
 from flows.config import PipelineConfig, build_config, config_hash, flatten
+from flows.error_output import quiet_user_errors
+from flows.preflight import preflight
 from tasks.evaluate.run import EvalResult
 from tasks.evaluate.task import evaluate_task
 from tasks.preprocess.ref import DatasetRef
@@ -61,12 +62,13 @@ def pipeline(
     preset: str = "demo", overrides: dict[str, Any] | list[str] | None = None
 ) -> PipelineSummary:
     """Run the whole pipeline for a preset plus dotted overrides (e.g. train.epochs=3)."""
+    quiet_user_errors()
     return run_pipeline(build_config(preset, overrides or []))
 
 
 def run_pipeline(cfg: PipelineConfig) -> PipelineSummary:
     """The pipeline body for an already validated config (must run inside a flow)."""
-    check_cluster(cfg.cluster)  # a Slurm request that can never run fails before any work
+    preflight(cfg)  # bad paths, files, Slurm requests: fail before any server or cluster
     runs = PipelineRuns(cfg.tracking, cfg.workdir, cfg.name)
     run_dir = (cfg.workdir / "runs" / runs.parent_id).resolve()
     t: dict[str, float] = {}

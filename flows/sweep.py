@@ -7,8 +7,8 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 
-from cluster.slurm_checks import check_cluster
 from flows.config import PipelineConfig, build_sweep, config_hash, flatten
+from flows.error_output import quiet_user_errors
 from flows.pipeline import (
     PipelineSummary,
     evaluate_stage,
@@ -17,6 +17,7 @@ from flows.pipeline import (
     timed,
     train_spec,
 )
+from flows.preflight import preflight
 from tasks.errors import JobError
 from tasks.preprocess.ref import DatasetRef
 from tasks.tracking.pipeline_runs import PipelineRuns
@@ -42,6 +43,7 @@ def sweep(
     grid: dict[str, list[Any]] | None = None,
 ) -> SweepSummary:
     """Train every element of ``grid`` (e.g. {"train.lr": [1e-3, 3e-3]}), evaluate the best."""
+    quiet_user_errors()
     base, elements = build_sweep(preset, overrides or [], grid or {})
     return run_sweep(base, elements)
 
@@ -50,7 +52,7 @@ def run_sweep(
     base: PipelineConfig, elements: list[tuple[dict[str, Any], PipelineConfig]]
 ) -> SweepSummary:
     """The sweep body for validated configs (must run inside a flow)."""
-    check_cluster(base.cluster)
+    preflight(base)
     runs = PipelineRuns(base.tracking, base.workdir, f"{base.name}-sweep")
     grid_text = json.dumps([e for e, _ in elements])
     t: dict[str, float] = {}

@@ -1,0 +1,67 @@
+"""Errors arrive fast and alone: bad input that needs no pixels is refused before any server or
+cluster starts; an error found inside a stage shows as its one line, tracebacks only on demand."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.services import service_env
+from tests.unit.test_preprocess_sources import _folder, _save_image
+
+pytestmark = pytest.mark.integration
+
+
+def _run(*overrides: str, debug: bool = False) -> subprocess.CompletedProcess[str]:
+    argv = [sys.executable, "-m", "flows.cli", *(["--debug"] if debug else []), "run"]
+    argv += ["--preset", "tiny"]
+    for item in overrides:
+        argv += ["--set", item]
+    env = {k: v for k, v in service_env().items() if k != "TRAINFLOW_DEBUG"}
+    return subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env)
+
+
+def _mixed_sizes(tmp: Path) -> tuple[Path, str]:
+    root = _folder(tmp / "imgs")
+    _save_image(root / "dog" / "big.png", "RGB", size=(20, 16))
+    return root, r"big.png' is 16x20"
+
+
+def _text_npz(tmp: Path) -> tuple[Path, str]:
+    (tmp / "data.npz").write_text("images,labels\n1,2\n")
+    return tmp / "data.npz", "data.npz': it is not an .npz archive"
+
+
+def _float_labels(tmp: Path) -> tuple[Path, str]:
+    rng = np.random.default_rng(0)
+    np.savez(tmp / "f.npz", images=rng.random((40, 8, 8)), labels=np.arange(40) * 0.5)
+    return tmp / "f.npz", "'labels' has dtype float64; expected integers"
+
+
+@pytest.mark.parametrize("make", [_mixed_sizes, _text_npz, _float_labels])
+def test_bad_input_is_refused_alone_before_any_server_starts(tmp_path: Path, make: object) -> None:
+    assert callable(make)
+    path, message = make(tmp_path)
+    source = "npz" if path.suffix == ".npz" else "folder"
+    work = tmp_path / "work"
+    out = _run(f"preprocess.source={source}", f"preprocess.path={path}", f"workdir={work}")
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.count("\n") == 1 and out.stderr.startswith("trainflow: error: ")
+    assert message in out.stderr and "allow_pickle" not in out.stderr
+    assert out.stdout == ""
+    assert not work.exists()  # no Prefect server, MLflow store or dask cluster was started
+
+
+def test_an_error_inside_a_stage_shows_once_without_tracebacks(tmp_path: Path) -> None:
+    root = _folder(tmp_path / "imgs")
+    good = (root / "cat" / "c0.png").read_bytes()
+    (root / "cat" / "c0.png").write_bytes(good[: len(good) // 2])  # found only by decoding
+    out = _run("preprocess.source=folder", f"preprocess.path={root}", f"workdir={tmp_path}/w")
+    text = out.stdout + out.stderr
+    assert out.returncode == 2, text[-3000:]
+    assert "Traceback" not in text, text[-3000:]
+    assert text.count("cannot read image") == 1, text[-3000:]
+    lines = out.stderr.splitlines()
+    assert any(line.startswith("trainflow: error: cannot read image") for line in lines), text
