@@ -24,6 +24,7 @@ _NO_CLUSTER_FIX = (
     f"start a dev cluster with `trainflow cluster up` and export SLURM_CONF={slurm_conf()}, "
     "run on a machine that can submit to your Slurm cluster, or choose cluster.executor=local"
 )
+_LOCAL = "or choose cluster.executor=local"
 # A key starts a new pair only after whitespace: values such as OS= or Reason= contain spaces.
 _PAIR = re.compile(r"(?:^|\s)([A-Za-z][\w/:.]*)=")
 _UNLIMITED = ("UNLIMITED", "INFINITE", "NONE", "")
@@ -83,6 +84,9 @@ def scontrol_records(kind: str) -> list[dict[str, str]]:
             "cluster.executor=slurm, but the Slurm client tools (scontrol, sbatch) are not on "
             f"PATH: {_NO_CLUSTER_FIX}"
         )
+    conf = os.environ.get("SLURM_CONF")
+    if conf and not Path(conf).is_file():  # scontrol would hang on it rather than fail
+        raise ConfigError(f"cluster.executor=slurm, but {unreachable_hint()}")
     try:
         out = subprocess.run(
             ["scontrol", "show", kind, "-o"], capture_output=True, text=True, timeout=30
@@ -111,14 +115,13 @@ def unreachable_hint(env: Mapping[str, str] | None = None) -> str:
         )
         return (
             "SLURM_CONF is not set, so Slurm looked for /etc/slurm/slurm.conf and then for DNS "
-            f"SRV records; point SLURM_CONF at your cluster's slurm.conf ({where}), or choose "
-            "cluster.executor=local"
+            f"SRV records; point SLURM_CONF at your cluster's slurm.conf ({where}), {_LOCAL}"
         )
     if not Path(conf).is_file():
-        return f"SLURM_CONF={conf} does not exist: {dev_env}, or fix the path"
+        return f"SLURM_CONF={conf} does not exist: run {dev_env} or fix the path, {_LOCAL}"
     return (
-        f"SLURM_CONF={conf} names a controller that does not answer: is slurmctld running? "
-        "(the dev cluster: `trainflow cluster status`, `trainflow cluster up`)"
+        f"check that SLURM_CONF={conf} is your cluster's slurm.conf and that its slurmctld "
+        f"runs (the dev cluster: `trainflow cluster status`, `trainflow cluster up`), {_LOCAL}"
     )
 
 

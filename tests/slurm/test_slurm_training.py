@@ -156,7 +156,13 @@ def test_without_slurm_tools_the_error_says_how_to_get_a_cluster(
     monkeypatch.undo()
     (tmp_path / "broken.conf").write_text("")  # a missing file makes scontrol hang instead
     monkeypatch.setenv("SLURM_CONF", str(tmp_path / "broken.conf"))
-    with pytest.raises(ConfigError, match=r"`scontrol show partition` failed.*executor=local"):
+    with pytest.raises(ConfigError, match=r"not reachable \(`scontrol show part.*executor=local"):
+        check_request(_slurm())
+    monkeypatch.setenv("SLURM_CONF", str(tmp_path / "missing.conf"))
+    with pytest.raises(ConfigError, match=r"SLURM_CONF=.*missing\.conf does not exist.*sh env"):
+        check_request(_slurm())
+    monkeypatch.delenv("SLURM_CONF")
+    with pytest.raises(ConfigError, match=r"SLURM_CONF is not set.*slurm\.sh env"):
         check_request(_slurm())
 
 

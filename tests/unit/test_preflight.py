@@ -227,3 +227,4 @@ def test_slurm_unreachable_hint_names_slurm_conf_and_the_env_command(tmp_path: P
     (tmp_path / "slurm.conf").write_text("ClusterName=x\n")
     silent = unreachable_hint({"SLURM_CONF": str(tmp_path / "slurm.conf")})
     assert "slurmctld" in silent and "trainflow cluster status" in silent
+    assert all("executor=local" in hint for hint in (unset, missing, silent))
