@@ -2,20 +2,32 @@
 
 Everything stored loads under ``torch.load(weights_only=True)`` (tensors, numbers, strings,
 lists, dicts, tuples, None), so loading a checkpoint never runs pickled code.
+
+The last KEEP checkpoints are kept, each next to ``<name>.sha256`` (sha256sum's format) that is
+written before the checkpoint is renamed into place. On resume the newest one whose bytes match
+their hash and that loads is taken; a truncated or corrupted newer one is skipped, and said so.
 """
 
+import hashlib
 import os
 import random
 import re
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from tasks.errors import DataError
+from tasks.hashing import sha256_file
+
 _NAME = "epoch-{epoch:06d}.pt"
 _PATTERN = re.compile(r"^epoch-(\d{6})\.pt$")
+_HASH_SUFFIX = ".sha256"
+KEEP = 2
+"""Checkpoints kept on disk: the newest, and one to fall back to when it is unreadable."""
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -23,25 +35,69 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model.module if isinstance(model, DistributedDataParallel) else model
 
 
-def atomic_save(obj: Any, path: Path) -> None:
-    """torch.save to a temporary file, fsync, then rename: readers never see half a file."""
+class _HashingWriter:
+    """A write-only file wrapper that hashes every byte on its way to disk."""
+
+    def __init__(self, file: BinaryIO) -> None:
+        self.file = file
+        self.digest = hashlib.sha256()
+
+    def write(self, data: bytes) -> int:
+        self.digest.update(data)
+        return self.file.write(data)
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
+def atomic_save(obj: Any, path: Path, hash_file: bool = False) -> str:
+    """torch.save to a temporary file, fsync, then rename: readers never see half a file.
+
+    Returns the sha256 of the bytes written. With `hash_file`, ``<path>.sha256`` is written
+    (atomically) before the rename, so a checkpoint on disk always has its hash next to it.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
     try:
         with tmp.open("wb") as f:
-            torch.save(obj, f)
+            writer = _HashingWriter(f)
+            torch.save(obj, writer)  # type: ignore[arg-type]  # torch only calls write/flush
+            f.flush()
+            os.fsync(f.fileno())
+        sha256 = writer.digest.hexdigest()
+        if hash_file:
+            _write_atomically(_hash_path(path), f"{sha256}  {path.name}\n".encode())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)  # the rename is durable only once the directory entry is flushed
+    return sha256
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    try:
+        with tmp.open("wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    # The rename is durable only once the directory entry is flushed too.
-    dir_fd = os.open(path.parent, os.O_RDONLY)
+
+
+def _fsync_dir(directory: Path) -> None:
+    dir_fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+def _hash_path(path: Path) -> Path:
+    return path.with_name(path.name + _HASH_SUFFIX)
 
 
 def rng_state() -> dict[str, Any]:
@@ -83,21 +139,84 @@ def training_state(
 
 
 def save_checkpoint(state: dict[str, Any], directory: Path) -> Path:
-    """Write `state` as the latest checkpoint of directory and delete the older ones."""
+    """Write `state` (with its .sha256) as the latest checkpoint of directory.
+
+    Keeps the KEEP newest checkpoints and deletes older ones, their hashes and stale
+    temporary files of interrupted writes.
+    """
     path = directory / _NAME.format(epoch=int(state["epoch"]))
-    atomic_save(state, path)
+    atomic_save(state, path, hash_file=True)
+    kept = {p.name for p in checkpoints(directory)[:KEEP]} | {path.name}
+    kept |= {name + _HASH_SUFFIX for name in kept}
     for old in directory.iterdir():
-        if old != path and (_PATTERN.match(old.name) or ".pt.tmp-" in old.name):
+        stale = _PATTERN.match(old.name.removesuffix(_HASH_SUFFIX)) or ".tmp-" in old.name
+        if stale and old.name not in kept:
             old.unlink(missing_ok=True)
     return path
 
 
+def checkpoints(directory: Path) -> list[Path]:
+    """The checkpoints in directory, newest (highest epoch) first; [] when there is none."""
+    if not directory.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := _PATTERN.match(p.name))]
+    return [p for _, p in sorted(found, reverse=True)]
+
+
 def latest_checkpoint(directory: Path) -> Path | None:
     """The checkpoint of the highest epoch in directory, or None when there is none."""
-    if not directory.is_dir():
+    found = checkpoints(directory)
+    return found[0] if found else None
+
+
+@dataclass(frozen=True)
+class Resumable:
+    """The checkpoint a job resumes from, and the newer ones it had to pass over."""
+
+    path: Path
+    state: dict[str, Any]
+    skipped: list[str] = field(default_factory=list)
+    """One line per newer checkpoint that did not verify: its path and why."""
+
+
+def resumable_checkpoint(directory: Path) -> Resumable | None:
+    """The newest checkpoint of directory that matches its sha256 and loads, with its state.
+
+    None when directory holds no checkpoint. DataError when none of them verifies: resuming
+    from scratch silently would throw the run's progress away.
+    """
+    skipped: list[str] = []
+    for path in checkpoints(directory):
+        problem = _verify(path)
+        if problem is None:
+            try:
+                return Resumable(path, load_state(path), skipped)
+            except Exception as exc:  # unreadable despite its hash (e.g. an old torch)
+                first_line = str(exc).strip().split("\n", 1)[0]
+                problem = f"does not load ({type(exc).__name__}: {first_line})"
+        skipped.append(f"{path} {problem}")
+    if skipped:
+        raise DataError(
+            "no checkpoint to resume from verifies: " + "; ".join(skipped) + f". Restore one, "
+            f"or delete {directory} to start this run from scratch"
+        )
+    return None
+
+
+def _verify(path: Path) -> str | None:
+    """Why `path` cannot be trusted (its bytes do not match its recorded sha256), or None.
+
+    A checkpoint without a .sha256 (written before hashes were kept) is left to torch.load.
+    """
+    hash_path = _hash_path(path)
+    if not hash_path.exists():
         return None
-    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := _PATTERN.match(p.name))]
-    return max(found)[1] if found else None
+    recorded = hash_path.read_text().split(maxsplit=1)[:1]
+    actual = sha256_file(path)
+    if recorded != [actual]:
+        size = path.stat().st_size
+        return f"does not match its recorded sha256 ({size} bytes: truncated or corrupted)"
+    return None
 
 
 def load_state(path: Path) -> dict[str, Any]:

@@ -22,9 +22,8 @@ from tasks.preprocess.ref import DatasetRef
 from tasks.tracking.logger import MetricLogger, make_logger
 from tasks.train.checkpoint import (
     host_copy,
-    latest_checkpoint,
-    load_state,
     restore_rng,
+    resumable_checkpoint,
     save_best_weights,
     save_checkpoint,
     training_state,
@@ -181,11 +180,14 @@ class TrainingJob(submitit.helpers.Checkpointable):
         )
 
     def _resume(self, trainer: Trainer) -> Progress:
-        """Restore the latest checkpoint of out_dir, if any (every rank reads the same file)."""
-        path = latest_checkpoint(self.checkpoint_dir)
-        if path is None:
+        """Restore the newest checkpoint of out_dir that verifies, if any (every rank reads
+        the same file); a newer one that does not verify is skipped, and said so."""
+        found = resumable_checkpoint(self.checkpoint_dir)
+        if found is None:
             return Progress(data_seed=self.spec.train.seed)
-        state = load_state(path)
+        path, state = found.path, found.state
+        for line in found.skipped if trainer.dist.is_main else []:
+            print(f"warning: skipping checkpoint {line}", flush=True)
         self._check_same_run(state.get("run", {}), path)
         unwrap(trainer.model).load_state_dict(state["model"])
         trainer.optimizer.load_state_dict(state["optimizer"])

@@ -11,7 +11,7 @@ import torch
 from mlflow.tracking import MlflowClient
 from torch import nn
 
-from tasks.errors import ConfigError
+from tasks.errors import ConfigError, DataError
 from tasks.hashing import sha256_file
 from tasks.preprocess.ref import DatasetRef
 from tasks.train.checkpoint import (
@@ -19,6 +19,7 @@ from tasks.train.checkpoint import (
     latest_checkpoint,
     load_state,
     restore_rng,
+    resumable_checkpoint,
     save_best,
     save_checkpoint,
     training_state,
@@ -50,12 +51,18 @@ def _spec(dataset: DatasetRef, out_dir: Path, epochs: int) -> TrainJobSpec:
 class CrashAfterFirstEpoch(TrainingJob):
     """Dies as a preempted job would: after epoch 1 was checkpointed, before epoch 2 ends."""
 
+    crash_after = 1
+
     def _run_epoch(
         self, trainer: Trainer, train: Split, val: Split, progress: Progress
     ) -> dict[str, float]:
-        if progress.epoch >= 1:
+        if progress.epoch >= self.crash_after:
             raise RuntimeError("simulated preemption")
         return super()._run_epoch(trainer, train, val, progress)
+
+
+class CrashAfterSecondEpoch(CrashAfterFirstEpoch):
+    crash_after = 2
 
 
 def _final_state(out_dir: Path) -> dict:
@@ -81,6 +88,28 @@ def test_a_resumed_job_ends_exactly_where_an_uninterrupted_one_does(
         torch.testing.assert_close(resumed["model"][name], tensor, atol=1e-6, rtol=0)
     assert [h["epoch"] for h in resumed["history"]] == [1, 2]
     assert ref is not None and json.loads(ref.history_path.read_text())[1]["epoch"] == 2
+
+
+def test_a_truncated_newest_checkpoint_is_skipped_and_the_run_ends_where_it_would_have(
+    dataset: DatasetRef, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    TrainingJob(_spec(dataset, tmp_path / "straight", epochs=3))()
+    interrupted = _spec(dataset, tmp_path / "resumed", epochs=3)
+    with pytest.raises(RuntimeError, match="simulated preemption"):
+        CrashAfterSecondEpoch(interrupted)()
+    folder = tmp_path / "resumed" / "checkpoints"
+    newest = folder / "epoch-000002.pt"
+    newest.write_bytes(newest.read_bytes()[: newest.stat().st_size // 2])  # a cut-off copy
+    capsys.readouterr()
+    TrainingJob(interrupted)()
+    out = capsys.readouterr().out
+    assert f"warning: skipping checkpoint {newest} does not match its recorded sha256" in out
+    assert f"resuming from {folder / 'epoch-000001.pt'} after epoch 1" in out
+    straight, resumed = _final_state(tmp_path / "straight"), _final_state(tmp_path / "resumed")
+    assert resumed["epoch"] == 3 and resumed["step"] == straight["step"]
+    for name, tensor in straight["model"].items():
+        torch.testing.assert_close(resumed["model"][name], tensor, atol=1e-6, rtol=0)
+    assert [h["epoch"] for h in resumed["history"]] == [1, 2, 3]
 
 
 def test_a_job_with_more_epochs_continues_a_finished_run(
@@ -174,16 +203,58 @@ def test_training_state_round_trips_under_weights_only(tmp_path: Path) -> None:
     assert (state["epoch"], state["step"], state["history"]) == (3, 12, progress["history"])
 
 
-def test_only_the_latest_checkpoint_is_kept(tmp_path: Path) -> None:
+def test_the_last_two_checkpoints_are_kept_each_with_its_sha256(tmp_path: Path) -> None:
     stale_tmp = tmp_path / "epoch-000009.pt.tmp-1234"
     tmp_path.mkdir(exist_ok=True)
     stale_tmp.write_bytes(b"half a file")
     assert latest_checkpoint(tmp_path) is None
-    save_checkpoint({"epoch": 1}, tmp_path)
-    save_checkpoint({"epoch": 2}, tmp_path)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch-000002.pt"]
-    assert latest_checkpoint(tmp_path) == tmp_path / "epoch-000002.pt"
+    for epoch in (1, 2, 3):
+        save_checkpoint({"epoch": epoch}, tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "epoch-000002.pt",
+        "epoch-000002.pt.sha256",
+        "epoch-000003.pt",
+        "epoch-000003.pt.sha256",
+    ]
+    for name in ("epoch-000002.pt", "epoch-000003.pt"):
+        recorded = (tmp_path / f"{name}.sha256").read_text()
+        assert recorded == f"{sha256_file(tmp_path / name)}  {name}\n"  # sha256sum -c reads it
+    assert latest_checkpoint(tmp_path) == tmp_path / "epoch-000003.pt"
     assert latest_checkpoint(tmp_path / "missing") is None
+    assert resumable_checkpoint(tmp_path / "missing") is None
+
+
+def test_a_flipped_bit_in_the_newest_checkpoint_falls_back_to_the_one_before(
+    tmp_path: Path,
+) -> None:
+    for epoch in (1, 2):
+        save_checkpoint({"epoch": epoch, "w": torch.zeros(4096)}, tmp_path)
+    newest = tmp_path / "epoch-000002.pt"
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 2] ^= 0x01  # inside the tensor's bytes: torch.load would not notice
+    newest.write_bytes(bytes(data))
+    assert load_state(newest)["epoch"] == 2
+    found = resumable_checkpoint(tmp_path)
+    assert found is not None and found.path == tmp_path / "epoch-000001.pt"
+    assert found.state["epoch"] == 1
+    assert found.skipped == [
+        f"{newest} does not match its recorded sha256 ({len(data)} bytes: truncated or corrupted)"
+    ]
+
+
+def test_when_no_checkpoint_verifies_resuming_is_refused_not_restarted(tmp_path: Path) -> None:
+    for epoch in (1, 2):
+        save_checkpoint({"epoch": epoch}, tmp_path)
+    (tmp_path / "epoch-000001.pt").write_bytes(b"")
+    (tmp_path / "epoch-000002.pt").write_bytes(b"")
+    with pytest.raises(DataError, match=r"no checkpoint to resume from verifies: .*epoch-000002"):
+        resumable_checkpoint(tmp_path)
+
+
+def test_a_checkpoint_written_before_hashes_were_kept_still_resumes(tmp_path: Path) -> None:
+    atomic_save({"epoch": 4}, tmp_path / "epoch-000004.pt")  # no .sha256 next to it
+    found = resumable_checkpoint(tmp_path)
+    assert found is not None and found.state == {"epoch": 4} and found.skipped == []
 
 
 def test_a_failed_write_leaves_the_previous_file_whole(tmp_path: Path) -> None:
