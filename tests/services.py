@@ -144,9 +144,11 @@ def mlflow_server(
     extra_args: list[str] | None = None,
     env: Mapping[str, str] | None = None,
     limit_s: float = 120,
+    port: int | None = None,
 ) -> Iterator[str]:
-    """A real `mlflow server` on a SQLite store under `folder`; yields its URL."""
-    port = free_port()
+    """A real `mlflow server` on a SQLite store under `folder` (on `port`, else a free one:
+    give the same folder and port to start a stopped server again); yields its URL."""
+    port = port or free_port()
     argv = [
         *(sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port)),
         *("--backend-store-uri", f"sqlite:///{folder}/mlflow.db"),
@@ -154,6 +156,8 @@ def mlflow_server(
         *(extra_args or []),
     ]
     log = folder / "mlflow-server.log"
+    if log.exists():  # a restart: keep the earlier log
+        log = folder / f"mlflow-server-{time.time_ns()}.log"
     with background(argv, log, service_env(**dict(env or {}))) as proc:
         url = f"http://127.0.0.1:{port}"
         _wait_healthy(proc, log, f"{url}/health", "the MLflow server", limit_s)

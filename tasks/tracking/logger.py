@@ -1,14 +1,19 @@
 """Rank-0 metric logging behind a small interface: the loop calls ``log(metrics, step)``.
 
 MLflow calls are slow when made one per metric (1000 x log_metric over HTTP: ~12 s), so
-MlflowLogger buffers and sends one ``log_batch`` per ``flush``.
+points are buffered and sent in ``log_batch`` calls, by a background thread that never makes
+training wait on the tracking server (tasks.tracking.sender).
 """
 
 import time
+from pathlib import Path
 from typing import Protocol
 
-# log_batch accepts at most 1000 metrics per call.
-_MAX_BATCH = 1000
+from tasks.tracking import backlog
+from tasks.tracking.sender import MetricSender
+
+DRAIN_S = 30.0
+"""How long the end of a job waits for the server to take the points still buffered."""
 
 
 class MetricLogger(Protocol):
@@ -18,7 +23,10 @@ class MetricLogger(Protocol):
         """Record metrics at a step (may be buffered)."""
 
     def flush(self) -> None:
-        """Send everything buffered."""
+        """Have everything buffered sent (in the background: returns at once)."""
+
+    def close(self, drain_s: float = DRAIN_S) -> int:
+        """Send what is left within `drain_s`, keep the rest on disk; return its count."""
 
 
 class NullLogger:
@@ -30,34 +38,58 @@ class NullLogger:
     def flush(self) -> None:
         """Nothing to send."""
 
+    def close(self, drain_s: float = DRAIN_S) -> int:
+        """Nothing left."""
+        return 0
+
 
 class MlflowLogger:
-    """Buffers metrics and sends them to one MLflow run in batches."""
+    """Buffers metrics and has a MetricSender send them to one MLflow run in batches.
 
-    def __init__(self, tracking_uri: str, run_id: str) -> None:
+    With `out_dir`, points a previous attempt could not send (tasks.tracking.backlog) go
+    first, and the points this one cannot send are kept there when it closes.
+    """
+
+    def __init__(self, tracking_uri: str, run_id: str, out_dir: Path | None = None) -> None:
         # Imported here: mlflow costs ~1 s of start-up in every rank, and only rank 0 logs.
         from mlflow.entities import Metric
-        from mlflow.tracking import MlflowClient
 
         self._metric = Metric
-        self._client = MlflowClient(tracking_uri)
-        self._run_id = run_id
-        self._buffer: list[Metric] = []
+        self._uri = tracking_uri
+        self._sender = MetricSender(tracking_uri, run_id, say=lambda line: print(line, flush=True))
+        self._backlog = backlog.backlog_path(out_dir) if out_dir else None
+        if self._backlog is not None:
+            self._sender.put(backlog.load(self._backlog))
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        """Buffer metrics; nothing is sent until flush()."""
+        """Buffer metrics; nothing is sent before flush()."""
         ts = int(time.time() * 1000)
-        self._buffer += [self._metric(k, float(v), ts, step) for k, v in metrics.items()]
+        self._sender.put([self._metric(k, float(v), ts, step) for k, v in metrics.items()])
 
     def flush(self) -> None:
-        """Send the buffer in as few log_batch calls as the API allows."""
-        while self._buffer:
-            chunk, self._buffer = self._buffer[:_MAX_BATCH], self._buffer[_MAX_BATCH:]
-            self._client.log_batch(self._run_id, metrics=chunk)
+        """Have the sender thread send the buffer (returns at once)."""
+        self._sender.wake()
+
+    def close(self, drain_s: float = DRAIN_S) -> int:
+        """Send what is left within `drain_s`; keep the rest in out_dir; return its count."""
+        left = self._sender.close(drain_s)
+        if self._backlog is not None:
+            backlog.save(self._backlog, left)
+        lost = len(left) + self._sender.dropped
+        if lost:
+            where = f"; kept in {self._backlog}" if self._backlog and left else ""
+            print(
+                f"warning: {lost} metric points were not logged to MLflow at {self._uri} "
+                f"({self._sender.sent} were){where}",
+                flush=True,
+            )
+        return lost
 
 
-def make_logger(tracking_uri: str | None, run_id: str | None, rank: int) -> MetricLogger:
+def make_logger(
+    tracking_uri: str | None, run_id: str | None, rank: int, out_dir: Path | None = None
+) -> MetricLogger:
     """MlflowLogger on rank 0 when a run is given, else NullLogger."""
     if rank == 0 and tracking_uri and run_id:
-        return MlflowLogger(tracking_uri, run_id)
+        return MlflowLogger(tracking_uri, run_id, out_dir)
     return NullLogger()

@@ -1,9 +1,12 @@
 """The MLflow run tree of one pipeline run: a parent run and one child run per stage.
 
 Runs end FINISHED on success, FAILED on an error and KILLED on cancellation (Ctrl-C or a
-cancelled flow run), so nothing is left RUNNING.
+cancelled flow run), so nothing is left RUNNING. When the tracking server is gone, marking a
+run FAILED or KILLED is skipped with a warning instead of retried: the error that ends the
+flow comes out at once (tasks.tracking.reachability).
 """
 
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -12,6 +15,7 @@ from mlflow.tracking import MlflowClient
 
 from tasks.tracking import runs
 from tasks.tracking.config import TrackingConfig
+from tasks.tracking.reachability import limit_http_retries, reachable
 
 
 def status_for(exc: BaseException) -> str:
@@ -25,6 +29,7 @@ class PipelineRuns:
     """Creates and closes the parent and stage runs of one pipeline run."""
 
     def __init__(self, cfg: TrackingConfig, workdir: Path, name: str) -> None:
+        limit_http_retries()
         self.tracking_uri = runs.resolve_tracking_uri(cfg, workdir)
         self.experiment = cfg.experiment
         self.client = MlflowClient(self.tracking_uri)
@@ -62,7 +67,10 @@ class PipelineRuns:
 
     def close(self, run_id: str, outcome: BaseException | None = None) -> None:
         """End a run: FINISHED without an outcome, else FAILED or KILLED by its kind."""
-        runs.finish_run(self.client, run_id, "FINISHED" if outcome is None else status_for(outcome))
+        if outcome is None:
+            runs.finish_run(self.client, run_id, "FINISHED")
+        else:
+            self._end_after_error(run_id, status_for(outcome))
 
     def tag(self, run_id: str, tags: dict[str, str]) -> None:
         """Set tags on one run of the tree."""
@@ -73,10 +81,24 @@ class PipelineRuns:
         try:
             yield
         except BaseException as exc:
-            runs.finish_run(self.client, run_id, status_for(exc))
+            self._end_after_error(run_id, status_for(exc))
             raise
         runs.finish_run(self.client, run_id, "FINISHED")
+
+    def _end_after_error(self, run_id: str, status: str) -> None:
+        """Mark a run FAILED or KILLED; never raise, never wait long: an error is under way."""
+        if not reachable(self.tracking_uri):
+            _warn(f"run {run_id} not marked {status}: {self.tracking_uri} is unreachable")
+            return
+        try:
+            runs.finish_run(self.client, run_id, status)
+        except Exception as exc:
+            _warn(f"run {run_id} not marked {status}: {type(exc).__name__}: {exc}"[:400])
 
     def log_summary(self, run_id: str, values: dict[str, float]) -> None:
         """Headline numbers on the parent run (e.g. test accuracy, stage seconds)."""
         runs.log_metrics(self.client, run_id, values)
+
+
+def _warn(text: str) -> None:
+    print(f"trainflow: warning: MLflow {text}", file=sys.stderr, flush=True)

@@ -109,14 +109,15 @@ class TrainingJob(submitit.helpers.Checkpointable):
                 self._announce(dist, policy, nhwc, train)
             trainer = self._trainer(dist, policy, len(train))
             progress = self._resume(trainer)
-            logger = make_logger(spec.tracking_uri, spec.run_id, dist.rank)
+            logger = recorder.closing(
+                make_logger(spec.tracking_uri, spec.run_id, dist.rank, spec.out_dir)
+            )
             _relog(progress, logger)
             while progress.epoch < cfg.epochs:
                 metrics = self._run_epoch(trainer, train, val, progress)
                 if dist.is_main:
                     self._record(trainer, progress, metrics, logger, recorder)
             recorder.wait()
-            logger.flush()
             result = self._finish(progress) if dist.is_main else None
         if not (cfg.compile or cfg.cuda_graphs):  # compiled runs keep the teardown that
             exit_fast_at_shutdown()  # stops inductor's compile workers

@@ -12,11 +12,20 @@ waits for the previous record, so a slow disk slows training down instead of que
 snapshots. A record that failed fails the job at the next hand-off or at the end. Leaving the
 context waits for the record in flight, also when the job is failing or being requeued, so
 the last finished epoch's checkpoint is on disk before the process goes.
+
+The metric logger the records write to is closed after the last record (``closing``): its
+own thread sends points to MLflow, so that a tracking server that is down or slow never holds
+up a record (tasks.tracking.sender); closing gives it a bounded time to send what is left.
 """
 
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from types import TracebackType
+
+from tasks.tracking.logger import MetricLogger
+
+_DRAIN_ON_ERROR_S = 5.0
+"""A failing job gives the tracking server this long to take its last points."""
 
 
 class EpochRecorder:
@@ -25,6 +34,12 @@ class EpochRecorder:
     def __init__(self) -> None:
         self._pool: ThreadPoolExecutor | None = None  # started by the first record only
         self._pending: Future[None] | None = None
+        self._loggers: list[MetricLogger] = []
+
+    def closing(self, logger: MetricLogger) -> MetricLogger:
+        """Close `logger` when leaving the context, after the last record; returns it."""
+        self._loggers.append(logger)
+        return logger
 
     def submit(self, record: Callable[[], None]) -> None:
         """Run `record` on the writer thread after the previous one; raise its error if any."""
@@ -58,3 +73,8 @@ class EpochRecorder:
         finally:
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
+            for logger in self._loggers:
+                if exc is None:
+                    logger.close()
+                else:
+                    logger.close(_DRAIN_ON_ERROR_S)

@@ -15,6 +15,7 @@ from cluster.executor import make_executor
 from cluster.jobs import wait_for_job, wait_for_jobs
 from cluster.slurm_checks import check_cluster
 from tasks.errors import JobError
+from tasks.tracking import backlog
 from tasks.tracking.slurm_logs import record_job_accounting
 from tasks.train.job import TrainingJob, TrainJobSpec
 from tasks.train.models import build_model
@@ -45,6 +46,8 @@ def train_task(
         registry.forget(workdir, str(job.job_id))
     if not isinstance(ref, CheckpointRef):
         raise JobError(f"training job {job.job_id} returned no checkpoint (got {ref!r})")
+    if spec.tracking_uri and spec.run_id:  # points the job could not send: now, or a clear error
+        backlog.deliver(spec.out_dir, spec.tracking_uri, spec.run_id, logger.info)
     return ref
 
 

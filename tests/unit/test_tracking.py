@@ -74,7 +74,8 @@ def test_logger_buffers_until_flush(tmp_path: Path) -> None:
         logger.log({"loss": 1.0 / step, "acc": 0.1 * step}, step)
     client = MlflowClient(runs.tracking_uri)
     assert client.get_metric_history(runs.parent_id, "loss") == []
-    logger.flush()
+    logger.flush()  # hands the points to the sender thread; close() waits for it
+    assert logger.close() == 0
     hist = client.get_metric_history(runs.parent_id, "loss")
     assert [m.step for m in hist] == [1, 2, 3]
 

@@ -1,0 +1,180 @@
+"""Training never waits on the MLflow tracking server: real servers stopped and started again.
+
+Each test runs a real `mlflow server` (SQLite store) and stops it for real; training runs as a
+real job (one rank, local executor). Gates (files the test creates) hold the job at chosen
+epochs, so what happens while the server is down does not depend on timing.
+"""
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import cloudpickle
+import pytest
+from mlflow.tracking import MlflowClient
+
+from cluster.config import ClusterConfig
+from cluster.executor import make_executor
+from cluster.jobs import wait_for_job
+from tasks.preprocess.ref import DatasetRef
+from tasks.tracking import backlog
+from tasks.tracking.backlog import TrackingUnavailable
+from tasks.tracking.config import TrackingConfig
+from tasks.tracking.logger import MlflowLogger
+from tasks.tracking.pipeline_runs import PipelineRuns
+from tasks.train.checkpoint import latest_checkpoint
+from tasks.train.config import TrainConfig
+from tasks.train.data import Split
+from tasks.train.job import Progress, TrainingJob, TrainJobSpec
+from tasks.train.loop import Trainer
+from tasks.train.ref import CheckpointRef
+from tests.services import free_port, mlflow_server, wait_for
+from tests.unit.datasets import write_dataset
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+_KEYS = ("train_loss", "val_accuracy", "lr", "epoch_time_s")
+_DOWN = "unreachable ("  # the sender's warning line
+_BACK = "reachable again"
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory: pytest.TempPathFactory) -> DatasetRef:
+    return write_dataset(tmp_path_factory.mktemp("data") / "ds")
+
+
+class GatedJob(TrainingJob):
+    """Waits before the epochs named in `gates` until the test creates the gate's file."""
+
+    def __init__(self, spec: TrainJobSpec, gates: dict[int, Path]) -> None:
+        super().__init__(spec)
+        self.gates = gates
+
+    def _run_epoch(
+        self, trainer: Trainer, train: Split, val: Split, progress: Progress
+    ) -> dict[str, float]:
+        gate = self.gates.get(progress.epoch + 1)
+        while gate is not None and not gate.exists():
+            time.sleep(0.05)
+        return super()._run_epoch(trainer, train, val, progress)
+
+
+def _run_id(url: str, folder: Path) -> str:
+    return PipelineRuns(TrackingConfig(tracking_uri=url, experiment="t"), folder, "p").parent_id
+
+
+def _steps(url: str, run_id: str, key: str) -> list[int]:
+    return sorted(m.step for m in MlflowClient(url).get_metric_history(run_id, key))
+
+
+def _submit(dataset: DatasetRef, tmp: Path, url: str, run_id: str, epochs: int, gates: dict):
+    spec = TrainJobSpec(
+        train=TrainConfig(epochs=epochs, batch_size=32, device="cpu", precision="fp32"),
+        dataset=dataset,
+        out_dir=tmp / "run",
+        tracking_uri=url,
+        run_id=run_id,
+    )
+    executor = make_executor(ClusterConfig(ranks_per_node=1, timeout_min=10), tmp / "jobs")
+    return spec, executor.submit(GatedJob(spec, gates))
+
+
+def _epoch_done(spec: TrainJobSpec, epoch: int) -> bool:
+    path = latest_checkpoint(spec.out_dir / "checkpoints")
+    return path is not None and int("".join(filter(str.isdigit, path.name)) or 0) >= epoch
+
+
+def test_a_server_stopped_mid_training_and_started_again_gets_every_point_once(
+    dataset: DatasetRef, tmp_path: Path
+) -> None:
+    store, port = tmp_path / "mlflow", free_port()
+    gates = {3: tmp_path / "gate-3", 7: tmp_path / "gate-7"}
+    with mlflow_server(store, port=port) as url:
+        run_id = _run_id(url, tmp_path)
+        spec, job = _submit(dataset, tmp_path, url, run_id, 8, gates)
+        wait_for(lambda: _steps(url, run_id, "lr") == [1, 2], 180, "epochs 1-2 logged")
+    # The server is gone (stopped like a crashed one: its port refuses connections).
+    gates[3].touch()
+    wait_for(lambda: _epoch_done(spec, 6), 180, "epochs 3-6 trained while the server is down")
+    with mlflow_server(store, port=port) as url2:
+        assert url2 == url
+        gates[7].touch()
+        lines: list[str] = []
+        ref = wait_for_job(job, lines.append, poll_s=0.2)
+        assert isinstance(ref, CheckpointRef)
+        # Whatever the job could not send before it ended, the flow sends now (train_task).
+        backlog.deliver(spec.out_dir, url, run_id, lines.append)
+        for key in _KEYS:
+            assert _steps(url, run_id, key) == list(range(1, 9)), key
+        history = MlflowClient(url).get_metric_history(run_id, "train_loss")
+        assert [m.step for m in sorted(history, key=lambda m: m.timestamp)] == list(range(1, 9))
+    assert sum(_DOWN in line for line in lines) == 1, lines
+    assert sum(_BACK in line for line in lines) <= 1, lines
+    assert not backlog.backlog_path(spec.out_dir).exists()
+
+
+def test_a_server_that_never_comes_back_lets_training_finish_and_ends_with_a_clear_error(
+    dataset: DatasetRef, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    gates = {2: tmp_path / "gate-2"}
+    with mlflow_server(tmp_path / "mlflow") as url:
+        runs = PipelineRuns(TrackingConfig(tracking_uri=url, experiment="t"), tmp_path, "p")
+        train_run = runs.open_stage("train", {})
+        spec, job = _submit(dataset, tmp_path, url, train_run, 5, gates)
+        wait_for(lambda: _steps(url, train_run, "lr") == [1], 180, "epoch 1 logged")
+    gates[2].touch()
+    lines: list[str] = []
+    ref = wait_for_job(job, lines.append, poll_s=0.2)
+
+    # Training and its checkpoints are complete; the 4 epochs' points are kept on disk.
+    assert isinstance(ref, CheckpointRef) and ref.path.is_file()
+    assert _epoch_done(spec, 5)
+    kept = backlog.load(backlog.backlog_path(spec.out_dir))
+    assert sorted({m.step for m in kept}) == [2, 3, 4, 5]
+    assert sum(_DOWN in line for line in lines) == 1, lines
+    assert any(f"{len(kept)} metric points were not logged" in line for line in lines), lines
+
+    # The flow's next step that needs the server: a clear error, in bounded time.
+    start = time.monotonic()
+    with pytest.raises(TrackingUnavailable, match=f"{len(kept)} metric points of training run"):
+        backlog.deliver(spec.out_dir, url, train_run, lambda line: None)
+    # Marking the runs FAILED on the dead server is skipped at once, with a warning.
+    runs.close(train_run, RuntimeError("boom"))
+    runs.close(runs.parent_id, RuntimeError("boom"))
+    assert time.monotonic() - start < 120  # a guard against MLflow's minutes of retries
+    assert capsys.readouterr().err.count("is unreachable") == 2
+
+
+def test_the_logger_never_blocks_and_sends_in_order_after_an_outage(tmp_path: Path) -> None:
+    store, port = tmp_path / "mlflow", free_port()
+    with mlflow_server(store, port=port) as url:
+        run_id = _run_id(url, tmp_path)
+        logger = MlflowLogger(url, run_id, tmp_path)
+        logger.log({"x": 1.0}, step=1)
+        logger.flush()
+        wait_for(lambda: _steps(url, run_id, "x") == [1], 60, "step 1 logged")
+    for step in range(2, 2001):  # 2000 points while down: more than one log_batch
+        logger.log({"x": float(step)}, step=step)
+        logger.flush()
+    wait_for(lambda: logger._sender.unreachable, 60, "the sender to see the outage")
+    with mlflow_server(store, port=port):
+        assert logger.close() == 0
+        values = [m.value for m in MlflowClient(url).get_metric_history(run_id, "x")]
+    assert sorted(values) == [float(s) for s in range(1, 2001)]
+    assert not backlog.backlog_path(tmp_path).exists()
+
+
+def test_points_left_by_an_earlier_attempt_are_sent_first(tmp_path: Path) -> None:
+    from mlflow.entities import Metric
+
+    with mlflow_server(tmp_path / "mlflow") as url:
+        run_id = _run_id(url, tmp_path)
+        backlog.save(backlog.backlog_path(tmp_path), [Metric("x", float("nan"), 5, 1)])
+        logger = MlflowLogger(url, run_id, tmp_path)
+        logger.log({"x": 2.0}, step=2)
+        assert logger.close() == 0
+        hist = MlflowClient(url).get_metric_history(run_id, "x")
+    assert [m.step for m in hist] == [1, 2]
+    assert hist[0].value != hist[0].value  # NaN survives the round trip
+    assert os.listdir(tmp_path).count(backlog.FILE_NAME) == 0
