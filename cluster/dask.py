@@ -31,6 +31,7 @@ def dask_client(cfg: DaskConfig) -> Iterator[tuple[distributed.Client, Backend]]
     An external scheduler (cfg.address) is only disconnected from, never shut down.
     """
     with ExitStack() as stack:
+        stack.enter_context(quiet_dask_logs())  # first in, last out: covers the shutdown too
         if cfg.address:
             backend: Backend = "cupy" if cfg.backend == "gpu" else "numpy"
             client = stack.enter_context(distributed.Client(cfg.address))
@@ -41,6 +42,35 @@ def dask_client(cfg: DaskConfig) -> Iterator[tuple[distributed.Client, Backend]]
             client = stack.enter_context(distributed.Client(cluster))
         log.info("dask cluster ready: %s (backend %s)", client.dashboard_link, backend)
         yield client, backend
+
+
+# Loggers whose INFO lines (scheduler, nanny and worker start/stop, client connections) would
+# reach the flow log. `silence_logs` only lowers the StreamHandlers on "distributed" itself, and
+# once Prefect has configured logging there are none: records propagate to Prefect's console
+# handler on the root logger. Raising the loggers' own level stops them at the source.
+_NOISY_LOGGERS = ("distributed", "dask_cuda", "bokeh", "tornado")
+
+
+@contextmanager
+def quiet_dask_logs(level: int = logging.WARNING) -> Iterator[None]:
+    """Keep dask's INFO chatter out of our logs (warnings and errors still pass); restore after."""
+    loggers = [logging.getLogger(name) for name in _NOISY_LOGGERS]
+    # Children with a level of their own (dask's config may set some) would bypass the parent's.
+    loggers += [
+        lg
+        for name, lg in logging.Logger.manager.loggerDict.items()
+        if isinstance(lg, logging.Logger)
+        and name.startswith(tuple(f"{n}." for n in _NOISY_LOGGERS))
+        and logging.NOTSET < lg.level < level
+    ]
+    before = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(max(level, lg.getEffectiveLevel()))
+    try:
+        yield
+    finally:
+        for lg, old in zip(loggers, before, strict=True):
+            lg.setLevel(old)
 
 
 def _worker_environ() -> dict[str, Any]:

@@ -64,7 +64,10 @@ def test_sigterm_cancels_the_training_job_and_marks_runs_killed(tmp_path: Path) 
         env=env,
     )
     try:
-        _wait_for_line(proc, "epoch 2/5000", limit_s=240)
+        lines = _wait_for_line(proc, "epoch 2/5000", limit_s=240)
+        # The dask cluster started and stopped by now: none of its INFO lines reach the log.
+        assert "preprocess" in "".join(lines)
+        assert [line for line in lines if "| distributed." in line] == []
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 130
     finally:

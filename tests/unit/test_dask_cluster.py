@@ -1,6 +1,7 @@
 """The dask cluster factory, with real local clusters."""
 
 import importlib.util
+import logging
 
 import distributed
 import numpy as np
@@ -69,6 +70,44 @@ def test_existing_scheduler_is_used_and_left_running() -> None:
         assert client.status == "closed"
         with distributed.Client(external) as again:
             assert again.submit(lambda: 8).result() == 8
+
+
+def _dask_info(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [
+        f"{r.name}: {r.getMessage()}"
+        for r in caplog.records
+        if r.name.split(".")[0] in ("distributed", "dask_cuda") and r.levelno < logging.WARNING
+    ]
+
+
+@pytest.fixture
+def prefect_like_logging(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The "distributed" logger as a flow process has it once Prefect configured logging: no
+    handler of its own, propagating to the root, where Prefect's console handler (here caplog's)
+    sits."""
+    logger = logging.getLogger("distributed")
+    monkeypatch.setattr(logger, "handlers", [])
+    monkeypatch.setattr(logger, "propagate", True)
+    caplog.set_level(logging.DEBUG)
+
+
+@pytest.mark.usefixtures("prefect_like_logging")
+def test_no_dask_info_lines_reach_the_log(caplog: pytest.LogCaptureFixture) -> None:
+    with dask_client(DaskConfig(backend="cpu", n_workers=1)) as (client, _):
+        assert client.submit(lambda: 1).result() == 1
+    assert _dask_info(caplog) == []
+    assert logging.getLogger("distributed").level == logging.INFO  # restored after
+
+
+@pytest.mark.usefixtures("prefect_like_logging")
+def test_no_dask_info_lines_with_an_existing_scheduler(caplog: pytest.LogCaptureFixture) -> None:
+    with distributed.LocalCluster(
+        n_workers=1, processes=True, host="127.0.0.1", dashboard_address=":0"
+    ) as external:
+        caplog.clear()
+        with dask_client(DaskConfig(address=external.scheduler_address, backend="cpu")) as (c, _):
+            assert c.submit(lambda: 2).result() == 2
+        assert _dask_info(caplog) == []
 
 
 def test_array_helpers() -> None:
