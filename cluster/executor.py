@@ -23,7 +23,7 @@ def make_executor(cfg: ClusterConfig, folder: Path) -> submitit.Executor:
     if cfg.executor == "slurm":
         return _slurm_executor(cfg, folder)
     restore_sigint()
-    executor = submitit.LocalExecutor(folder)
+    executor = GuardedLocalExecutor(folder)
     executor.update_parameters(
         nodes=1,
         tasks_per_node=cfg.ranks_per_node,
@@ -32,6 +32,28 @@ def make_executor(cfg: ClusterConfig, folder: Path) -> submitit.Executor:
         timeout_min=cfg.timeout_min,
     )
     return executor
+
+
+def _guarded(command: str, python: str) -> str:
+    """`command` (a rank's command line) run under cluster.rank_guard, which records how the
+    rank ended (exit code or signal) for cluster.lost_ranks. `python` is already quoted."""
+    return f"{python} -u -m cluster.rank_guard {command}"
+
+
+class GuardedLocalExecutor(submitit.LocalExecutor):
+    """submitit's LocalExecutor whose ranks run under cluster.rank_guard."""
+
+    @property
+    def _submitit_command_str(self) -> str:
+        return _guarded(super()._submitit_command_str, self.python)
+
+
+class GuardedSlurmExecutor(submitit.SlurmExecutor):
+    """submitit's SlurmExecutor whose ranks (srun tasks) run under cluster.rank_guard."""
+
+    @property
+    def _submitit_command_str(self) -> str:
+        return _guarded(super()._submitit_command_str, self.python)
 
 
 def restore_sigint() -> None:
@@ -52,7 +74,7 @@ def _slurm_executor(cfg: ClusterConfig, folder: Path) -> submitit.SlurmExecutor:
     """A SlurmExecutor whose sbatch options come from cfg (checked by cluster.slurm_checks)."""
     # max_num_timeout: requeues after timeouts; then submitit fails the job ("timed-out too
     # many times") instead of requeueing forever.
-    executor = submitit.SlurmExecutor(folder, max_num_timeout=cfg.max_requeues)
+    executor = GuardedSlurmExecutor(folder, max_num_timeout=cfg.max_requeues)
     executor.update_parameters(**slurm_parameters(cfg))
     return executor
 

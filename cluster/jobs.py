@@ -7,9 +7,11 @@ traceback text). Reading those files costs the scheduler nothing.
 A failure is reported when the job has ended, not at the first error file: during a requeue
 (timeout, preemption) rank 0 exits on purpose and its peers fail on the closed connection,
 leaving error files that the next attempt overwrites. Peers of a crashed rank do not hang:
-the training job's process group fails them fast (gloo) or after its timeout (nccl).
+the training job's process group fails them fast (gloo) or after its timeout (nccl). The
+message names the lost rank, its node, how it ended and its log (cluster.lost_ranks).
 """
 
+import json
 import time
 import traceback
 from collections.abc import Callable
@@ -17,23 +19,41 @@ from pathlib import Path
 from typing import Any
 
 import submitit
-from submitit.core.utils import FailedJobError, UncompletedJobError, pickle_load
+from submitit.core.utils import FailedJobError, UncompletedJobError
 from submitit.local.debug import DebugJob
 
+from cluster.lost_ranks import failure_message, rank_ends
 from tasks.errors import JobError
 
 
 class LogTail:
-    """Follows a growing log file and hands back its new complete lines."""
+    """Follows a growing log file and hands back its new complete lines.
 
-    def __init__(self, path: Path, prefix: str) -> None:
+    With `where` (the rank's ``_rank.json`` from cluster.rank_guard), the prefix names the
+    Slurm node the rank runs on as soon as that file appears: ``[rank1@tfnode2] ``.
+    """
+
+    def __init__(self, path: Path, prefix: str, where: Path | None = None) -> None:
         self.path = path
         self.prefix = prefix
+        self._where = where
         self._offset = 0
         self._partial = ""
 
+    def _add_node(self) -> None:
+        assert self._where is not None
+        try:
+            node = json.loads(self._where.read_text()).get("slurm_node")
+        except (OSError, ValueError):
+            return
+        self._where = None
+        if node:
+            self.prefix = f"{self.prefix.rstrip()[:-1]}@{node}] "
+
     def new_lines(self, final: bool = False) -> list[str]:
         """Complete lines written since the last call (with `final`, the unfinished one too)."""
+        if self._where is not None:
+            self._add_node()
         if self.path.exists():
             with self.path.open("rb") as f:
                 f.seek(self._offset)
@@ -52,30 +72,9 @@ def log_tails(job: submitit.Job[Any], label: str = "") -> list[LogTail]:
     for k in range(job.num_tasks):
         paths = job.task(k).paths
         prefix = f"[{label}rank{k}] "
-        tails += [LogTail(paths.stdout, prefix), LogTail(paths.stderr, prefix)]
+        where = paths.folder / paths.result_pickle.name.replace("_result.pkl", "_rank.json")
+        tails += [LogTail(paths.stdout, prefix, where), LogTail(paths.stderr, prefix, where)]
     return tails
-
-
-def task_failures(job: submitit.Job[Any]) -> dict[int, str]:
-    """Traceback text of every failed task, by rank, the first to fail first."""
-    found = []
-    for k in range(job.num_tasks):
-        path = job.task(k).paths.result_pickle
-        if path.exists():
-            outcome, payload = pickle_load(path)
-            if outcome == "error":
-                found.append((path.stat().st_mtime, k, str(payload)))
-    return {k: trace for _, k, trace in sorted(found)}
-
-
-def _failure_message(job: submitit.Job[Any], failures: dict[int, str]) -> str:
-    ranks = list(failures)
-    later = f", then rank(s) {ranks[1:]}" if len(ranks) > 1 else ""
-    parts = [f"job {job.job_id} failed in rank {ranks[0]}{later}"]
-    for k, trace in failures.items():
-        parts += [f"----- rank {k} traceback -----", trace.rstrip()]
-    parts.append(f"logs: {job.paths.folder}")
-    return "\n".join(parts)
 
 
 def _forward(tails: list[LogTail], log: Callable[[str], None], final: bool = False) -> None:
@@ -158,15 +157,18 @@ def wait_for_jobs(
 
 
 def _outcome(job: submitit.Job[Any]) -> Any:
-    """Task 0's result of an ended job, or the JobError it failed with (tracebacks inside)."""
-    failures = task_failures(job)
-    if failures:
-        return JobError(_failure_message(job, failures))
+    """Task 0's result of an ended job, or the JobError it failed with: the lost rank named,
+    tracebacks of the ranks that raised after it."""
+    ends = rank_ends(job)
+    message = failure_message(job, ends)
+    if message and any(end.outcome == "error" for end in ends):
+        return JobError(message)
     try:
         # results(), not result(): the latter refuses multi-task jobs after waiting.
         return job.results()[0]
     except (FailedJobError, UncompletedJobError) as exc:
-        return JobError(f"job {job.job_id} did not complete:\n{exc}")
+        head = message or f"job {job.job_id} did not complete"
+        return JobError(f"{head}\n{exc}")
 
 
 def _debug_outcome(job: DebugJob[Any]) -> Any:

@@ -53,8 +53,10 @@ def _parser() -> argparse.ArgumentParser:
         help="a train.* key and its values as a JSON list (repeatable: the grid is the product)",
     )
     sub.add_parser("presets", help="list the named presets")
-    clu = sub.add_parser("cluster", help="a single-node Slurm on this machine (dev and CI)")
+    clu = sub.add_parser("cluster", help="a dev Slurm cluster of N nodes on this machine")
     clu.add_argument("action", choices=["up", "down", "status"])
+    clu.add_argument("--nodes", type=int, help="up: nodes to emulate (default: as before, else 2)")
+    clu.add_argument("--fresh", action="store_true", help="up: wipe the cluster's state first")
     clean = sub.add_parser("cleanup", help="cancel jobs whose watching flow process died")
     clean.add_argument("--preset", default="demo")
     clean.add_argument("--set", dest="overrides", action="append", default=[])
@@ -247,7 +249,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "cluster":
             from cluster.dev.slurm import run as slurm
 
-            return slurm(args.action)
+            return slurm(args.action, nodes=args.nodes, fresh=args.fresh)
         if args.command == "cleanup":
             return _cleanup(build_config(args.preset, args.overrides))
         if args.command == "ui":

@@ -1,4 +1,4 @@
-"""Typed handle on cluster/dev/slurm.sh: start, stop and probe the single-node dev Slurm cluster.
+"""Typed handle on cluster/dev/slurm.sh: start, stop and probe the dev Slurm cluster (N nodes).
 
 The shell script does the work (packages, configs, daemons); this module finds it, runs it with
 its output streamed, and answers "is a usable cluster there?" without starting anything.
@@ -31,14 +31,23 @@ def slurm_conf() -> Path:
     return slurm_home() / "etc" / "slurm.conf"
 
 
-def run(action: Action, out: TextIO | None = None) -> int:
+def run(
+    action: Action, out: TextIO | None = None, nodes: int | None = None, fresh: bool = False
+) -> int:
     """Run `slurm.sh <action>`, streaming its output line by line to `out` (default: stdout).
 
-    Returns the script's exit status: for "status", 0 only when the cluster is usable.
+    `nodes` and `fresh` apply to "up" (None: the count the cluster had, else 2). Returns the
+    script's exit status: for "status", 0 only when the cluster and every node are usable.
     """
     sink = out if out is not None else sys.stdout
+    argv = ["bash", str(SCRIPT), action]
+    if action == "up":
+        argv += ["--fresh"] if fresh else []
+        argv += ["--nodes", str(nodes)] if nodes is not None else []
     with subprocess.Popen(
-        ["bash", str(SCRIPT), action],
+        argv,
+        # The script renders its configs with this Python (cluster/dev/slurm_config.py).
+        env={**os.environ, "TRAINFLOW_PYTHON": sys.executable},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
@@ -60,22 +69,31 @@ def can_start() -> tuple[bool, str]:
     return True, ""
 
 
-def is_up() -> bool:
-    """Whether the cluster's slurm.conf exists and sinfo reports a node that takes jobs."""
+def is_up(nodes: int = 1) -> bool:
+    """Whether the cluster's slurm.conf exists and sinfo reports at least `nodes` nodes that
+    take jobs."""
+    return len(usable_nodes()) >= nodes
+
+
+def usable_nodes() -> list[str]:
+    """Names of the nodes that take jobs (empty when no cluster answers)."""
     conf = slurm_conf()
     if not conf.is_file() or shutil.which("sinfo") is None or not _controller_listens(conf):
-        return False
+        return []
     try:
         proc = subprocess.run(
-            ["sinfo", "-h", "-o", "%T"],
+            ["sinfo", "-h", "-N", "-o", "%N %T"],
             env={**os.environ, "SLURM_CONF": str(conf)},
             capture_output=True,
             text=True,
             timeout=15,
         )
     except subprocess.TimeoutExpired:
-        return False
-    return proc.returncode == 0 and bool(USABLE_STATES & set(proc.stdout.split()))
+        return []
+    if proc.returncode != 0:
+        return []
+    rows = [line.split() for line in proc.stdout.splitlines()]
+    return sorted({r[0] for r in rows if len(r) == 2 and r[1].rstrip("*~#") in USABLE_STATES})
 
 
 def _controller_listens(conf: Path) -> bool:

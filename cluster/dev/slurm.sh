@@ -7,21 +7,27 @@ set -euo pipefail
 
 usage() {
     cat <<EOF
-usage: $(basename "$0") up [--fresh] | down | status | env
+usage: $(basename "$0") up [--fresh] [--nodes N] | down | status | env
 
   up       install what is missing (apt), write the configs, start munged, MariaDB, slurmdbd,
-           slurmctld and slurmd, and wait until the node is idle and accounting answers.
-           Idempotent. --fresh first stops everything and wipes the base folder (job ids restart
-           at 1, so never reuse a submitit folder across a wipe).
+           slurmctld and one slurmd per node, and wait until every node is idle and accounting
+           answers. Idempotent. --nodes N: emulate N nodes (tfnode1..tfnodeN, one slurmd each on
+           its own loopback port; default: the base folder's last count, else 2). --fresh first
+           stops everything and wipes the base folder (job ids restart at 1, so never reuse a
+           submitit folder across a wipe).
   down     stop every daemon by its pid file and wait for it to exit. Keeps all state.
-  status   daemons, their pids and sinfo; exit 0 only when everything is up and the node usable.
+  status   daemons, their pids and sinfo -N; exit 0 only when everything is up and every node
+           usable.
   env      print the line that points Slurm clients at this cluster.
 
 Base folder: \${TRAINFLOW_SLURM_HOME:-/var/tmp/trainflow-slurm} (now: $BASE)
-Ports:       \${TRAINFLOW_SLURM_PORT:-6817} and the next three (slurmd, slurmdbd, MariaDB), loopback
+Ports:       \${TRAINFLOW_SLURM_PORT:-6817} (slurmctld), +2 slurmdbd, +3 MariaDB, +3+k node k
+Configs:     rendered by cluster/dev/slurm_config.py (with \$TRAINFLOW_PYTHON, else python3)
 EOF
 }
 
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+PYTHON=${TRAINFLOW_PYTHON:-python3}
 BASE=${TRAINFLOW_SLURM_HOME:-/var/tmp/trainflow-slurm}
 ETC=$BASE/etc
 LOGS=$BASE/log
@@ -35,18 +41,16 @@ MARKER=$BASE/.trainflow-slurm
 export SLURM_CONF=$ETC/slurm.conf
 
 CLUSTER=trainflow
-PARTITION=debug
-# More CPUs than the machine has, so several 1-CPU jobs run at once.
-FAKE_CPUS=8
 FAKE_GPUS=2
-# Four consecutive loopback ports: slurmctld, slurmd, slurmdbd, MariaDB. Another base folder with
-# other ports runs a second cluster beside this one; a base folder remembers its ports.
-PORT_FILE=$ETC/port
-CTLD_PORT=${TRAINFLOW_SLURM_PORT:-$(cat "$PORT_FILE" 2>/dev/null || echo 6817)}
+# A base folder remembers its ports and node count: another base folder with other ports runs a
+# second cluster beside this one.
+CTLD_PORT=${TRAINFLOW_SLURM_PORT:-$(cat "$ETC/port" 2>/dev/null || echo 6817)}
 [[ $CTLD_PORT =~ ^[0-9]+$ ]] || { echo "bad TRAINFLOW_SLURM_PORT: $CTLD_PORT" >&2; exit 2; }
-SLURMD_PORT=$((CTLD_PORT + 1))
 DBD_PORT=$((CTLD_PORT + 2))
 DB_PORT=$((CTLD_PORT + 3))
+NODES=$(cat "$ETC/nodes" 2>/dev/null || echo 2)
+NODE_NAMES=()
+NODE_PORTS=()
 PACKAGES=(slurmctld slurmd slurm-client munge slurmdbd mariadb-server)
 READY_STATES="idle mixed allocated completing planned"
 WAIT_S=${TRAINFLOW_SLURM_WAIT_S:-90}
@@ -71,8 +75,8 @@ pid_file() {
     esac
 }
 
-# The daemon's pid when its pid file names a live process of that name. PID 1 does not reap here,
-# so a stopped daemon stays a zombie: that counts as stopped.
+# The daemon's pid when its pid file names a live process of that name (slurmd-<node>: a slurmd).
+# PID 1 does not reap here, so a stopped daemon stays a zombie: that counts as stopped.
 daemon_pid() {
     local file pid stat
     file=$(pid_file "$1")
@@ -83,7 +87,7 @@ daemon_pid() {
     stat=${stat##*) }
     [[ ${stat%% *} != [ZX] ]] || return 1
     # A stale pid file from before a reboot may name an unrelated process.
-    [[ $(cat "/proc/$pid/comm" 2>/dev/null) == "$1" ]] || return 1
+    [[ $(cat "/proc/$pid/comm" 2>/dev/null) == "${1%%-*}" ]] || return 1
     echo "$pid"
 }
 
@@ -130,8 +134,11 @@ need_port() {
 
 # Before starting anything: a port held by another cluster would fail us half-way.
 check_ports() {
+    local k
     daemon_pid slurmctld >/dev/null || need_port "$CTLD_PORT"
-    daemon_pid slurmd >/dev/null || need_port "$SLURMD_PORT"
+    for k in "${!NODE_NAMES[@]}"; do
+        daemon_pid "slurmd-${NODE_NAMES[k]}" >/dev/null || need_port "${NODE_PORTS[k]}"
+    done
     daemon_pid slurmdbd >/dev/null || need_port "$DBD_PORT"
     daemon_pid mariadbd >/dev/null || need_port "$DB_PORT"
 }
@@ -156,7 +163,7 @@ install_packages() {
 make_dirs() {
     # The lock fd is already open, so BASE exists; the marker lets --fresh wipe only our folder.
     touch "$MARKER"
-    mkdir -p "$ETC" "$LOGS" "$RUN" "$SPOOL/slurmctld" "$SPOOL/slurmd" "$FAKEDEV"
+    mkdir -p "$ETC" "$LOGS" "$RUN" "$SPOOL/slurmctld" "$FAKEDEV"
     install -d -o munge -g munge -m 0755 "$MUNGE_DIR"
     local i
     for ((i = 0; i < FAKE_GPUS; i++)); do ln -sfn /dev/null "$FAKEDEV/nvidia$i"; done
@@ -164,125 +171,35 @@ make_dirs() {
 
 # --- configuration -----------------------------------------------------------------------------
 
-# The node as `slurmd -C` sees it, with FAKE_CPUS cores (Slurm resets a CPUs= that does not match
-# sockets x cores x threads) and some memory headroom.
-node_line() {
-    local hw real
+# Renders slurm.conf, slurmdbd.conf, gres.conf and the hosts line (cluster/dev/slurm_config.py),
+# then reads back the node names and ports into NODE_NAMES / NODE_PORTS. Sets CONFIG_CHANGED.
+# Never called in a condition: `set -e` would not stop on a failing renderer then.
+write_configs() {
+    local hw out name port
     hw=$(slurmd -C | head -n 1)
     [[ $hw == NodeName=* ]] || die "slurmd -C printed no node line: $hw"
-    real=$(sed -n 's/.*RealMemory=\([0-9]*\).*/\1/p' <<<"$hw")
-    # A node that reports less memory than configured is drained: keep 10% spare.
-    sed -e "s/RealMemory=[0-9]*/RealMemory=$((real - real / 10))/" \
-        -e "s/CPUs=[0-9]*/CPUs=$FAKE_CPUS/" -e "s/Boards=[0-9]*/Boards=1/" \
-        -e "s/SocketsPerBoard=[0-9]*/SocketsPerBoard=1/" \
-        -e "s/CoresPerSocket=[0-9]*/CoresPerSocket=$FAKE_CPUS/" \
-        -e "s/ThreadsPerCore=[0-9]*/ThreadsPerCore=1/" \
-        -e "s/$/ NodeAddr=127.0.0.1 Gres=gpu:$FAKE_GPUS State=UNKNOWN/" <<<"$hw"
-}
-
-slurm_conf() {
-    local host
-    host=$(hostname -s)
-    cat <<EOF
-# Written by trainflow cluster/dev/slurm.sh; rewritten on every 'up'.
-ClusterName=$CLUSTER
-SlurmctldHost=$host(127.0.0.1)
-SlurmctldPort=$CTLD_PORT
-SlurmdPort=$SLURMD_PORT
-SlurmUser=root
-SlurmdUser=root
-AuthType=auth/munge
-CredType=cred/munge
-AuthInfo=socket=$MUNGE_SOCKET,cred_expire=10
-StateSaveLocation=$SPOOL/slurmctld
-SlurmdSpoolDir=$SPOOL/slurmd
-SlurmctldPidFile=$RUN/slurmctld.pid
-SlurmdPidFile=$RUN/slurmd.pid
-SlurmctldLogFile=$LOGS/slurmctld.log
-SlurmdLogFile=$LOGS/slurmd.log
-SlurmctldDebug=info
-SlurmdDebug=info
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-JobAcctGatherType=jobacct_gather/none
-SelectType=select/cons_tres
-SelectTypeParameters=CR_Core
-SchedulerType=sched/backfill
-SchedulerParameters=sched_interval=2,bf_interval=2
-AccountingStorageType=accounting_storage/slurmdbd
-AccountingStorageHost=127.0.0.1
-AccountingStoragePort=$DBD_PORT
-# For connections to slurmdbd this names the munge socket (AuthInfo is not used for them).
-AccountingStoragePass=$MUNGE_SOCKET
-AccountingStorageTRES=gres/gpu
-JobCompType=jobcomp/none
-MpiDefault=none
-KillWait=5
-MinJobAge=600
-JobRequeue=1
-ReturnToService=2
-MailProg=/bin/true
-# scrontab (deploy/slurm/scrontab.example): cron lines that Slurm itself queues as jobs.
-ScronParameters=enable
-GresTypes=gpu
-SlurmdParameters=config_overrides
-$(node_line)
-PartitionName=$PARTITION Nodes=ALL Default=YES MaxTime=INFINITE State=UP
-PartitionName=short Nodes=ALL MaxTime=30 State=UP
-EOF
-}
-
-slurmdbd_conf() {
-    cat <<EOF
-# Written by trainflow cluster/dev/slurm.sh; rewritten on every 'up'.
-AuthType=auth/munge
-AuthInfo=socket=$MUNGE_SOCKET
-DbdHost=localhost
-DbdAddr=127.0.0.1
-DbdPort=$DBD_PORT
-SlurmUser=root
-PidFile=$RUN/slurmdbd.pid
-LogFile=$LOGS/slurmdbd.log
-DebugLevel=info
-StorageType=accounting_storage/mysql
-StorageHost=127.0.0.1
-StoragePort=$DB_PORT
-StorageUser=root
-StorageLoc=slurm_acct_db
-EOF
-}
-
-gres_conf() {
-    echo "Name=gpu File=$FAKEDEV/nvidia[0-$((FAKE_GPUS - 1))]"
-}
-
-# Writes $1 with content $3 when it differs, and then sets CONFIG_CHANGED.
-put_file() {
-    local target=$1 mode=$2 content=$3 tmp
-    tmp=$(mktemp "$target.XXXXXX")
-    printf '%s\n' "$content" >"$tmp"
-    chmod "$mode" "$tmp"
-    chown root:root "$tmp"
-    if cmp -s "$tmp" "$target"; then
-        rm -f "$tmp"
-    else
-        mv -f "$tmp" "$target"
-        CONFIG_CHANGED=1
-    fi
-}
-
-# Never called in a condition: `set -e` would not stop on a failing generator then.
-write_configs() {
-    local slurm dbd gres
-    slurm=$(slurm_conf)
-    dbd=$(slurmdbd_conf)
-    gres=$(gres_conf)
+    out=$("$PYTHON" "$HERE/slurm_config.py" write --base "$BASE" --port "$CTLD_PORT" \
+        --nodes "$NODES" --hw "$hw")
     CONFIG_CHANGED=0
-    put_file "$ETC/slurm.conf" 644 "$slurm"
-    # slurmdbd refuses a config readable by others or not owned by its SlurmUser (root).
-    put_file "$ETC/slurmdbd.conf" 600 "$dbd"
-    put_file "$ETC/gres.conf" 644 "$gres"
-    echo "$CTLD_PORT" >"$PORT_FILE"
+    [[ $(head -n 1 <<<"$out") == changed ]] && CONFIG_CHANGED=1
+    read_nodes "$(tail -n +2 <<<"$out")"
+}
+
+# NODE_NAMES / NODE_PORTS from the renderer's `<name> <port>` lines.
+read_nodes() {
+    local name port
+    NODE_NAMES=() NODE_PORTS=()
+    while read -r name port; do
+        [[ -n $name ]] || continue
+        NODE_NAMES+=("$name")
+        NODE_PORTS+=("$port")
+    done <<<"$1"
+}
+
+# The node layout of the written config, without writing anything (down, status).
+known_nodes() {
+    read_nodes "$("$PYTHON" "$HERE/slurm_config.py" names --base "$BASE" --port "$CTLD_PORT" \
+        --nodes "$NODES")"
 }
 
 # --- starting ----------------------------------------------------------------------------------
@@ -347,36 +264,44 @@ start_slurmctld() {
     wait_for slurmctld "$LOGS/slurmctld.log" ctld_answers
 }
 
-start_slurmd() {
-    daemon_pid slurmd >/dev/null && return 0
-    log "slurmd: starting"
-    spawn "$LOGS/slurmd.out" slurmd || die "slurmd did not start" "$LOGS/slurmd.log"
-    # slurmd writes its pid file just after its parent returns.
-    wait_for slurmd "$LOGS/slurmd.log" daemon_pid slurmd
+start_slurmds() {
+    local name
+    for name in "${NODE_NAMES[@]}"; do
+        daemon_pid "slurmd-$name" >/dev/null && continue
+        log "slurmd $name: starting"
+        mkdir -p "$SPOOL/slurmd-$name"
+        spawn "$LOGS/slurmd-$name.out" slurmd -N "$name" ||
+            die "slurmd $name did not start" "$LOGS/slurmd-$name.log"
+        # slurmd writes its pid file just after its parent returns.
+        wait_for "slurmd $name" "$LOGS/slurmd-$name.log" daemon_pid "slurmd-$name"
+    done
 }
 
-node_state() { timeout 10 sinfo -h -N -o %T 2>/dev/null | head -n 1; }
-
-node_ready() {
-    local state
-    state=$(node_state) || return 1
-    [[ -n $state && " $READY_STATES " == *" $state "* ]]
-}
+# `<node> <state>` for every node sinfo knows.
+node_states() { timeout 10 sinfo -h -N -o '%N %T' 2>/dev/null; }
 
 # A node left down or drained by an earlier run (a stopped slurmd, a failed kill) is resumed.
-wait_node() {
-    local deadline=$((SECONDS + WAIT_S)) state node last_resume=-10
-    node=$(hostname -s)
-    until node_ready; do
-        state=$(node_state || true)
+wait_nodes() {
+    local deadline=$((SECONDS + WAIT_S)) last_resume=-10 states name state not_ready resumed
+    while :; do
+        states=$(node_states || true)
+        not_ready=()
+        resumed=0
+        for name in "${NODE_NAMES[@]}"; do
+            state=$(awk -v n="$name" '$1 == n { print $2; exit }' <<<"$states")
+            [[ -n $state && " $READY_STATES " == *" $state "* ]] && continue
+            not_ready+=("$name:${state:-unknown}")
+            if [[ $state =~ ^(down|drain|drained|draining|fail)$ ]] &&
+                ((SECONDS - last_resume >= 5)); then
+                log "node $name is $state: resuming it"
+                scontrol update NodeName="$name" State=RESUME >/dev/null 2>&1 || true
+                resumed=1
+            fi
+        done
+        ((${#not_ready[@]} == 0)) && return 0
+        ((resumed)) && last_resume=$SECONDS
         ((SECONDS < deadline)) ||
-            die "node $node is '$state' after ${WAIT_S}s" "$LOGS/slurmctld.log"
-        if [[ $state =~ ^(down|drain|drained|draining|fail)$ ]] &&
-            ((SECONDS - last_resume >= 5)); then
-            log "node $node is $state: resuming it"
-            scontrol update NodeName="$node" State=RESUME >/dev/null 2>&1 || true
-            last_resume=$SECONDS
-        fi
+            die "nodes not usable after ${WAIT_S}s: ${not_ready[*]}" "$LOGS/slurmctld.log"
         sleep 0.5
     done
 }
@@ -385,8 +310,19 @@ cluster_registered() { dbd_answers | grep -qx "$CLUSTER"; }
 sacct_answers() { timeout 10 sacct -n -X -S now-1minutes; }
 
 cmd_up() {
-    local fresh=${1:-}
-    [[ -z $fresh || $fresh == --fresh ]] || die "unknown option '$fresh' (usage: up [--fresh])"
+    local fresh=""
+    while (($#)); do
+        case $1 in
+            --fresh) fresh=1 ;;
+            --nodes)
+                [[ ${2:-} =~ ^[1-8]$ ]] || die "--nodes needs a count from 1 to 8 (got '${2:-}')"
+                NODES=$2
+                shift
+                ;;
+            *) die "unknown option '$1' (usage: up [--fresh] [--nodes N])" ;;
+        esac
+        shift
+    done
     [[ $EUID -eq 0 ]] || die "up needs root (munge user, packages, daemons as root)"
     (( ${#BASE} < 80 )) || die "base folder path too long for unix sockets: $BASE"
     mkdir -p "$BASE"
@@ -407,17 +343,27 @@ cmd_up() {
     start_mariadb
     start_slurmdbd
     start_slurmctld
-    start_slurmd
-    wait_node
+    start_slurmds
+    wait_nodes
     wait_for "cluster registration" "$LOGS/slurmctld.log" cluster_registered
     wait_for sacct "$LOGS/slurmdbd.log" sacct_answers
-    log "up in $((SECONDS - start))s: $(sinfo -h -o '%P %a %D %T %c CPUs %G')"
+    log "up in $((SECONDS - start))s: $(sinfo -h -o '%P %a %D nodes %T %c CPUs/node %G' | head -n 1)"
     cmd_env
+}
+
+# Every slurmd with a pid file (also of nodes a smaller --nodes dropped), then the rest.
+slurm_daemons() {
+    local file
+    for file in "$RUN"/slurmd-*.pid "$RUN"/slurmd.pid; do
+        [[ -e $file ]] && basename "$file" .pid
+    done
+    echo slurmctld
+    echo slurmdbd
 }
 
 any_slurm_daemon_alive() {
     local name
-    for name in slurmd slurmctld slurmdbd; do
+    for name in $(slurm_daemons); do
         daemon_pid "$name" >/dev/null && return 0
     done
     return 1
@@ -425,7 +371,7 @@ any_slurm_daemon_alive() {
 
 stop_slurm_daemons() {
     local name
-    for name in slurmd slurmctld slurmdbd; do stop_daemon "$name"; done
+    for name in $(slurm_daemons); do stop_daemon "$name"; done
 }
 
 wipe() {
@@ -452,12 +398,13 @@ cmd_down() {
 }
 
 cmd_status() {
-    local name pid ok=0 out state
-    for name in munged mariadbd slurmdbd slurmctld slurmd; do
+    local name pid ok=0 out states bad
+    known_nodes
+    for name in munged mariadbd slurmdbd slurmctld "${NODE_NAMES[@]/#/slurmd-}"; do
         if pid=$(daemon_pid "$name"); then
-            printf '%-10s pid %-8s alive\n' "$name" "$pid"
+            printf '%-16s pid %-8s alive\n' "$name" "$pid"
         else
-            printf '%-10s %-12s dead\n' "$name" '-'
+            printf '%-16s %-12s dead\n' "$name" '-'
             ok=1
         fi
     done
@@ -466,11 +413,13 @@ cmd_status() {
         echo "no controller under $BASE (run 'up')"
         return 1
     fi
-    out=$(timeout 10 sinfo -o '%P %a %l %D %T %c %G %N' 2>&1) || ok=1
+    out=$(timeout 10 sinfo -N -o '%N %P %a %l %T %c %G' 2>&1) || ok=1
     echo "$out"
-    state=$(awk 'NR == 2 { print $5 }' <<<"$out")
-    if [[ -z $state || " $READY_STATES " != *" $state "* ]]; then
-        echo "node state: '${state:-unknown}' (not usable)"
+    states=$(node_states || true)
+    bad=$(awk -v ready=" $READY_STATES " 'index(ready, " " $2 " ") == 0 { print $1 ":" $2 }' \
+        <<<"$states" | sort -u | tr '\n' ' ')
+    if [[ -z $states || -n $bad ]]; then
+        echo "nodes not usable: ${bad:-none listed}"
         ok=1
     fi
     return "$ok"
@@ -486,7 +435,10 @@ lock() {
 
 main() {
     case ${1:-} in
-        up) cmd_up "${2:-}" ;;
+        up)
+            shift
+            cmd_up "$@"
+            ;;
         down) cmd_down ;;
         status) cmd_status ;;
         env) cmd_env ;;

@@ -14,6 +14,8 @@ import pytest
 from cluster.dev.slurm import can_start, is_up, run, slurm_conf
 
 HERE = Path(__file__).parent
+NODES = 2
+"""Nodes the dev cluster emulates for these tests (as in CI and `make test`)."""
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -29,13 +31,13 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 def _ensure_cluster() -> None:
-    """Use a running cluster, start one, or skip (fail in CI) with the reason."""
-    if is_up():
+    """Use a running cluster of NODES nodes, start one, or skip (fail in CI) with the reason."""
+    if is_up(NODES):
         return
     ok, why = can_start()
     if ok:
         output = io.StringIO()
-        if run("up", out=output) != 0:
+        if run("up", out=output, nodes=NODES) != 0:
             pytest.fail(f"`cluster/dev/slurm.sh up` failed:\n{output.getvalue()}", pytrace=False)
         return
     if os.environ.get("CI"):

@@ -1,6 +1,7 @@
 """The dev Slurm cluster works end to end: scheduler, fake GPUs, accounting and submitit."""
 
 import io
+import os
 import re
 import subprocess
 import sys
@@ -34,9 +35,15 @@ def _cmd(*args: str) -> str:
     return subprocess.run(args, check=True, capture_output=True, text=True, timeout=30).stdout
 
 
+def _nodes() -> list[dict[str, str]]:
+    """`scontrol show node` of every node, each as key -> value."""
+    lines = _cmd("scontrol", "show", "node", "-o").splitlines()
+    return [dict(re.findall(r"(\w+)=(\S*)", line)) for line in lines if line.strip()]
+
+
 def _node() -> dict[str, str]:
-    """`scontrol show node` of the single node, as key -> value."""
-    return dict(re.findall(r"(\w+)=(\S*)", _cmd("scontrol", "show", "node", "-o")))
+    """The first node (all nodes of the dev cluster are alike)."""
+    return _nodes()[0]
 
 
 def _executor(folder: Path, **params: object) -> submitit.SlurmExecutor:
@@ -70,14 +77,25 @@ def test_status_exits_zero() -> None:
     assert run("status", out=output) == 0, output.getvalue()
 
 
-def test_node_has_8_cpus_and_2_fake_gpus() -> None:
-    node = _node()
-    base_state, *flags = node["State"].split("+")
-    # Others may be running jobs on the shared dev cluster: mixed or allocated is fine too.
-    assert base_state in {"IDLE", "MIXED", "ALLOCATED"}, node["State"]
-    assert not set(flags) - {"COMPLETING", "PLANNED"}, node["State"]
-    assert node["CPUTot"] == "8"
-    assert node["Gres"] == "gpu:2"
+def test_two_nodes_share_8_cpus_and_have_2_fake_gpus_each() -> None:
+    nodes = _nodes()
+    assert [n["NodeName"] for n in nodes] == ["tfnode1", "tfnode2"]
+    for node in nodes:
+        base_state, *flags = node["State"].split("+")
+        # Others may be running jobs on the shared dev cluster: mixed or allocated is fine too.
+        assert base_state in {"IDLE", "MIXED", "ALLOCATED"}, node["State"]
+        assert not set(flags) - {"COMPLETING", "PLANNED"}, node["State"]
+        assert node["CPUTot"] == "4"
+        assert node["Gres"] == "gpu:2"
+
+
+def _where() -> tuple[str, str]:
+    return os.environ["SLURMD_NODENAME"], os.environ["SLURM_NODEID"]
+
+
+def test_a_two_node_job_runs_one_task_on_each_node(submitit_folder: Path) -> None:
+    job = _executor(submitit_folder, nodes=2).submit(_where)
+    assert sorted(job.results()) == [("tfnode1", "0"), ("tfnode2", "1")]
 
 
 def test_submitted_function_returns_its_result(finished_job: submitit.Job[int]) -> None:

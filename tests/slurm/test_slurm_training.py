@@ -52,9 +52,10 @@ def _slurm(**fields: object) -> ClusterConfig:
 
 
 def _node() -> dict[str, int]:
-    """CPUs, memory (MiB) and GPUs of the dev cluster's single node, from `scontrol` itself."""
+    """CPUs, memory (MiB) and GPUs of the dev cluster's first node (all are alike), from
+    `scontrol` itself."""
     out = subprocess.run(["scontrol", "show", "node", "-o"], capture_output=True, text=True)
-    rec = dict(re.findall(r"(\w+)=(\S*)", out.stdout))
+    rec = dict(re.findall(r"(\w+)=(\S*)", out.stdout.splitlines()[0]))
     gpus = int((re.findall(r"gres/gpu=(\d+)", rec["CfgTRES"]) or ["0"])[0])
     return {"cpus": int(rec["CPUTot"]), "mem_mb": int(rec["RealMemory"]), "gpus": gpus}
 
@@ -126,8 +127,8 @@ def test_more_than_a_node_has_is_refused_naming_field_offer_and_fix(resource: st
 
 
 def test_more_nodes_than_the_partition_has_are_refused() -> None:
-    with pytest.raises(ConfigError, match=r"cluster\.nodes=2, .* at most 1 node\(s\): set"):
-        check_request(_slurm(nodes=2, ranks_per_node=1))
+    with pytest.raises(ConfigError, match=r"cluster\.nodes=3, .* at most 2 node\(s\): set"):
+        check_request(_slurm(nodes=3, ranks_per_node=1))
 
 
 def test_a_time_limit_above_the_partitions_max_time_is_refused() -> None:

@@ -1,0 +1,140 @@
+"""Naming what ended a failed job: which rank, on which node, how, and where its log is.
+
+Each rank of a trainflow job runs under cluster.rank_guard, which leaves beside submitit's
+files ``<job id>_<task>_rank.json`` (node, pid) when the rank starts and
+``<job id>_<task>_exit.json`` (exit code or signal, OOM kill) when it ends. Together with the
+result pickles (("error", traceback) from a rank that raised) they tell a lost rank (killed by a
+signal, or gone without a result) from the survivors whose collectives then failed: the lost
+rank leads the message, the survivors' errors follow as detail.
+"""
+
+import json
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import submitit
+from submitit.core.utils import pickle_load
+
+
+@dataclass(frozen=True)
+class RankEnd:
+    """How one rank of a job ended, as far as its files tell."""
+
+    task: int
+    """Global rank."""
+    node: str | None
+    """The node it ran on (None: it never started)."""
+    returncode: int | None
+    """Its exit code, negative for a signal; None when no exit was recorded."""
+    oom_kill: bool
+    """True when the kernel counted an OOM kill in its cgroup as it died."""
+    outcome: str | None
+    """'success' or 'error' from its result pickle; None without one."""
+    traceback: str | None
+    """The traceback text of a rank that raised."""
+    ended: float
+    """When it ended (or its result was written), for ordering; 0 when unknown."""
+    log: Path
+    """Its stderr log."""
+
+    @property
+    def failed(self) -> bool:
+        """It raised, or ended without a successful result."""
+        if self.outcome == "success":
+            return False
+        return self.outcome == "error" or self.node is not None
+
+    @property
+    def lost(self) -> bool:
+        """It ended without raising: killed by a signal, exited without a result, or vanished
+        (no exit record: its node, or everything on it, went away)."""
+        return self.failed and self.outcome != "error"
+
+    def how(self) -> str:
+        """How it ended, in words: 'killed by signal 9 (SIGKILL)', 'exited with code 3', ..."""
+        where = f"rank {self.task} on node {self.node or '?'}"
+        if self.outcome == "error":
+            code = f" (exit code {self.returncode})" if self.returncode is not None else ""
+            return f"{where} raised an exception{code}"
+        if self.returncode is None:
+            return f"{where} vanished without an exit status (its node or its parent died)"
+        if self.returncode < 0:
+            sig = -self.returncode
+            name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else "?"
+            oom = ": an OOM kill (the kernel's memory.events counted one)" if self.oom_kill else ""
+            return f"{where} was killed by signal {sig} ({name}){oom}"
+        return f"{where} exited with code {self.returncode} without a result"
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def rank_ends(job: submitit.Job[Any]) -> list[RankEnd]:
+    """What every rank of `job` left behind, by rank."""
+    ends = []
+    for k in range(job.num_tasks):
+        paths = job.task(k).paths
+        base = paths.result_pickle.name.removesuffix("_result.pkl")
+        started = _read_json(paths.folder / f"{base}_rank.json") or {}
+        exited = _read_json(paths.folder / f"{base}_exit.json") or {}
+        outcome, trace, ended = None, None, float(exited.get("ended", 0.0))
+        if paths.result_pickle.exists():
+            outcome, payload = pickle_load(paths.result_pickle)
+            trace = str(payload) if outcome == "error" else None
+            ended = ended or paths.result_pickle.stat().st_mtime
+        node = exited.get("node") or started.get("node")
+        code = exited.get("returncode")
+        ends.append(
+            RankEnd(
+                k,
+                node,
+                code if isinstance(code, int) else None,
+                bool(exited.get("oom_kill")),
+                outcome,
+                trace,
+                ended,
+                paths.stderr,
+            )
+        )
+    return ends
+
+
+def failure_message(job: submitit.Job[Any], ends: list[RankEnd]) -> str | None:
+    """The message of a failed job, None when no rank failed.
+
+    A lost rank comes first (the cause: its peers then fail in their collectives), with its
+    node, how it ended and its log; the tracebacks of ranks that raised follow, the first to
+    fail first.
+    """
+    failed = [end for end in ends if end.failed]
+    if not failed:
+        return None
+    lost = sorted((e for e in failed if e.lost), key=lambda e: (e.ended or float("inf"), e.task))
+    raised = sorted((e for e in failed if not e.lost), key=lambda e: (e.ended, e.task))
+    if lost:
+        first = lost[0]
+        parts = [f"job {job.job_id} lost rank {first.task} (node {first.node or '?'}): "]
+        parts[0] += "; ".join(f"{e.how()}, log: {e.log}" for e in lost)
+        if raised:
+            parts.append(
+                f"then rank(s) {[e.task for e in raised]} failed (detail: their collectives "
+                "lost their peer)"
+            )
+    else:
+        later = f", then rank(s) {[e.task for e in raised[1:]]}" if len(raised) > 1 else ""
+        first = raised[0]
+        parts = [
+            f"job {job.job_id} failed in rank {first.task}{later}: {first.how()}, log: {first.log}"
+        ]
+    for end in raised:
+        parts += [f"----- rank {end.task} (node {end.node or '?'}) traceback -----"]
+        parts.append((end.traceback or "").rstrip())
+    parts.append(f"logs: {job.paths.folder}")
+    return "\n".join(parts)

@@ -1,0 +1,140 @@
+"""A small parent for each rank process, so that a rank's end is recorded however it came.
+
+A rank killed by a signal (kill -9, the OOM killer) writes no result: only its parent learns
+how it ended, and neither submitit's local controller nor Slurm's srun keeps that where the
+flow can read it. The executors (cluster.executor) therefore start every rank as
+
+    python -m cluster.rank_guard <the rank's command ...>
+
+which runs the command as its child and writes two small JSON files beside submitit's result
+pickle: ``<job id>_<task>_rank.json`` when the rank starts (node, pid) and
+``<job id>_<task>_exit.json`` when it has ended (exit code or signal, OOM kill when the kernel's
+cgroup counter says so). Then it ends the same way its child did, so srun and the local
+controller see what they saw before. cluster.lost_ranks turns these files into the message.
+
+Signals: under the local executor only this process is signalled (the controller signals the
+task it started), so SIGINT, SIGTERM, SIGUSR1/2 and SIGCONT are passed on to the rank. Under
+Slurm the step's signals reach every process of the task (proctrack), the rank included: this
+process ignores them then and waits for the rank, instead of signalling it twice.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGCONT)
+
+
+def identity() -> tuple[Path, str, int]:
+    """(submitit folder, job id, task) of this rank, from the command line and environment."""
+    from submitit import JobEnvironment
+
+    env = JobEnvironment()
+    folder = Path(sys.argv[-1])
+    return folder, str(env.job_id), env.global_rank
+
+
+def node_name() -> str:
+    """The Slurm node this rank runs on (the dev cluster's nodes share one hostname)."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
+def oom_kills() -> int | None:
+    """The kernel's count of OOM kills in this process's cgroup (v2 memory.events), if readable."""
+    try:
+        line = Path("/proc/self/cgroup").read_text().splitlines()[-1]
+        events = Path("/sys/fs/cgroup") / line.split(":", 2)[2].lstrip("/") / "memory.events"
+        for entry in events.read_text().splitlines():
+            key, value = entry.split()
+            if key == "oom_kill":
+                return int(value)
+    except (OSError, IndexError, ValueError):
+        return None
+    return None
+
+
+def _die_with_parent() -> None:
+    """In the child: be killed when this guard dies (e.g. the local controller's SIGKILL after
+    a cancel), so no rank outlives its guard."""
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    """Write `data` atomically, owner-only like submitit's own files."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data))
+    os.chmod(tmp, 0o600)
+    os.replace(tmp, path)
+
+
+def _pass_on(child: subprocess.Popen[bytes]) -> None:
+    """Install handlers that forward (local) or ignore (Slurm) the step's signals."""
+    under_slurm = "SLURM_STEP_ID" in os.environ or "SLURM_JOB_ID" in os.environ
+    for sig in FORWARDED:
+        if under_slurm:
+            signal.signal(sig, signal.SIG_IGN if sig != signal.SIGCONT else signal.SIG_DFL)
+        else:
+            signal.signal(sig, lambda signum, _frame: child.send_signal(signum))
+
+
+def end_like(returncode: int) -> None:
+    """Leave with the child's exit code, or die of the child's signal."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if returncode >= 0:
+        os._exit(returncode)
+    sig = -returncode
+    signal.signal(sig, signal.SIG_DFL)
+    os.kill(os.getpid(), sig)
+    os._exit(128 + sig)  # a signal this process may not die of (e.g. SIGSTOP)
+
+
+def main(command: list[str]) -> None:
+    """Run `command` as this rank, record how it ended, and end the same way."""
+    folder, job_id, task = identity()
+    node = node_name()
+    before = oom_kills()
+    child = subprocess.Popen(command, preexec_fn=_die_with_parent)
+    _pass_on(child)
+    started = time.time()
+    where = {
+        "task": task,
+        "node": node,
+        "slurm_node": os.environ.get("SLURMD_NODENAME"),
+        "pid": child.pid,
+        "guard_pid": os.getpid(),
+    }
+    _write_json(folder / f"{job_id}_{task}_rank.json", where | {"started": started})
+    while True:
+        try:
+            returncode = child.wait()
+            break
+        except InterruptedError:
+            continue
+    after = oom_kills()
+    ended = {
+        "returncode": returncode,
+        "signal": signal.Signals(-returncode).name if returncode < 0 else None,
+        "oom_kill": returncode == -signal.SIGKILL
+        and before is not None
+        and after is not None
+        and after > before,
+        "ended": time.time(),
+    }
+    _write_json(folder / f"{job_id}_{task}_exit.json", where | ended)
+    end_like(returncode)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2:
+        sys.exit("usage: python -m cluster.rank_guard <command> [args...]")
+    main(sys.argv[1:])

@@ -1,0 +1,104 @@
+"""A lost rank is named: which rank, on which node, how it ended and where its log is.
+
+Real local jobs of two gloo ranks (submitit's local executor, each rank under
+cluster.rank_guard): one rank is killed with SIGKILL, or raises, while the other waits in an
+all-reduce.
+"""
+
+import json
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import submitit
+import torch
+import torch.distributed as dist
+
+from cluster.config import ClusterConfig
+from cluster.executor import make_executor
+from cluster.jobs import wait_for_job
+from tasks.errors import JobError
+from tasks.train.distributed import distributed
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _all_reduce_until(fail_rank: int | None) -> int:
+    """Two ranks all-reduce in a loop; `fail_rank` raises at step 3. Runs ~forever otherwise."""
+    with distributed("cpu") as ctx:
+        for step in range(100_000):
+            if step == 3 and ctx.rank == fail_rank:
+                raise ValueError(f"rank {ctx.rank} broke on purpose")
+            dist.all_reduce(torch.ones(1))
+            print(f"step {step}", flush=True)
+            time.sleep(0.05)
+    return 0
+
+
+def _submit(tmp_path: Path, fail_rank: int | None) -> submitit.Job[int]:
+    executor = make_executor(ClusterConfig(ranks_per_node=2, timeout_min=5), tmp_path / "jobs")
+    return executor.submit(_all_reduce_until, fail_rank)
+
+
+def _rank_record(job: submitit.Job[int], task: int) -> dict[str, object]:
+    path = job.paths.folder / f"{job.job_id}_{task}_rank.json"
+    deadline = time.monotonic() + 60
+    while not path.exists():
+        assert time.monotonic() < deadline and not job.done(), "rank never started"
+        time.sleep(0.1)
+    data = json.loads(path.read_text())
+    assert isinstance(data, dict)
+    return data
+
+
+def test_a_killed_rank_is_named_with_its_signal_node_and_log(tmp_path: Path) -> None:
+    job = _submit(tmp_path, fail_rank=None)
+    lines: list[str] = []
+
+    def kill_rank1_once_stepping(line: str) -> None:
+        lines.append(line)
+        if line.startswith("[rank1] step 2") and not killed:
+            pid = int(str(_rank_record(job, 1)["pid"]))
+            ranks.extend([pid, int(str(_rank_record(job, 0)["pid"]))])
+            os.kill(pid, signal.SIGKILL)
+            killed.append(time.monotonic())
+
+    killed: list[float] = []
+    ranks: list[int] = []
+    with pytest.raises(JobError) as failure:
+        wait_for_job(job, kill_rank1_once_stepping, poll_s=0.1)
+    assert killed, "rank 1 never reached step 2"
+    assert time.monotonic() - killed[0] < 60  # not torch's collective timeout
+    message = str(failure.value)
+    head = message.splitlines()[0]
+    assert f"lost rank 1 (node {socket.gethostname()})" in head
+    assert "was killed by signal 9 (SIGKILL)" in head
+    assert f"log: {job.paths.folder}/{job.job_id}_1_log.err" in head
+    # Rank 0's collective error follows as detail.
+    assert "then rank(s) [0] failed" in message
+    assert "----- rank 0 (node" in message
+    assert not any(psutil.pid_exists(pid) and _alive(pid) for pid in ranks)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_a_rank_that_raises_is_named_with_its_traceback_node_and_log(tmp_path: Path) -> None:
+    job = _submit(tmp_path, fail_rank=1)
+    with pytest.raises(JobError) as failure:
+        wait_for_job(job, lambda line: None, poll_s=0.1)
+    message = str(failure.value)
+    head = message.splitlines()[0]
+    assert head.startswith(f"job {job.job_id} failed in rank 1")
+    assert f"rank 1 on node {socket.gethostname()} raised an exception (exit code 1)" in head
+    assert f"log: {job.paths.folder}/{job.job_id}_1_log.err" in head
+    assert "ValueError: rank 1 broke on purpose" in message
+    assert "lost rank" not in message  # a rank that raised is no lost rank
