@@ -1,5 +1,9 @@
 """Readers of a written dataset (manifest.json plus .npy shards), for training and evaluation.
 
+Shards hold the raw pixels (uint8 for image sources, float32 for float sources), not normalised:
+readers normalise with the manifest's mean and std, `normalise` below, at batch time. That keeps
+shards 4x smaller for image data, on disk and on every read.
+
 Only a folder whose manifest.json parses and names existing shards is trusted: writers build
 datasets in a temporary folder and rename it into place, so a half-written one has no manifest.
 """
@@ -15,7 +19,8 @@ from tasks.hashing import sha256_file
 from tasks.preprocess.ref import DatasetRef
 
 MANIFEST = "manifest.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""2: raw uint8/float32 shards, normalised by the reader (1: normalised float32)."""
 SPLITS: tuple[str, ...] = ("train", "val", "test")
 Split = Literal["train", "val", "test"]
 
@@ -71,26 +76,60 @@ def _all_shards(manifest: dict[str, Any], file: Path) -> list[dict[str, Any]]:
         raise DataError(f"dataset manifest {str(file)!r} has no valid shard list") from exc
 
 
-def load_split(path: Path, split: Split, verify: bool = False) -> tuple[np.ndarray, np.ndarray]:
-    """Images (N, C, H, W) float32 and labels (N,) int64 of one split, shards concatenated.
+def normaliser(mean: list[float], std: list[float]) -> tuple[np.ndarray, np.ndarray]:
+    """(shift, scale) float32 arrays of shape (1, C, 1, 1): x_norm = (x - shift) * scale.
 
-    verify=True checks each shard's sha256 against the manifest first (DataError on mismatch).
+    The one formula every reader uses (NumPy here, torch at batch time), so all paths give the
+    same float32 values.
     """
-    manifest = load_manifest(path)
-    shards = manifest["splits"][split]
+    shift = np.asarray(mean, np.float64).reshape(1, -1, 1, 1).astype(np.float32)
+    scale = (1.0 / np.asarray(std, np.float64)).reshape(1, -1, 1, 1).astype(np.float32)
+    return shift, scale
+
+
+def normalise(x: np.ndarray, mean: list[float], std: list[float]) -> np.ndarray:
+    """Raw images (N, C, H, W) as normalised float32 (a new array)."""
+    shift, scale = normaliser(mean, std)
+    out = x.astype(np.float32)
+    out -= shift
+    out *= scale
+    return out
+
+
+def split_shards(path: Path, split: Split, verify: bool = False) -> list[dict[str, Any]]:
+    """The manifest entries of a split's shards (x, y, n, sha256s), optionally verified."""
+    shards: list[dict[str, Any]] = load_manifest(path)["splits"][split]
     if verify:
         for shard in shards:
             _verify(path / shard["x"], shard["x_sha256"])
             _verify(path / shard["y"], shard["y_sha256"])
+    return shards
+
+
+def load_raw_split(path: Path, split: Split, verify: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """Raw images (N, C, H, W) as stored (uint8 or float32) and labels (N,) int64, in memory."""
+    shards = split_shards(path, split, verify)
     if not shards:
+        manifest = load_manifest(path)
         shape = (0, *manifest["shape"])
-        return np.empty(shape, np.float32), np.empty((0,), np.int64)
-    images = np.concatenate([_load_npy(path / s["x"]) for s in shards])
-    labels = np.concatenate([_load_npy(path / s["y"]) for s in shards])
+        return np.empty(shape, manifest["dtype"]["x"]), np.empty((0,), np.int64)
+    images = np.concatenate([open_npy(path / s["x"]) for s in shards])
+    labels = np.concatenate([open_npy(path / s["y"]) for s in shards])
     return np.ascontiguousarray(images), np.ascontiguousarray(labels)
 
 
-def _load_npy(file: Path) -> np.ndarray:
+def load_split(path: Path, split: Split, verify: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """Normalised images (N, C, H, W) float32 and labels (N,) int64 of one split, in memory.
+
+    For small splits (evaluation, benchmarks); training streams (tasks.train.streaming).
+    verify=True checks each shard's sha256 against the manifest first (DataError on mismatch).
+    """
+    x, y = load_raw_split(path, split, verify)
+    ref = read_manifest(path)
+    return normalise(x, ref.mean, ref.std), y
+
+
+def open_npy(file: Path) -> np.ndarray:
     try:
         return np.load(file, mmap_mode="r", allow_pickle=False)
     except (OSError, ValueError) as exc:

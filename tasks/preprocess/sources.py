@@ -9,6 +9,8 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
+from typing import Any, Protocol
 
 import numpy as np
 from PIL import Image
@@ -36,12 +38,43 @@ class RawData:
     """Class names; label i is classes[i]."""
 
 
+class LazyImages(Protocol):
+    """(N, C, H, W) images that stay on disk (or are generated) until a worker takes rows."""
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """(N, C, H, W)."""
+        ...
+
+    @property
+    def ndim(self) -> int:
+        """Always 4."""
+        ...
+
+    def __len__(self) -> int:
+        """N."""
+        ...
+
+    @property
+    def dtype(self) -> np.dtype:
+        """uint8 or float32."""
+        ...
+
+    def take(self, rows: np.ndarray, xp: ModuleType = np) -> Any:
+        """A new array of module xp holding those rows."""
+        ...
+
+    def first_nonfinite(self) -> int | None:
+        """Index of the first sample holding NaN/inf, None when all are finite."""
+        ...
+
+
 @dataclass(frozen=True)
 class RawSource:
-    """Raw samples as the preprocess stage reads them: synthetic images stay lazy."""
+    """Raw samples as the preprocess stage reads them: lazy except for in-memory sources."""
 
-    images: "np.ndarray | SyntheticImages"
-    """(N, C, H, W), uint8 or float32, in memory or generated on demand."""
+    images: "np.ndarray | LazyImages"
+    """(N, C, H, W), uint8 or float32, in memory, on disk or generated on demand."""
     labels: np.ndarray
     """(N,) int64, each in range(len(classes))."""
     classes: list[str]

@@ -1,8 +1,10 @@
-"""The work done on the dask workers: train statistics, and normalised shards streamed to disk.
+"""The work done on the dask workers: raw shards streamed to disk, with train statistics.
 
 Each task covers tens of MB so that dask's per-task cost (about a millisecond) is noise, and
-works through its samples in blocks: a block is taken from the source, normalised, written and
-hashed while it is still in the CPU cache, so each output byte crosses memory about once.
+works through its samples in blocks: a block is taken (read or decoded) from the source, its
+moments added (train shards), written and hashed while it is still in the CPU cache, so each
+output byte crosses memory about once. Shards keep the source's dtype (uint8 pixels stay uint8);
+readers normalise at batch time with the manifest's statistics.
 One code path for both backends: blocks are arrays of the worker's array module (NumPy or
 CuPy, named by the backend); only the bytes that go to disk come back to the host.
 """
@@ -11,6 +13,7 @@ import functools
 import hashlib
 import io
 import os
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -112,64 +115,60 @@ class Moments:
         return np.maximum(np.sqrt(self.m2 / max(self.count, 1.0)), STD_FLOOR)
 
 
-def train_moments(images: ImageRows, rows: np.ndarray, backend: str) -> Moments:
-    """Moments of the given rows, merged block by block; runs on a worker."""
-    xp = array_module(backend)
-    zeros = np.zeros(images.shape[1])
-    total = Moments(0.0, zeros, zeros)
-    for block in _blocks(images, rows, xp):
-        total = total.merge(_block_moments(block, xp))
-    return total
-
-
 def write_shards(
-    images: ImageRows,
-    shards: list[Shard],
-    stats: Moments,
-    out: Path,
-    backend: str,
-) -> list[dict[str, Any]]:
-    """Write each shard as normalised float32 <stem>.x.npy and int64 <stem>.y.npy into out.
+    images: ImageRows, shards: list[Shard], out: Path, backend: str, moments: bool
+) -> tuple[list[dict[str, Any]], Moments | None]:
+    """Write each shard's raw pixels as <stem>.x.npy (the source's dtype) and <stem>.y.npy.
 
-    Runs on a worker; returns each shard's manifest entry (file names, count, sha256s).
+    Runs on a worker; returns each shard's manifest entry (file names, count, sha256s) and,
+    when `moments`, the per-channel moments of all its samples (merged block by block, in row
+    order: the result depends on the data only, not on the cluster).
     """
     xp = array_module(backend)
-    shape = (1, images.shape[1], 1, 1)
-    shift = xp.asarray(stats.mean.reshape(shape).astype(np.float32))
-    scale = xp.asarray((1.0 / stats.std()).reshape(shape).astype(np.float32))
     entries = []
+    zeros = np.zeros(images.shape[1])
+    total = [Moments(0.0, zeros, zeros)]  # this task's accumulator, merged in row order
+
+    def add(block: Moments) -> None:
+        total[0] = total[0].merge(block)
+
     with _Flusher() as flusher:
         for shard in shards:
             x_name, y_name = f"{shard.stem}.x.npy", f"{shard.stem}.y.npy"
             x_shape = (len(shard.rows), *images.shape[1:])
-            blocks = (_normalise(b, shift, scale) for b in _blocks(images, shard.rows, xp))
-            x_sha = _write_npy(out / x_name, x_shape, np.dtype(np.float32), blocks, flusher)
+            raw = _raw_blocks(images, shard.rows, xp)
+            blocks = _with_moments(raw, xp, add) if moments else map(to_numpy, raw)
+            x_sha = _write_npy(out / x_name, x_shape, np.dtype(images.dtype), blocks, flusher)
             labels = np.ascontiguousarray(shard.labels, dtype=np.int64)
             y_sha = _write_npy(out / y_name, labels.shape, labels.dtype, iter([labels]), flusher)
             entries.append(
                 {"x": x_name, "y": y_name, "n": len(labels), "x_sha256": x_sha, "y_sha256": y_sha}
             )
-    return entries
+    return entries, (total[0] if moments else None)
 
 
-def _blocks(images: ImageRows, rows: np.ndarray, xp: ModuleType) -> Any:
-    """The rows as float32 blocks of module xp, sized for the backend's cache or transfers."""
+def _raw_blocks(images: ImageRows, rows: np.ndarray, xp: ModuleType) -> Iterator[Any]:
+    """The rows as blocks of module xp in the source's dtype, sized for the backend."""
     budget = CPU_BLOCK_BYTES if xp is np else GPU_BLOCK_BYTES
     step = max(1, budget // (4 * int(np.prod(images.shape[1:]))))
     for start in range(0, len(rows), step):
-        # uint8 sources become float32 here, one block at a time (float32 ones are not copied).
-        yield images.take(rows[start : start + step], xp).astype(xp.float32, copy=False)
+        yield images.take(rows[start : start + step], xp)
 
 
-def _normalise(block: Any, shift: Any, scale: Any) -> np.ndarray:
-    """(block - mean) / std in place (blocks are ours), as host bytes."""
-    block -= shift
-    block *= scale
-    return to_numpy(block)
+def _with_moments(
+    blocks: Iterator[Any], xp: ModuleType, add: Callable[[Moments], None]
+) -> Iterator[np.ndarray]:
+    """Pass blocks through as host bytes, handing each block's moments to `add`."""
+    for block in blocks:
+        add(_block_moments(block, xp))
+        yield to_numpy(block)
 
 
 def _block_moments(x: Any, xp: ModuleType) -> Moments:
-    """Moments of one block (B, C, H, W): float32 sums per row, float64 across rows."""
+    """Moments of one block (B, C, H, W): exact integer sums for uint8 pixels; for floats,
+    float32 sums per row and float64 across rows."""
+    if x.dtype == xp.uint8:
+        return _integer_moments(x, xp)
     flat = x.reshape(x.shape[0], x.shape[1], -1)
     count = flat.shape[0] * flat.shape[2]
     mean = to_numpy(flat.sum(axis=2).sum(axis=0, dtype=xp.float64)) / count
@@ -179,6 +178,17 @@ def _block_moments(x: Any, xp: ModuleType) -> Moments:
     squares = to_numpy(xp.einsum("ijk,ijk->ij", centred, centred).sum(axis=0, dtype=xp.float64))
     m2 = squares - count * (mean - centre) ** 2
     return Moments(float(count), mean, m2)
+
+
+def _integer_moments(x: Any, xp: ModuleType) -> Moments:
+    """Moments of a uint8 block from exact int64 sums of values and squares."""
+    flat = x.reshape(x.shape[0], x.shape[1], -1).astype(xp.int64)
+    count = flat.shape[0] * flat.shape[2]
+    s1 = [int(v) for v in to_numpy(flat.sum(axis=(0, 2)))]
+    s2 = [int(v) for v in to_numpy((flat * flat).sum(axis=(0, 2)))]
+    # Python integers: n * sum(x^2) - sum(x)^2 is exact, so is the m2 before its one rounding.
+    m2 = np.array([(count * b - a * a) / count for a, b in zip(s1, s2, strict=True)])
+    return Moments(float(count), np.array(s1, np.float64) / count, m2)
 
 
 def _write_npy(

@@ -26,7 +26,8 @@ def write_dataset(root: Path, n_train: int = 256, n_val: int = 64, seed: int = 0
         x_sha, y_sha = sha256_file(root / x_name), sha256_file(root / y_name)
         splits[split] = [{"x": x_name, "y": y_name, "n": n, "x_sha256": x_sha, "y_sha256": y_sha}]
     manifest = {
-        "format_version": 1,
+        "format_version": 2,
+        "dtype": {"x": "float32", "y": "int64"},
         "content_hash": f"synthetic-{seed}",
         "cache_key": f"synthetic-{seed}",
         "counts": {name: shards[0]["n"] for name, shards in splits.items()},
@@ -52,7 +53,8 @@ def write_rgb_dataset(root: Path, n: int = 8) -> DatasetRef:
         hashes = {f"{k}_sha256": sha256_file(root / v) for k, v in names.items()}
         splits[split] = [{**names, **hashes, "n": n}]
     manifest = {
-        "format_version": 1,
+        "format_version": 2,
+        "dtype": {"x": "float32", "y": "int64"},
         "content_hash": "rgb",
         "cache_key": "rgb",
         "counts": {split: n for split in splits},
