@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from prefect.settings import get_current_settings
 
 from tests.services import service_env
 from tests.unit.test_preprocess_sources import _folder, _save_image
@@ -20,6 +21,9 @@ def _run(*overrides: str, debug: bool = False) -> subprocess.CompletedProcess[st
     for item in overrides:
         argv += ["--set", item]
     env = {k: v for k, v in service_env().items() if k != "TRAINFLOW_DEBUG"}
+    api = get_current_settings().api.url  # the session's test server: no second one to start
+    if api:
+        env["PREFECT_API_URL"] = api
     return subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env)
 
 
