@@ -18,8 +18,9 @@ from PIL import Image, UnidentifiedImageError
 
 from tasks.errors import DataError
 from tasks.preprocess.config import PreprocessConfig
+from tasks.preprocess.npz import _npz_labels
+from tasks.preprocess.sources import _check_same_size, _class_dirs, _class_images, _npz_files
 
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
 MIN_SAMPLES = 10  # as tasks/preprocess/validate.py: fewer cannot be split into train/val/test
 _ZIP_MAGIC = b"PK\x03\x04"
 _EMPTY_ZIP_MAGIC = b"PK\x05\x06"
@@ -58,15 +59,8 @@ def _required_path(cfg: PreprocessConfig) -> Path:
 
 def _check_folder(root: Path, image_size: tuple[int, int] | None) -> None:
     """Class folders with images whose headers say they are images of one size."""
-    if not root.is_dir():
-        raise DataError(f"preprocess.path {str(root)!r} is not a folder (source='folder')")
-    classes = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
-    if not classes:
-        raise DataError(
-            f"no class folders in {str(root)!r}: source='folder' expects one sub-folder "
-            "per class holding .png/.jpg/.jpeg images"
-        )
-    first: tuple[Path, tuple[int, int]] | None = None
+    classes = _class_dirs(root)
+    first: tuple[Path, tuple[int, ...]] | None = None
     count = 0
     for class_dir in classes:
         files = _class_images(class_dir)
@@ -85,12 +79,6 @@ def _check_folder(root: Path, image_size: tuple[int, int] | None) -> None:
     _check_classes([c.name for c in classes], str(root))
 
 
-def _class_images(class_dir: Path) -> list[Path]:
-    return sorted(
-        p for p in class_dir.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES
-    )
-
-
 def _image_size(file: Path) -> tuple[int, int]:
     """(height, width) from the image's header; DataError for empty or non-image files."""
     if file.stat().st_size == 0:
@@ -105,24 +93,12 @@ def _image_size(file: Path) -> tuple[int, int]:
     return height, width
 
 
-def _check_same_size(
-    file: Path, size: tuple[int, int], first: tuple[Path, tuple[int, int]]
-) -> None:
-    if size != first[1]:
-        (h, w), (h0, w0) = size, first[1]
-        raise DataError(
-            f"image {str(file)!r} is {h}x{w} (HxW) but {str(first[0])!r} is {h0}x{w0}: "
-            f"all images must share one size, or set preprocess.image_size=[{h0},{w0}] "
-            "to resize them"
-        )
-
-
 # --- npz ------------------------------------------------------------------------------------
 
 
 def _check_npz_files(path: Path) -> None:
     """Every .npz file: an archive of numeric 'images' and integer 'labels' that agree."""
-    files = [path] if path.is_file() else _npz_folder(path)
+    files = _npz_files(path)
     first_shape: tuple[Path, tuple[int, ...]] | None = None
     classes: list[str] | None = None
     counts = np.zeros(0, np.int64)
@@ -152,13 +128,6 @@ def _check_npz_files(path: Path) -> None:
         raise DataError(f"{path}: classes without any sample: {empty[:10]}")
 
 
-def _npz_folder(path: Path) -> list[Path]:
-    files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix.lower() == ".npz")
-    if not files:
-        raise DataError(f"no .npz files in folder {str(path)!r} (source='npz')")
-    return files
-
-
 def _check_npz(
     file: Path, want_classes: bool
 ) -> tuple[tuple[int, ...], np.ndarray, list[str] | None]:
@@ -181,8 +150,7 @@ def _check_npz(
     except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
         raise DataError(f"cannot read npz file {str(file)!r} (corrupt?): {exc}") from exc
     shape = _images_shape(file, images)
-    _check_labels(file, labels, images.shape[0])
-    return shape, labels, names
+    return shape, _npz_labels(file, labels, images.shape[0]), names
 
 
 def _check_zip_magic(file: Path) -> None:
@@ -241,19 +209,6 @@ def _images_shape(file: Path, header: ArrayHeader) -> tuple[int, ...]:
     if dtype == np.bool_ or not np.issubdtype(dtype, np.number):
         raise DataError(f"{str(file)!r}: 'images' has non-numeric dtype {dtype}")
     return tuple(chw)
-
-
-def _check_labels(file: Path, labels: np.ndarray, count: int) -> None:
-    if labels.ndim != 1:
-        raise DataError(f"{str(file)!r}: 'labels' has shape {labels.shape}; expected (N,)")
-    if not np.issubdtype(labels.dtype, np.integer):
-        raise DataError(
-            f"{str(file)!r}: 'labels' has dtype {labels.dtype}; expected integers (class indices)"
-        )
-    if len(labels) != count:
-        raise DataError(f"{str(file)!r}: {count} images but {len(labels)} labels")
-    if len(labels) and labels.min() < 0:
-        raise DataError(f"{str(file)!r}: negative label {int(labels.min())}")
 
 
 # --- both -----------------------------------------------------------------------------------
