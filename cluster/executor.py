@@ -7,23 +7,27 @@ from pathlib import Path
 from typing import Any
 
 import submitit
+from submitit.core.utils import DelayedSubmission
 
 from cluster.config import ClusterConfig
+from cluster.job_folder import prepare_job_folder, private_umask, seal_files
 
 
 def make_executor(cfg: ClusterConfig, folder: Path) -> submitit.Executor:
     """The executor cfg.executor names, with the job's resources set.
 
     The class is chosen explicitly: submitit's AutoExecutor would pick Slurm whenever
-    `sbatch` happens to be on the PATH.
+    `sbatch` happens to be on the PATH. The folder is made private first, and jobs are
+    submitted under umask 077 (cluster.job_folder).
     """
+    prepare_job_folder(folder)
     if cfg.executor == "debug":
         # Runs the callable in this process when the result is asked for: one rank, no logs.
         return submitit.DebugExecutor(folder)
     if cfg.executor == "slurm":
         return _slurm_executor(cfg, folder)
     restore_sigint()
-    executor = submitit.LocalExecutor(folder)
+    executor = PrivateLocalExecutor(folder)
     executor.update_parameters(
         nodes=1,
         tasks_per_node=cfg.ranks_per_node,
@@ -32,6 +36,31 @@ def make_executor(cfg: ClusterConfig, folder: Path) -> submitit.Executor:
         timeout_min=cfg.timeout_min,
     )
     return executor
+
+
+class PrivateLocalExecutor(submitit.LocalExecutor):
+    """A LocalExecutor whose pickles, logs and job processes are private (umask 077)."""
+
+    def _internal_process_submissions(
+        self, delayed_submissions: list[DelayedSubmission]
+    ) -> list[submitit.Job[Any]]:
+        with private_umask():  # the job controller and its ranks inherit it
+            jobs = super()._internal_process_submissions(delayed_submissions)
+        seal_files(self.folder)
+        return jobs
+
+
+class PrivateSlurmExecutor(submitit.SlurmExecutor):
+    """A SlurmExecutor whose pickles and jobs are private: sbatch runs under umask 077,
+    which Slurm hands on to the job (SLURM_UMASK), so its logs and result pickles are too."""
+
+    def _internal_process_submissions(
+        self, delayed_submissions: list[DelayedSubmission]
+    ) -> list[submitit.Job[Any]]:
+        with private_umask():
+            jobs = super()._internal_process_submissions(delayed_submissions)
+        seal_files(self.folder)
+        return jobs
 
 
 def restore_sigint() -> None:
@@ -52,7 +81,7 @@ def _slurm_executor(cfg: ClusterConfig, folder: Path) -> submitit.SlurmExecutor:
     """A SlurmExecutor whose sbatch options come from cfg (checked by cluster.slurm_checks)."""
     # max_num_timeout: requeues after timeouts; then submitit fails the job ("timed-out too
     # many times") instead of requeueing forever.
-    executor = submitit.SlurmExecutor(folder, max_num_timeout=cfg.max_requeues)
+    executor = PrivateSlurmExecutor(folder, max_num_timeout=cfg.max_requeues)
     executor.update_parameters(**slurm_parameters(cfg))
     return executor
 

@@ -20,6 +20,7 @@ import submitit
 from submitit.core.utils import FailedJobError, UncompletedJobError, pickle_load
 from submitit.local.debug import DebugJob
 
+from cluster.job_folder import check_private
 from tasks.errors import JobError
 
 
@@ -57,7 +58,13 @@ def log_tails(job: submitit.Job[Any], label: str = "") -> list[LogTail]:
 
 
 def task_failures(job: submitit.Job[Any]) -> dict[int, str]:
-    """Traceback text of every failed task, by rank, the first to fail first."""
+    """Traceback text of every failed task, by rank, the first to fail first.
+
+    JobError, before any pickle is loaded, when the job folder or a result pickle is not
+    private to this user (cluster.job_folder).
+    """
+    results = [job.task(k).paths.result_pickle for k in range(job.num_tasks)]
+    check_private(job.paths.folder, results)
     found = []
     for k in range(job.num_tasks):
         path = job.task(k).paths.result_pickle
