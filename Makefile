@@ -1,9 +1,15 @@
 # trainflow: `make demo` runs a whole pipeline on bundled real data; `make test` runs the tests.
-# Both set everything up first (a virtualenv in .venv from requirements.lock).
+# Both set everything up first (a virtualenv in .venv from a lock file).
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+# GPU=1: also the `gpu` extra (dask-cuda, CuPy and their CUDA libraries) from requirements.lock;
+# GPU=0: the CPU set, requirements-cpu.lock (no nvidia/cuda package). Default: 1 when
+# nvidia-smi lists a GPU. `make setup GPU=0|1` forces either.
+GPU ?= $(shell nvidia-smi -L 2>/dev/null | grep -q '^GPU' && echo 1 || echo 0)
+LOCK := $(if $(filter 1,$(GPU)),requirements.lock,requirements-cpu.lock)
+KIND := $(if $(filter 1,$(GPU)),gpu,cpu)
 # CPU machines of our kind carry a local torch +cpu wheel; elsewhere torch comes from the index.
 FIND_LINKS := $(if $(wildcard /opt/wheels/torch-*),--find-links /opt/wheels)
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
@@ -12,13 +18,15 @@ export PYTHONUNBUFFERED := 1
 .PHONY: setup demo test lint typecheck unit integration gpu bench lock clean \
 	stack-up stack-deploy stack-status stack-down
 
-setup: $(VENV)/.installed
+setup: $(VENV)/.installed-$(KIND)
 
-$(VENV)/.installed: requirements.lock pyproject.toml
+# One stamp per kind: switching GPU=0/1 re-syncs (uv pip sync also removes what the lock lacks).
+$(VENV)/.installed-$(KIND): $(LOCK) pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	PIP_CONFIG_FILE=/dev/null $(BIN)/python -m pip install -q --disable-pip-version-check uv==0.13.9
-	$(BIN)/uv pip sync --python $(BIN)/python --compile-bytecode $(FIND_LINKS) requirements.lock
+	$(BIN)/uv pip sync --python $(BIN)/python --compile-bytecode $(FIND_LINKS) $(LOCK)
 	$(BIN)/uv pip install --python $(BIN)/python --no-deps --compile-bytecode -e .
+	rm -f $(VENV)/.installed $(VENV)/.installed-cpu $(VENV)/.installed-gpu
 	touch $@
 
 demo: setup
@@ -60,11 +68,21 @@ stack-status: setup
 stack-down: setup
 	deploy/stack.sh down
 
+# Two locks, each compiled with the other's pins as preferences so they agree on shared packages:
+# requirements.lock (dev + gpu extras: what GPU nodes install, and what
+# /work/shared/tools/gpu-node-wheels.sh reads) and requirements-cpu.lock (dev only: no CUDA).
 lock: setup
-	$(BIN)/uv pip compile pyproject.toml --extra dev $(FIND_LINKS) --python-version 3.11 \
-	  $(if $(FIND_LINKS),--override <(echo torch==2.13.0+cpu)) --no-header -q -o requirements.lock
-	sed -i -e 's/^torch==\(.*\)+cpu/torch==\1/' -e '/#   --override/d' requirements.lock
-	sed -i '1i # Locked dependency set (uv pip compile pyproject.toml --extra dev; torch local tag stripped so\n# CPU machines take the +cpu wheel from /opt/wheels and GPU nodes the CUDA build). Regenerate: make lock' requirements.lock
+	$(call compile_lock,requirements.lock,--extra dev --extra gpu,GPU nodes (make setup GPU=1))
+	$(call compile_lock,requirements-cpu.lock,--extra dev,CPU machines (make setup GPU=0))
+
+# $(1): output, $(2): extras, $(3): who installs it. The torch local tag is stripped so CPU
+# machines take the +cpu wheel from /opt/wheels and GPU nodes the CUDA build.
+define compile_lock
+	$(BIN)/uv pip compile pyproject.toml $(2) $(FIND_LINKS) --python-version 3.11 \
+	  $(if $(FIND_LINKS),--override <(echo torch==2.13.0+cpu)) --no-header -q -o $(1)
+	sed -i -e 's/^torch==\(.*\)+cpu/torch==\1/' -e '/#   --override/d' $(1)
+	sed -i '1i # Locked dependency set for $(3): uv pip compile pyproject.toml $(2);\n# torch local tag stripped (CPU machines: +cpu wheel from /opt/wheels; GPU nodes: CUDA build). Regenerate: make lock' $(1)
+endef
 
 clean:
 	rm -rf $(VENV) trainflow-work .mypy_cache .ruff_cache

@@ -1,4 +1,8 @@
-"""The dask cluster factory: an existing scheduler, LocalCUDACluster on GPUs, else LocalCluster."""
+"""The dask cluster factory: an existing scheduler, LocalCUDACluster on GPUs, else LocalCluster.
+
+dask-cuda and CuPy come with the `gpu` extra only; without them (CPU installs) `auto` falls
+back to a CPU LocalCluster. Both are imported only when a GPU cluster is asked for.
+"""
 
 import importlib
 import logging
@@ -88,8 +92,9 @@ def _local_cluster(cfg: DaskConfig) -> tuple[Any, Backend]:
             if cfg.backend == "gpu":
                 raise ConfigError(
                     f"cluster.dask.backend='gpu' but no GPU cluster could start "
-                    f"({type(exc).__name__}: {exc}); install dask-cuda and cupy on a GPU "
-                    "machine, or set cluster.dask.backend='auto' or 'cpu'"
+                    f"({type(exc).__name__}: {exc}); on a GPU machine install the gpu extra "
+                    "(dask-cuda, CuPy: `make setup GPU=1`), or set cluster.dask.backend='auto' "
+                    "or 'cpu'"
                 ) from exc
             log.info("no GPU cluster (%s: %s); using a CPU LocalCluster", type(exc).__name__, exc)
     cluster = distributed.LocalCluster(

@@ -3,27 +3,32 @@
 import math
 import signal
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import submitit
+from submitit.core.utils import DelayedSubmission
 
 from cluster.config import ClusterConfig
+from cluster.job_folder import prepare_job_folder, private_umask, seal_files
 
 
 def make_executor(cfg: ClusterConfig, folder: Path) -> submitit.Executor:
     """The executor cfg.executor names, with the job's resources set.
 
     The class is chosen explicitly: submitit's AutoExecutor would pick Slurm whenever
-    `sbatch` happens to be on the PATH.
+    `sbatch` happens to be on the PATH. The folder is made private first, and jobs are
+    submitted under umask 077 (cluster.job_folder).
     """
+    prepare_job_folder(folder)
     if cfg.executor == "debug":
         # Runs the callable in this process when the result is asked for: one rank, no logs.
         return submitit.DebugExecutor(folder)
     if cfg.executor == "slurm":
         return _slurm_executor(cfg, folder)
     restore_sigint()
-    executor = GuardedLocalExecutor(folder)
+    executor = TrainflowLocalExecutor(folder)
     executor.update_parameters(
         nodes=1,
         tasks_per_node=cfg.ranks_per_node,
@@ -40,20 +45,43 @@ def _guarded(command: str, python: str) -> str:
     return f"{python} -u -m cluster.rank_guard {command}"
 
 
-class GuardedLocalExecutor(submitit.LocalExecutor):
-    """submitit's LocalExecutor whose ranks run under cluster.rank_guard."""
+def _privately(folder: Path, submit: Callable[[], list[submitit.Job[Any]]]) -> list[Any]:
+    """Submit under umask 077 (the job's processes inherit it), then tighten what is there."""
+    with private_umask():
+        jobs = submit()
+    seal_files(folder)
+    return jobs
+
+
+class TrainflowLocalExecutor(submitit.LocalExecutor):
+    """submitit's LocalExecutor whose ranks run under cluster.rank_guard and whose pickles,
+    logs and job processes are private (umask 077)."""
 
     @property
     def _submitit_command_str(self) -> str:
         return _guarded(super()._submitit_command_str, self.python)
 
+    def _internal_process_submissions(
+        self, delayed_submissions: list[DelayedSubmission]
+    ) -> list[submitit.Job[Any]]:
+        base = super()._internal_process_submissions
+        return _privately(self.folder, lambda: base(delayed_submissions))
 
-class GuardedSlurmExecutor(submitit.SlurmExecutor):
-    """submitit's SlurmExecutor whose ranks (srun tasks) run under cluster.rank_guard."""
+
+class TrainflowSlurmExecutor(submitit.SlurmExecutor):
+    """submitit's SlurmExecutor whose ranks (srun tasks) run under cluster.rank_guard and whose
+    pickles and jobs are private: sbatch runs under umask 077, which Slurm hands on to the job
+    (SLURM_UMASK), so its logs and result pickles are too."""
 
     @property
     def _submitit_command_str(self) -> str:
         return _guarded(super()._submitit_command_str, self.python)
+
+    def _internal_process_submissions(
+        self, delayed_submissions: list[DelayedSubmission]
+    ) -> list[submitit.Job[Any]]:
+        base = super()._internal_process_submissions
+        return _privately(self.folder, lambda: base(delayed_submissions))
 
 
 def restore_sigint() -> None:
@@ -74,7 +102,7 @@ def _slurm_executor(cfg: ClusterConfig, folder: Path) -> submitit.SlurmExecutor:
     """A SlurmExecutor whose sbatch options come from cfg (checked by cluster.slurm_checks)."""
     # max_num_timeout: requeues after timeouts; then submitit fails the job ("timed-out too
     # many times") instead of requeueing forever.
-    executor = GuardedSlurmExecutor(folder, max_num_timeout=cfg.max_requeues)
+    executor = TrainflowSlurmExecutor(folder, max_num_timeout=cfg.max_requeues)
     executor.update_parameters(**slurm_parameters(cfg))
     return executor
 

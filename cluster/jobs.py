@@ -22,6 +22,7 @@ import submitit
 from submitit.core.utils import FailedJobError, UncompletedJobError
 from submitit.local.debug import DebugJob
 
+from cluster.job_folder import check_private
 from cluster.lost_ranks import failure_message, rank_ends
 from tasks.errors import JobError
 
@@ -158,7 +159,9 @@ def wait_for_jobs(
 
 def _outcome(job: submitit.Job[Any]) -> Any:
     """Task 0's result of an ended job, or the JobError it failed with: the lost rank named,
-    tracebacks of the ranks that raised after it."""
+    tracebacks of the ranks that raised after it. JobError, before any pickle is loaded (loading
+    one runs code), when the job folder or a result pickle is not private to this user."""
+    check_private(job.paths.folder, [job.task(k).paths.result_pickle for k in range(job.num_tasks)])
     ends = rank_ends(job)
     message = failure_message(job, ends)
     if message and any(end.outcome == "error" for end in ends):
