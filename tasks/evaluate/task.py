@@ -3,6 +3,7 @@
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from tasks.diskspace import disk_stage
 from tasks.evaluate.config import EvaluateConfig
 from tasks.evaluate.run import EvalResult, run_evaluate
 from tasks.preprocess.ref import DatasetRef
@@ -21,4 +22,6 @@ def evaluate_task(
     version_tags: dict[str, str],
 ) -> EvalResult:
     """Test metrics, plots, the logged model and its registered version for the best checkpoint."""
-    return run_evaluate(cfg, train, dataset, ckpt, tracking_uri, run_id, version_tags)
+    # The logged model is a copy of the best weights; plots and metrics are small.
+    with disk_stage("evaluate", ckpt.path.parent, 2 * ckpt.path.stat().st_size):
+        return run_evaluate(cfg, train, dataset, ckpt, tracking_uri, run_id, version_tags)

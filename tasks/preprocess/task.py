@@ -13,11 +13,13 @@ from prefect.context import TaskRunContext
 
 from cluster.config import DaskConfig
 from cluster.dask import dask_client
+from tasks.diskspace import disk_stage
 from tasks.errors import DataError
 from tasks.preprocess.config import PreprocessConfig
 from tasks.preprocess.dataset import dataset_dir, read_manifest
 from tasks.preprocess.ref import DatasetRef
 from tasks.preprocess.run import run_preprocess
+from tasks.preprocess.size import dataset_bytes
 from tasks.preprocess.sources import fingerprint
 
 
@@ -75,5 +77,6 @@ def preprocess(cfg: PreprocessConfig, dask: DaskConfig, out_root: Path) -> tuple
     """
     key = dataset_key(cfg)
     task_ = preprocess_task.with_options(refresh_cache=not _dataset_ready(out_root, key))
-    state = task_(cfg, dask, out_root, key, return_state=True)
-    return state.result(), state.name == "Cached"
+    with disk_stage("preprocess", out_root, dataset_bytes(cfg)):
+        state = task_(cfg, dask, out_root, key, return_state=True)
+        return state.result(), state.name == "Cached"

@@ -13,9 +13,11 @@ from pathlib import Path
 
 from mlflow.tracking import MlflowClient
 
+from tasks.diskspace import disk_stage
 from tasks.tracking import runs
 from tasks.tracking.config import TrackingConfig
 from tasks.tracking.reachability import limit_http_retries, reachable
+from tasks.tracking.store_lock import store_lock
 
 
 def status_for(exc: BaseException) -> str:
@@ -32,8 +34,10 @@ class PipelineRuns:
         limit_http_retries()
         self.tracking_uri = runs.resolve_tracking_uri(cfg, workdir)
         self.experiment = cfg.experiment
-        self.client = MlflowClient(self.tracking_uri)
-        self.experiment_id = runs.ensure_experiment(self.client, cfg.experiment, workdir)
+        # A new SQLite store is ~1 MiB, and as much again for its journal while it is created.
+        with disk_stage("tracking store", workdir, 2 << 20), store_lock(self.tracking_uri):
+            self.client = MlflowClient(self.tracking_uri)
+            self.experiment_id = runs.ensure_experiment(self.client, cfg.experiment, workdir)
         self.commit = runs.git_commit()
         self.parent_id = runs.create_run(
             self.client, self.experiment_id, name, tags={"git_commit": self.commit}

@@ -14,6 +14,7 @@ from cluster.config import ClusterConfig
 from cluster.executor import make_executor
 from cluster.jobs import wait_for_job, wait_for_jobs
 from cluster.slurm_checks import check_cluster
+from tasks.diskspace import disk_stage
 from tasks.errors import JobError
 from tasks.tracking import backlog
 from tasks.tracking.slurm_logs import record_job_accounting
@@ -34,14 +35,17 @@ def train_task(
     """
     logger = get_run_logger()
     # Model/data mismatches (e.g. images too small) fail here, before anything is queued.
-    build_model(spec.train, spec.dataset.shape, len(spec.dataset.classes))
+    model = build_model(spec.train, spec.dataset.shape, len(spec.dataset.classes))
     check_cluster(cluster)
     executor = make_executor(cluster, job_dir)
     job = executor.submit(TrainingJob(spec))
     logger.info("submitted training job %s (%s executor)", job.job_id, cluster.executor)
     registry.record(workdir, str(job.job_id), cluster.executor, job_dir)
+    # A checkpoint holds weights and two Adam moments; two of them and best.pt may coexist.
+    need = 4 * sum(p.numel() for p in model.parameters()) * 7
     try:
-        ref = _wait_and_account(job, spec, cluster, logger.info)
+        with disk_stage("train", spec.out_dir, need):
+            ref = _wait_and_account(job, spec, cluster, logger.info)
     finally:
         registry.forget(workdir, str(job.job_id))
     if not isinstance(ref, CheckpointRef):
