@@ -218,9 +218,13 @@ def _run(args: argparse.Namespace) -> int:
     cfg = build_config(args.preset, args.overrides)  # fail fast, before Prefect starts
     preflight(cfg)
     _prepare_flow_process()
+    from flows.early_server import start_temporary_server
+
+    server_ready = start_temporary_server()  # boots while the pipeline's modules import
     from flows.pipeline import pipeline
 
     try:
+        server_ready()
         summary = pipeline(preset=args.preset, overrides=args.overrides)
     except KeyboardInterrupt:
         print("trainflow: interrupted; the training job was cancelled", file=sys.stderr)

@@ -21,6 +21,7 @@ from tasks.evaluate.run import EvalResult
 from tasks.evaluate.task import evaluate_task
 from tasks.preprocess.ref import DatasetRef
 from tasks.preprocess.task import preprocess
+from tasks.prewarm import EVALUATE_MODULES, prewarm_imports
 from tasks.tracking.pipeline_runs import PipelineRuns
 from tasks.tracking.report import run_link, summary_markdown
 from tasks.tracking.stage_logs import log_checkpoint, log_dataset
@@ -75,6 +76,7 @@ def run_pipeline(cfg: PipelineConfig) -> PipelineSummary:
     with runs.parent(flatten(cfg)):
         runs.tag(runs.parent_id, {"config_hash": config_hash(cfg)})
         dataset, cached = preprocess_stage(runs, cfg, t)
+        prewarm_imports(EVALUATE_MODULES)  # while the training job runs
         with runs.stage("train", flatten(cfg.train)) as run_id, timed(t, "train"):
             spec = train_spec(cfg, dataset, run_dir, runs.tracking_uri, run_id)
             ckpt = train_task(spec, cfg.cluster, run_dir / "jobs", cfg.workdir)

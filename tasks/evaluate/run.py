@@ -11,9 +11,8 @@ from mlflow.tracking import MlflowClient
 from pydantic import BaseModel, ConfigDict
 
 from tasks.errors import DataError
-from tasks.evaluate import metrics, plots
+from tasks.evaluate import metrics
 from tasks.evaluate.config import EvaluateConfig
-from tasks.evaluate.model_logging import log_model
 from tasks.evaluate.registry import RegistryResult, register_and_promote
 from tasks.hashing import sha256_file
 from tasks.preprocess.dataset import load_split
@@ -79,6 +78,8 @@ def run_evaluate(
     flat = metrics.flat_metrics(cm, report)
     client = MlflowClient(tracking_uri)
     _log_results(client, run_id, cm, report, flat, dataset.classes, ckpt.history_path)
+    from tasks.evaluate.model_logging import log_model  # torch.export, MLflow's flavor: lazy
+
     uri = log_model(model, x[:4], tracking_uri, run_id) if cfg.log_model else None
     registry = _register(client, cfg, uri, run_id, flat, version_tags) if uri else None
     return EvalResult(
@@ -119,6 +120,8 @@ def _log_results(
     classes: list[str],
     history_path: Path,
 ) -> None:
+    from tasks.evaluate import plots  # matplotlib: imported when figures are drawn
+
     ts = int(1000 * time.time())
     client.log_batch(run_id, metrics=[Metric(k, v, ts, 0) for k, v in flat.items()])
     client.log_dict(run_id, {"classes": classes, "matrix": cm.tolist()}, "confusion_matrix.json")

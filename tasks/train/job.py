@@ -38,6 +38,7 @@ from tasks.train.models import build_model, place_model, use_channels_last, uses
 from tasks.train.precision import PrecisionPolicy, resolve_precision
 from tasks.train.recorder import EpochRecorder
 from tasks.train.ref import CheckpointRef
+from tasks.train.warmup import prewarm_rank
 
 _NOT_LOGGED = ("epoch", "step")
 # A run may resume with more epochs, on another device, precision or speed setting (memory
@@ -98,6 +99,7 @@ class TrainingJob(submitit.helpers.Checkpointable):
         """Set up, resume if a checkpoint exists, train the remaining epochs, clean up."""
         deliver_held_signal()  # a requeue signal that came during start-up: requeue now
         spec, cfg = self.spec, self.spec.train
+        prewarm_rank(logs_metrics=spec.run_id is not None)  # dynamo, MLflow: in the waits
         torch.set_num_threads(spec.cpus_per_task)
         with distributed(cfg.device) as dist, EpochRecorder() as recorder:
             torch.manual_seed(cfg.seed)

@@ -1,0 +1,42 @@
+"""Start Prefect's temporary server early, so it boots while the flow process imports.
+
+Without `PREFECT_API_URL` a flow starts Prefect's temporary server on its first API call: after
+this process has imported torch, MLflow and the pipeline (several seconds), and then it waits
+another 10-15 s for the server to answer. Started here first, the server boots in its own
+process on another core while this one imports; the flow's call then finds it running (Prefect
+keeps one such server per process) and stops it at exit as before.
+"""
+
+import threading
+from collections.abc import Callable
+
+
+def start_temporary_server() -> Callable[[], None]:
+    """Begin starting Prefect's temporary server when no Prefect API is configured.
+
+    Returns a function that waits until the server answers (and re-raises its start-up
+    error); it returns at once when a server is configured or ephemeral mode is off.
+    """
+    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
+
+    if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
+        return lambda: None
+    errors: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            from prefect.server.api.server import SubprocessASGIServer
+
+            SubprocessASGIServer().start()
+        except BaseException as err:  # handed to the caller of wait()
+            errors.append(err)
+
+    thread = threading.Thread(target=start, name="prefect-temporary-server", daemon=True)
+    thread.start()
+
+    def wait() -> None:
+        thread.join()
+        if errors:
+            raise errors[0]
+
+    return wait

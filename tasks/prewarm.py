@@ -1,0 +1,35 @@
+"""Import modules on a background thread, so the import runs while this process waits.
+
+A module imported here and at the same time by the main thread is imported once: the main
+thread waits for it (Python's per-module import lock), so only when the work happens changes.
+"""
+
+import importlib
+import threading
+
+EVALUATE_MODULES = (
+    "tasks.evaluate.plots",
+    "tasks.evaluate.model_logging",
+    "torch._dynamo",
+    "torch.export",
+)
+"""What the evaluate stage imports on first use (figures, the pt2 export, model logging): the
+flow imports them while it waits for the training job (3-4 s of the stage on 2 CPU cores)."""
+
+
+def prewarm_imports(modules: tuple[str, ...]) -> threading.Thread:
+    """Import `modules` in order on a daemon thread; returns the started thread.
+
+    An import that fails here is left for the main thread to raise where it needs the module.
+    """
+
+    def run() -> None:
+        for name in modules:
+            try:
+                importlib.import_module(name)
+            except Exception:  # the main thread's own import reports it, with its context
+                return
+
+    thread = threading.Thread(target=run, name="trainflow-prewarm", daemon=True)
+    thread.start()
+    return thread

@@ -1,0 +1,48 @@
+"""Background imports (ranks, the flow while it waits) and the early temporary Prefect server."""
+
+import sys
+import threading
+
+import pytest
+
+from flows.early_server import start_temporary_server
+from tasks.prewarm import EVALUATE_MODULES, prewarm_imports
+from tasks.train.warmup import DYNAMO, MLFLOW, rank_modules
+
+
+def test_prewarm_imports_modules_on_a_thread() -> None:
+    name = "tests.unit.datasets"
+    sys.modules.pop(name, None)
+    thread = prewarm_imports((name,))
+    thread.join(timeout=120)
+    assert not thread.is_alive() and thread.daemon
+    assert name in sys.modules
+
+
+def test_a_failing_prewarm_import_is_left_to_the_main_thread() -> None:
+    thread = prewarm_imports(("no_such_module_here", "tests.unit.datasets"))
+    thread.join(timeout=120)
+    assert "no_such_module_here" not in sys.modules
+    with pytest.raises(ModuleNotFoundError):
+        __import__("no_such_module_here")
+
+
+def test_rank_zero_of_a_logging_job_prewarms_mlflow_too() -> None:
+    assert rank_modules(logs_metrics=True, rank=0) == (DYNAMO, MLFLOW)
+    assert rank_modules(logs_metrics=True, rank=1) == (DYNAMO,)
+    assert rank_modules(logs_metrics=False, rank=0) == (DYNAMO,)
+
+
+def test_evaluate_modules_import() -> None:
+    thread = prewarm_imports(EVALUATE_MODULES)
+    thread.join(timeout=300)
+    assert all(name in sys.modules for name in EVALUATE_MODULES)
+
+
+def test_no_early_server_when_a_prefect_api_is_configured() -> None:
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings({PREFECT_API_URL: "http://127.0.0.1:9/api"}):
+        wait = start_temporary_server()
+        wait()  # returns at once: nothing was started
+    assert "prefect-temporary-server" not in {t.name for t in threading.enumerate()}
