@@ -78,6 +78,12 @@ class ClusterConfig(StrictModel):
     signal_delay_s: int = Field(90, ge=1, le=3600)
     """Slurm sends SIGUSR2 this many seconds before the time limit: time to checkpoint (Slurm
     checks limits about every 30 s, so the signal may come up to that much later)."""
+    peer_timeout_s: int = Field(60, ge=10, le=3600)
+    """How long a rank waits in a collective for a silent peer before the job fails (torch's
+    process-group timeout, 30 min by default, set here for every rank through
+    cluster.rank_guard). A killed rank's peers fail at once on the closed connection; this bounds
+    the case where a peer's node is gone without closing it. Raise it if a rank can be busy alone
+    for longer (e.g. a slow checkpoint write while its peers wait)."""
     max_requeues: int = Field(3, ge=0, le=100)
     """How often a Slurm job may be requeued after a timeout before it fails (submitit's
     max_num_timeout; preemptions do not count)."""

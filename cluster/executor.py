@@ -29,6 +29,7 @@ def make_executor(cfg: ClusterConfig, folder: Path) -> submitit.Executor:
         return _slurm_executor(cfg, folder)
     restore_sigint()
     executor = TrainflowLocalExecutor(folder)
+    executor.peer_timeout_s = cfg.peer_timeout_s
     executor.update_parameters(
         nodes=1,
         tasks_per_node=cfg.ranks_per_node,
@@ -39,10 +40,11 @@ def make_executor(cfg: ClusterConfig, folder: Path) -> submitit.Executor:
     return executor
 
 
-def _guarded(command: str, python: str) -> str:
+def _guarded(command: str, python: str, peer_timeout_s: int) -> str:
     """`command` (a rank's command line) run under cluster.rank_guard, which records how the
-    rank ended (exit code or signal) for cluster.lost_ranks. `python` is already quoted."""
-    return f"{python} -u -m cluster.rank_guard {command}"
+    rank ended (exit code or signal) for cluster.lost_ranks and gives the rank its collective
+    timeout. `python` is already quoted."""
+    return f"{python} -u -m cluster.rank_guard --peer-timeout-s {peer_timeout_s} {command}"
 
 
 def _privately(folder: Path, submit: Callable[[], list[submitit.Job[Any]]]) -> list[Any]:
@@ -57,9 +59,11 @@ class TrainflowLocalExecutor(submitit.LocalExecutor):
     """submitit's LocalExecutor whose ranks run under cluster.rank_guard and whose pickles,
     logs and job processes are private (umask 077)."""
 
+    peer_timeout_s: int = ClusterConfig().peer_timeout_s
+
     @property
     def _submitit_command_str(self) -> str:
-        return _guarded(super()._submitit_command_str, self.python)
+        return _guarded(super()._submitit_command_str, self.python, self.peer_timeout_s)
 
     def _internal_process_submissions(
         self, delayed_submissions: list[DelayedSubmission]
@@ -73,9 +77,11 @@ class TrainflowSlurmExecutor(submitit.SlurmExecutor):
     pickles and jobs are private: sbatch runs under umask 077, which Slurm hands on to the job
     (SLURM_UMASK), so its logs and result pickles are too."""
 
+    peer_timeout_s: int = ClusterConfig().peer_timeout_s
+
     @property
     def _submitit_command_str(self) -> str:
-        return _guarded(super()._submitit_command_str, self.python)
+        return _guarded(super()._submitit_command_str, self.python, self.peer_timeout_s)
 
     def _internal_process_submissions(
         self, delayed_submissions: list[DelayedSubmission]
@@ -103,6 +109,7 @@ def _slurm_executor(cfg: ClusterConfig, folder: Path) -> submitit.SlurmExecutor:
     # max_num_timeout: requeues after timeouts; then submitit fails the job ("timed-out too
     # many times") instead of requeueing forever.
     executor = TrainflowSlurmExecutor(folder, max_num_timeout=cfg.max_requeues)
+    executor.peer_timeout_s = cfg.peer_timeout_s
     executor.update_parameters(**slurm_parameters(cfg))
     return executor
 

@@ -4,13 +4,14 @@ A rank killed by a signal (kill -9, the OOM killer) writes no result: only its p
 how it ended, and neither submitit's local controller nor Slurm's srun keeps that where the
 flow can read it. The executors (cluster.executor) therefore start every rank as
 
-    python -m cluster.rank_guard <the rank's command ...>
+    python -m cluster.rank_guard --peer-timeout-s 60 <the rank's command ...>
 
 which runs the command as its child and writes two small JSON files beside submitit's result
 pickle: ``<job id>_<task>_rank.json`` when the rank starts (node, pid) and
 ``<job id>_<task>_exit.json`` when it has ended (exit code or signal, OOM kill when the kernel's
 cgroup counter says so). Then it ends the same way its child did, so srun and the local
 controller see what they saw before. cluster.lost_ranks turns these files into the message.
+It also hands the rank its collective timeout (cluster.peer_timeout_s) in the environment.
 
 Signals: under the local executor only this process is signalled (the controller signals the
 task it started), so SIGINT, SIGTERM, SIGUSR1/2 and SIGCONT are passed on to the rank. Under
@@ -98,12 +99,14 @@ def end_like(returncode: int) -> None:
     os._exit(128 + sig)  # a signal this process may not die of (e.g. SIGSTOP)
 
 
-def main(command: list[str]) -> None:
+def main(command: list[str], peer_timeout_s: str) -> None:
     """Run `command` as this rank, record how it ended, and end the same way."""
     folder, job_id, task = identity()
     node = node_name()
     before = oom_kills()
-    child = subprocess.Popen(command, preexec_fn=_die_with_parent)
+    # The variable tasks.train.distributed.peer_timeout() reads (not imported: torch is heavy).
+    env = {**os.environ, "TRAINFLOW_PEER_TIMEOUT_S": peer_timeout_s}
+    child = subprocess.Popen(command, preexec_fn=_die_with_parent, env=env)
     _pass_on(child)
     started = time.time()
     where = {
@@ -135,6 +138,6 @@ def main(command: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) < 2:
-        sys.exit("usage: python -m cluster.rank_guard <command> [args...]")
-    main(sys.argv[1:])
+    if len(sys.argv) < 4 or sys.argv[1] != "--peer-timeout-s" or not sys.argv[2].isdigit():
+        sys.exit("usage: python -m cluster.rank_guard --peer-timeout-s S <command> [args...]")
+    main(sys.argv[3:], sys.argv[2])

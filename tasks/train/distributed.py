@@ -24,7 +24,16 @@ from torch.nn.parallel import DistributedDataParallel
 from tasks.errors import ConfigError
 
 DEFAULT_TIMEOUT = timedelta(minutes=5)
-"""How long a collective waits for a silent peer before the job fails instead of hanging."""
+"""How long a collective waits for a silent peer before the job fails instead of hanging,
+unless the job's environment sets PEER_TIMEOUT_ENV (cluster.peer_timeout_s does)."""
+PEER_TIMEOUT_ENV = "TRAINFLOW_PEER_TIMEOUT_S"
+
+
+def peer_timeout() -> timedelta:
+    """The collective timeout: PEER_TIMEOUT_ENV seconds when set (by cluster.rank_guard from
+    cluster.peer_timeout_s), else DEFAULT_TIMEOUT."""
+    value = os.environ.get(PEER_TIMEOUT_ENV, "")
+    return timedelta(seconds=int(value)) if value.isdigit() else DEFAULT_TIMEOUT
 
 
 @dataclass(frozen=True)
@@ -79,8 +88,11 @@ def _pick_device(device_pref: str, local_rank: int) -> torch.device:
     return torch.device("cuda", index)
 
 
-def setup_distributed(device_pref: str, timeout: timedelta = DEFAULT_TIMEOUT) -> DistContext:
-    """Read the rank layout, pick the device and join the process group (when world > 1)."""
+def setup_distributed(device_pref: str, timeout: timedelta | None = None) -> DistContext:
+    """Read the rank layout, pick the device and join the process group (when world > 1).
+
+    `timeout` (default: peer_timeout()) bounds every collective's wait for a silent peer."""
+    timeout = timeout or peer_timeout()
     _export_submitit_env()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -108,7 +120,7 @@ def teardown() -> None:
 
 
 @contextmanager
-def distributed(device_pref: str, timeout: timedelta = DEFAULT_TIMEOUT) -> Iterator[DistContext]:
+def distributed(device_pref: str, timeout: timedelta | None = None) -> Iterator[DistContext]:
     """setup_distributed() paired with teardown(), also when the body raises.
 
     On an exception this rank leaves the group and the exception propagates, so the process

@@ -102,3 +102,15 @@ def test_a_rank_that_raises_is_named_with_its_traceback_node_and_log(tmp_path: P
     assert f"log: {job.paths.folder}/{job.job_id}_1_log.err" in head
     assert "ValueError: rank 1 broke on purpose" in message
     assert "lost rank" not in message  # a rank that raised is no lost rank
+
+
+def _peer_timeout() -> float:
+    from tasks.train.distributed import peer_timeout
+
+    return peer_timeout().total_seconds()
+
+
+def test_each_rank_gets_the_configured_peer_timeout(tmp_path: Path) -> None:
+    cfg = ClusterConfig(ranks_per_node=1, timeout_min=5, peer_timeout_s=17)
+    job = make_executor(cfg, tmp_path / "jobs").submit(_peer_timeout)
+    assert wait_for_job(job, lambda line: None, poll_s=0.1) == 17
