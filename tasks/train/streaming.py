@@ -32,14 +32,14 @@ class _ShardFile:
 
     def __init__(self, file: Path) -> None:
         header = open_npy(file)  # checks and parses the header; the mapping is dropped
-        self.rows, self.offset = len(header), int(header.offset)
+        self.rows, self.offset = len(header), int(getattr(header, "offset", 0))
         self.row_bytes = header.dtype.itemsize * int(np.prod(header.shape[1:]))
         self.fd = os.open(file, os.O_RDONLY)
         del header
 
     def read(self, local: np.ndarray, out: np.ndarray) -> None:
         """Rows `local` into `out` (contiguous, len(local) rows)."""
-        view = memoryview(out.reshape(-1).view(np.uint8))
+        view = memoryview(out.reshape(-1).view(np.uint8).data)
         size = self.row_bytes
         for i, row in enumerate(local.tolist()):
             got = os.preadv(self.fd, [view[i * size : (i + 1) * size]], self.offset + row * size)
