@@ -10,6 +10,7 @@ from bench.common import save, table
 BENCHES = [
     "p1_training",
     "p2_preprocess",
+    "p2j_decode",
     "p3_orchestration",
     "p4_logging",
     "p5_checkpoint",

@@ -47,12 +47,14 @@ class TrainConfig(StrictModel):
     so the data order does not depend on where a run trains (and a run cannot switch this on
     or off when it resumes). On a rank without a GPU (device=auto on a CPU node) it is
     ignored with a warning in the job log; with device=cpu it is a config error."""
-    data_placement: Literal["auto", "device", "host"] = "auto"
+    data_placement: Literal["auto", "device", "host", "stream"] = "auto"
     """Where the train and val splits live. auto: in GPU memory when a split takes at most
-    half of the free GPU memory, else host. device: in GPU memory (error when it cannot fit).
-    host: host memory; on a GPU each batch is gathered into a pinned staging buffer and copied
-    on a side stream one batch ahead, overlapping the previous step. On CPU all three are the
-    same (host memory is the device's memory)."""
+    half of the free GPU memory (on a CPU rank: in memory when all ranks' copies take at most
+    a quarter of the memory available), else stream. device: in GPU memory (error when it
+    cannot fit). host: host memory; on a GPU each batch is gathered into a pinned staging
+    buffer and copied on a side stream one batch ahead, overlapping the previous step.
+    stream: each rank reads only its batches from the memory-mapped shards (through the same
+    pinned buffers): memory does not grow with the dataset."""
     ddp_bucket_cap_mb: float = Field(25.0, ge=1.0, le=1024.0)
     """Size cap (MiB) of DDP's gradient all-reduce buckets: smaller buckets start reducing
     earlier in the backward pass (more overlap) but launch more collectives. 25 is torch's

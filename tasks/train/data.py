@@ -1,29 +1,56 @@
-"""In-memory batches: the splits live as tensors in memory; batches are index slices.
+"""Batches as index slices of a split: in memory when it fits, else streamed from its shards.
 
-No DataLoader: a preprocessed dataset is already normalised float32, so a batch is one
-gather. A split lives on the GPU when it fits (the gather then runs on the device, from a
-device-side permutation); otherwise it stays in host memory and `Split.batches` hides the
-pinned staging and one-batch-ahead copies (tasks.train.prefetch). The data order of an epoch
-depends only on (seed, epoch), which is what makes a resumed run take exactly the batches the
-interrupted one would have taken.
+No DataLoader: a batch is one gather of raw pixels (uint8 for image data) plus a per-channel
+normalisation on the device. A split lives on the GPU when it fits (the gather then runs on
+the device, from a device-side permutation); `host` keeps it in host memory behind pinned
+staging and one-batch-ahead copies (tasks.train.prefetch); `stream` (and `auto` when it does
+not fit) reads each batch from the memory-mapped shards (tasks.train.streaming), so a rank
+holds only its batches. The data order of an epoch depends only on (seed, epoch) and the rank,
+which is what makes a resumed run take exactly the batches the interrupted one would have taken.
 """
 
+import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 
 from tasks.errors import ConfigError
-from tasks.preprocess.dataset import load_split
+from tasks.preprocess.dataset import load_raw_split, read_manifest
+from tasks.train.normalise import Normaliser
 from tasks.train.prefetch import Batch, Prefetcher
+from tasks.train.streaming import ShardRows, StreamedSplit
 
 # auto placement keeps at most this share of the free GPU memory for the data; the rest is
 # for training.
 _DEVICE_SHARE = 0.5
+# On CPU ranks, auto keeps a split in memory when all ranks' copies take at most this share of
+# the memory available to the job (the cgroup's limit or MemAvailable); else it streams.
+_HOST_SHARE = 0.25
 
-Placement = Literal["auto", "device", "host"]
+Placement = Literal["auto", "device", "host", "stream"]
+
+
+class SplitData(Protocol):
+    """What training and evaluation need of a split, wherever its samples live."""
+
+    def __len__(self) -> int: ...
+
+    @property
+    def device(self) -> torch.device:
+        """Where index tensors for `batches` must live."""
+        ...
+
+    @property
+    def on_host(self) -> bool:
+        """True when the samples are not in the compute device's memory."""
+        ...
+
+    def batches(self, indices: Sequence[torch.Tensor], device: torch.device) -> Iterator[Batch]:
+        """The normalised batches at each index tensor, in order, on `device`."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -31,9 +58,11 @@ class Split:
     """One split's samples and labels, on the device or in host memory."""
 
     x: torch.Tensor
-    """float32 (N, C, H, W), normalised."""
+    """(N, C, H, W) samples: raw uint8/float32 (with `normaliser`), or already normalised."""
     y: torch.Tensor
     """int64 (N,) class labels."""
+    normaliser: Normaliser | None = None
+    """Applied to every batch on its device; None for samples already normalised."""
     _prefetchers: dict[tuple[torch.device, int], Prefetcher] = field(
         default_factory=dict, compare=False, repr=False
     )
@@ -47,9 +76,17 @@ class Split:
         """True when the samples sit in host memory."""
         return self.x.device.type == "cpu"
 
+    @property
+    def device(self) -> torch.device:
+        """Where the samples (and so the index tensors) live."""
+        return self.x.device
+
     def batch(self, index: torch.Tensor, device: torch.device) -> Batch:
         """Samples and labels at `index` (on the split's device), moved to `device`."""
-        return self.x[index].to(device), self.y[index].to(device)
+        return self._normalised(self.x[index].to(device)), self.y[index].to(device)
+
+    def _normalised(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.normaliser is None else self.normaliser(x)
 
     def batches(self, indices: Sequence[torch.Tensor], device: torch.device) -> Iterator[Batch]:
         """The batches at each index tensor of `indices`, in order, on `device`.
@@ -59,7 +96,8 @@ class Split:
         the data lives (no copy at all when that is `device`).
         """
         if self.on_host and device.type == "cuda" and indices:
-            yield from self._prefetcher(device, max(len(i) for i in indices))(indices)
+            for x, y in self._prefetcher(device, max(len(i) for i in indices))(indices):
+                yield self._normalised(x), y
             return
         for index in indices:
             yield self.batch(index, device)
@@ -79,15 +117,63 @@ def _fits_on(device: torch.device, nbytes: int, share: float = _DEVICE_SHARE) ->
     return nbytes <= share * free
 
 
-def place_on_device(placement: Placement, device: torch.device, nbytes: int) -> bool:
-    """Whether a split of `nbytes` goes to `device` memory (else it stays on the host).
+def host_memory_available() -> int:
+    """Bytes this process may still use: MemAvailable, capped by its cgroup's limit."""
+    available = _meminfo_available()
+    for limit_file, usage_file in _cgroup_files():
+        try:
+            limit = int(limit_file.read_text().split()[0])
+            usage = int(usage_file.read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue  # "max" (no limit), or no such controller
+        available = min(available, max(limit - usage, 0))
+    return available
 
-    On CPU the host is the device: always True. ConfigError when placement=device asks for
-    more than the GPU has free.
+
+def _meminfo_available() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return 1 << 62
+
+
+def _cgroup_files() -> list[tuple[Path, Path]]:
+    """(limit, usage) files of this process's memory cgroup, v1 and v2."""
+    files = []
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _id, controllers, group = line.split(":", 2)
+        if controllers == "memory":
+            base = Path("/sys/fs/cgroup/memory") / group.lstrip("/")
+            files.append((base / "memory.limit_in_bytes", base / "memory.usage_in_bytes"))
+        elif controllers == "":
+            base = Path("/sys/fs/cgroup") / group.lstrip("/")
+            files.append((base / "memory.max", base / "memory.current"))
+    return files
+
+
+def stream_on_host(placement: Placement, nbytes: int) -> bool:
+    """On a CPU rank: True when a split of `nbytes` is streamed rather than loaded.
+
+    auto loads it when every rank's copy together takes at most _HOST_SHARE of the memory
+    available (all ranks are assumed to share a node: the cautious reading).
+    """
+    if placement == "stream":
+        return True
+    if placement != "auto":
+        return False
+    ranks = int(os.environ.get("WORLD_SIZE", "1"))
+    return nbytes * ranks > _HOST_SHARE * host_memory_available()
+
+
+def place_on_device(placement: Placement, device: torch.device, nbytes: int) -> bool:
+    """Whether a split of `nbytes` goes to `device` memory (else host memory or streaming).
+
+    On CPU the host is the device: True unless it streams. ConfigError when placement=device
+    asks for more than the GPU has free.
     """
     if device.type != "cuda":
-        return True
-    if placement == "host":
+        return not stream_on_host(placement, nbytes)
+    if placement in ("host", "stream"):
         return False
     if placement == "auto":
         return _fits_on(device, nbytes)
@@ -106,20 +192,27 @@ def load_split_to(
     device: torch.device,
     channels_last: bool = False,
     placement: Placement = "auto",
-) -> Split:
-    """Read a split of the dataset at `path` and place it per `placement` (see TrainConfig).
+) -> SplitData:
+    """Open a split of the dataset at `path` and place it per `placement` (see TrainConfig).
 
-    With `channels_last` the images are stored NHWC once here; index slices keep that
+    With `channels_last` the images are stored (or staged) NHWC; index slices keep that
     layout, so no batch is ever converted. A split left on the host is not pinned as a whole:
-    only the prefetcher's two staging buffers are.
+    only the prefetcher's two staging buffers are. A streamed split reads nothing here.
     """
-    x_np, y_np = load_split(path, split)
+    ref = read_manifest(path)
+    rows = ShardRows(path, split, channels_last)
+    nbytes = len(rows) * (rows.dtype.itemsize * int(torch.tensor(ref.shape).prod()) + 8)
+    on_device = place_on_device(placement, device, nbytes)
+    if placement == "stream" or (placement == "auto" and not on_device):
+        return StreamedSplit(rows, ref.mean, ref.std)
+    x_np, y_np = load_raw_split(path, split)
     x, y = torch.from_numpy(x_np), torch.from_numpy(y_np)
     if channels_last:
         x = x.contiguous(memory_format=torch.channels_last)
-    if place_on_device(placement, device, x.nbytes + y.nbytes):
-        return Split(x.to(device), y.to(device))
-    return Split(x, y)
+    normaliser = Normaliser.of(ref.mean, ref.std)
+    if on_device:
+        return Split(x.to(device), y.to(device), normaliser)
+    return Split(x, y, normaliser)
 
 
 def epoch_order(n: int, seed: int, epoch: int) -> torch.Tensor:
@@ -135,7 +228,7 @@ def steps_per_epoch(n: int, batch_size: int, world_size: int, drop_last: bool = 
 
 
 def rank_batches(
-    split: Split,
+    split: SplitData,
     batch_size: int,
     seed: int,
     epoch: int,
@@ -156,10 +249,12 @@ def rank_batches(
         per_rank -= per_rank % batch_size
     mine = epoch_order(n, seed, epoch)[rank::world_size][:per_rank]
     # Indices move to the data once per epoch: a host-to-device copy per step would sync.
-    return list(torch.split(mine.to(split.x.device), batch_size))
+    return list(torch.split(mine.to(split.device), batch_size))
 
 
-def eval_batches(split: Split, batch_size: int, rank: int, world_size: int) -> list[torch.Tensor]:
+def eval_batches(
+    split: SplitData, batch_size: int, rank: int, world_size: int
+) -> list[torch.Tensor]:
     """This rank's batches for evaluation: every sample exactly once across all ranks."""
-    index = torch.arange(rank, len(split), world_size, device=split.x.device)
+    index = torch.arange(rank, len(split), world_size, device=split.device)
     return list(torch.split(index, batch_size))

@@ -30,7 +30,8 @@ from tasks.train.checkpoint import (
     unwrap,
 )
 from tasks.train.config import TrainConfig
-from tasks.train.data import Split, load_split_to, rank_batches, steps_per_epoch
+from tasks.train.data import SplitData as Split
+from tasks.train.data import load_split_to, rank_batches, steps_per_epoch
 from tasks.train.distributed import DistContext, distributed, exit_fast_at_shutdown, wrap_ddp
 from tasks.train.early_signal import deliver_held_signal
 from tasks.train.loop import Trainer, evaluate_split, make_optimizer, train_epoch

@@ -14,7 +14,8 @@ from torch import nn
 
 from tasks.train.checkpoint import unwrap
 from tasks.train.config import TrainConfig
-from tasks.train.data import Split, eval_batches
+from tasks.train.data import SplitData as Split
+from tasks.train.data import eval_batches
 from tasks.train.distributed import DistContext, all_reduce_sum
 from tasks.train.precision import PrecisionPolicy
 

@@ -1,6 +1,7 @@
 """Batches of a host-resident split, copied to the GPU one batch ahead of their step.
 
-For a split too large for GPU memory (or placed on the host on purpose). Each batch is
+For a split too large for GPU memory (or placed on the host on purpose), whether it sits in
+host memory or is streamed from memory-mapped shards (tasks.train.streaming). Each batch is
 gathered on the host straight into one of two pinned staging buffers and copied with
 non_blocking=True on a side CUDA stream; the generator hands batch i to the loop and only
 then gathers and copies batch i+1, so both overlap the GPU's work on step i, and the step
@@ -20,10 +21,55 @@ a synchronous copy, so the order and contents of batches are tested without a GP
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+class Rows(Protocol):
+    """Host-side samples a batch can be gathered from: tensors, or memory-mapped shards."""
+
+    @property
+    def like(self) -> torch.Tensor:
+        """A tensor of one sample, shaped (1, C, H, W), in the dtype and memory format of
+        the samples (staging buffers are made like it)."""
+        ...
+
+    @property
+    def labels_dtype(self) -> torch.dtype:
+        """dtype of the labels."""
+        ...
+
+    def gather(self, index: torch.Tensor, x_out: torch.Tensor, y_out: torch.Tensor) -> None:
+        """Copy the samples and labels at `index` (host int64) into the front of the buffers."""
+        ...
+
+
+class TensorRows:
+    """Rows of host tensors `x` (N, C, H, W) and `y` (N,)."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """Rows of x and y (host tensors)."""
+        if x.device.type != "cpu" or y.device.type != "cpu":
+            raise ValueError(f"Prefetcher stages host tensors; got x on {x.device}")
+        self._x, self._x_rows, self._y = x, rows_view(x), y
+
+    @property
+    def like(self) -> torch.Tensor:
+        """The first sample's shape, dtype and memory format."""
+        return self._x[:1]
+
+    @property
+    def labels_dtype(self) -> torch.dtype:
+        """dtype of y."""
+        return self._y.dtype
+
+    def gather(self, index: torch.Tensor, x_out: torch.Tensor, y_out: torch.Tensor) -> None:
+        """index_select straight into the staging buffers (whole samples, memory order)."""
+        torch.index_select(self._x_rows, 0, index, out=rows_view(x_out))
+        torch.index_select(self._y, 0, index, out=y_out)
 
 
 @dataclass
@@ -49,14 +95,24 @@ class Prefetcher:
 
     def __init__(self, x: torch.Tensor, y: torch.Tensor, device: torch.device, capacity: int):
         """Staging for batches of up to `capacity` samples, in the memory format of `x`."""
-        if x.device.type != "cpu" or y.device.type != "cpu":
-            raise ValueError(f"Prefetcher stages host tensors; got x on {x.device}")
+        self.__init_rows(TensorRows(x, y), device, capacity)
+
+    @classmethod
+    def of_rows(cls, rows: Rows, device: torch.device, capacity: int) -> "Prefetcher":
+        """A prefetcher gathering from any `Rows` (memory-mapped shards among them)."""
+        prefetcher = cls.__new__(cls)
+        prefetcher.__init_rows(rows, device, capacity)
+        return prefetcher
+
+    def __init_rows(self, rows: Rows, device: torch.device, capacity: int) -> None:
         self.device = device
         self.capacity = capacity
-        self._x_rows, self._y = rows_view(x), y
+        self._rows = rows
         pin = device.type == "cuda"
+        labels = torch.empty(1, dtype=rows.labels_dtype)
         self._slots = [
-            _Slot(_staging(x, capacity, pin), _staging(y, capacity, pin)) for _ in range(2)
+            _Slot(_staging(rows.like, capacity, pin), _staging(labels, capacity, pin))
+            for _ in range(2)
         ]
         self._stream = torch.cuda.Stream(device) if pin else None
 
@@ -79,8 +135,7 @@ class Prefetcher:
         if slot.copied is not None:
             slot.copied.synchronize()  # the copy two batches back still reads this buffer
         x_stage, y_stage = slot.x[:n], slot.y[:n]
-        torch.index_select(self._x_rows, 0, index, out=rows_view(x_stage))
-        torch.index_select(self._y, 0, index, out=y_stage)
+        self._rows.gather(index, x_stage, y_stage)
         if self._stream is None:
             return _InFlight(x_stage.clone(), y_stage.clone(), None)
         with torch.cuda.stream(self._stream):

@@ -25,7 +25,7 @@ from tasks.train.checkpoint import (
     training_state,
 )
 from tasks.train.config import TrainConfig
-from tasks.train.data import Split
+from tasks.train.data import SplitData as Split
 from tasks.train.job import Progress, TrainingJob, TrainJobSpec
 from tasks.train.loop import Trainer
 from tests.unit.datasets import write_dataset

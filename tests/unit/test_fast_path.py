@@ -12,6 +12,7 @@ from pydantic import ValidationError
 
 from tasks.train.config import TrainConfig
 from tasks.train.data import (
+    Split,
     load_split_to,
 )
 from tasks.train.distributed import DistContext, wrap_ddp
@@ -97,6 +98,7 @@ def test_channels_last_data_stays_nhwc_in_every_batch(tmp_path: Path) -> None:
     ref = write_rgb_dataset(tmp_path / "rgb")
     nhwc = load_split_to(ref.path, "train", CPU, channels_last=True)
     plain = load_split_to(ref.path, "train", CPU)
+    assert isinstance(nhwc, Split) and isinstance(plain, Split)
     x, _ = nhwc.batch(torch.tensor([5, 0, 3]), CPU)
     assert x.is_contiguous(memory_format=NHWC) and not x.is_contiguous()
     assert plain.x.is_contiguous()

@@ -26,7 +26,7 @@ from tasks.hashing import sha256_file
 from tasks.preprocess.ref import DatasetRef
 from tasks.train.checkpoint import host_copy, latest_checkpoint, training_state
 from tasks.train.config import TrainConfig
-from tasks.train.data import Split, eval_batches, rank_batches
+from tasks.train.data import Split, SplitData, eval_batches, rank_batches
 from tasks.train.distributed import distributed
 from tasks.train.job import Progress, TrainingJob, TrainJobSpec
 from tasks.train.loop import Trainer, cosine_lr
@@ -65,7 +65,7 @@ class FailingRank1(TrainingJob):
     """Rank 1 breaks in its first epoch while rank 0 trains on."""
 
     def _run_epoch(
-        self, trainer: Trainer, train: Split, val: Split, progress: Progress
+        self, trainer: Trainer, train: SplitData, val: SplitData, progress: Progress
     ) -> dict[str, float]:
         if trainer.dist.rank == 1:
             raise ValueError("rank 1 broke on purpose")

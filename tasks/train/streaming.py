@@ -1,0 +1,139 @@
+"""A split streamed from its shard files: each rank reads only its own batches.
+
+For data that does not fit (train.data_placement=stream, or auto when the split is too large
+for the device): nothing is concatenated. A batch's rows are read from the shards straight
+into the prefetcher's (pinned, on a GPU) staging buffer, copied to the device one batch ahead
+and normalised there (raw uint8 travels, 4x fewer bytes than float32).
+
+Rows are read with pread at offsets found from each shard's .npy header, not through a
+memory map: measured here, touching a few hundred random rows of a mapped shard brought the
+whole file into the rank's RSS (the kernel maps page-cache folios larger than a row, and
+fault-around adds 64 KiB per fault), so the mapped pages grew with the dataset. With pread a
+rank holds two staging buffers, one batch of read rows, and the per-epoch permutation (8
+bytes per sample); the page cache is the kernel's, shared by the ranks of a node and
+reclaimable.
+"""
+
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tasks.preprocess.dataset import Split as SplitName
+from tasks.preprocess.dataset import load_manifest, open_npy, split_shards
+from tasks.train.normalise import Normaliser
+from tasks.train.prefetch import Batch, Prefetcher
+
+
+class _ShardFile:
+    """One .npy shard opened for reads of whole rows at known offsets."""
+
+    def __init__(self, file: Path) -> None:
+        header = open_npy(file)  # checks and parses the header; the mapping is dropped
+        self.rows, self.offset = len(header), int(getattr(header, "offset", 0))
+        self.row_bytes = header.dtype.itemsize * int(np.prod(header.shape[1:]))
+        self.fd = os.open(file, os.O_RDONLY)
+        del header
+
+    def read(self, local: np.ndarray, out: np.ndarray) -> None:
+        """Rows `local` into `out` (contiguous, len(local) rows)."""
+        view = memoryview(out.reshape(-1).view(np.uint8).data)
+        size = self.row_bytes
+        for i, row in enumerate(local.tolist()):
+            got = os.preadv(self.fd, [view[i * size : (i + 1) * size]], self.offset + row * size)
+            if got != self.row_bytes:
+                raise OSError(f"short read of row {row}: {got} of {self.row_bytes} bytes")
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+class ShardRows:
+    """The rows of one split's shards, read batch by batch (prefetch.Rows)."""
+
+    def __init__(self, path: Path, split: SplitName, channels_last: bool = False) -> None:
+        """Open every shard of `split` of the dataset at `path` (nothing is read yet)."""
+        manifest = load_manifest(path)
+        shards = split_shards(path, split)
+        self._x = [_ShardFile(path / s["x"]) for s in shards]
+        self._y = [_ShardFile(path / s["y"]) for s in shards]
+        counts = [f.rows for f in self._y]
+        self._starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        self.sample_shape = tuple(int(v) for v in manifest["shape"])
+        self.dtype = np.dtype(manifest["dtype"]["x"])
+        self._channels_last = channels_last
+
+    def __len__(self) -> int:
+        return int(self._starts[-1])
+
+    def __del__(self) -> None:
+        for shard in (*getattr(self, "_x", ()), *getattr(self, "_y", ())):
+            shard.close()
+
+    @property
+    def like(self) -> torch.Tensor:
+        """One sample's shape, dtype and memory format (NHWC with channels_last)."""
+        like = torch.empty((1, *self.sample_shape), dtype=_torch_dtype(self.dtype))
+        return like.contiguous(memory_format=torch.channels_last) if self._channels_last else like
+
+    @property
+    def labels_dtype(self) -> torch.dtype:
+        """int64."""
+        return torch.int64
+
+    def gather(self, index: torch.Tensor, x_out: torch.Tensor, y_out: torch.Tensor) -> None:
+        """Copy the rows at `index` (global, host int64) into x_out/y_out, in index order."""
+        rows = index.numpy()
+        owner = np.searchsorted(self._starts, rows, side="right") - 1
+        x_rows = np.empty((len(rows), *self.sample_shape), self.dtype)
+        y_rows = np.empty(len(rows), np.int64)
+        for shard in np.unique(owner):
+            mine = np.flatnonzero(owner == shard)
+            local = rows[mine] - self._starts[shard]
+            x_part = np.empty((len(mine), *self.sample_shape), self.dtype)
+            y_part = np.empty(len(mine), np.int64)
+            self._x[shard].read(local, x_part)
+            self._y[shard].read(local, y_part)
+            x_rows[mine], y_rows[mine] = x_part, y_part
+        x_out.copy_(torch.from_numpy(x_rows))  # into the staging layout (NHWC or not)
+        y_out.copy_(torch.from_numpy(y_rows))
+
+
+class StreamedSplit:
+    """One split read batch by batch from memory-mapped shards, normalised on the device."""
+
+    def __init__(self, rows: ShardRows, mean: list[float], std: list[float]) -> None:
+        """Batches of `rows`, normalised with the dataset's per-channel mean and std."""
+        self.rows = rows
+        self._normaliser = Normaliser.of(mean, std)
+        self._prefetchers: dict[tuple[torch.device, int], Prefetcher] = {}
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @property
+    def device(self) -> torch.device:
+        """Index tensors live on the host: the rows are gathered there."""
+        return torch.device("cpu")
+
+    @property
+    def on_host(self) -> bool:
+        """Always True: the samples stay in the shard files."""
+        return True
+
+    def batches(self, indices: Sequence[torch.Tensor], device: torch.device) -> Iterator[Batch]:
+        """The normalised batches at each index tensor of `indices`, in order, on `device`."""
+        if not indices:
+            return
+        capacity = max(len(i) for i in indices)
+        key = (device, capacity)
+        if key not in self._prefetchers:
+            self._prefetchers[key] = Prefetcher.of_rows(self.rows, device, capacity)
+        for x, y in self._prefetchers[key](indices):
+            yield self._normaliser(x), y
+
+
+def _torch_dtype(dtype: np.dtype) -> torch.dtype:
+    return torch.from_numpy(np.empty(0, dtype)).dtype
