@@ -27,7 +27,7 @@ from tasks.tracking.logger import MlflowLogger
 from tasks.tracking.pipeline_runs import PipelineRuns
 from tasks.train.checkpoint import latest_checkpoint
 from tasks.train.config import TrainConfig
-from tasks.train.data import Split
+from tasks.train.data import SplitData as Split
 from tasks.train.job import Progress, TrainingJob, TrainJobSpec
 from tasks.train.loop import Trainer
 from tasks.train.ref import CheckpointRef
