@@ -18,6 +18,8 @@ from tasks.tracking.sender import MetricSender
 
 FILE_NAME = "unlogged_metrics.jsonl"
 """The backlog's file in a training run's out_dir."""
+HANDED_NAME = "logged_through.json"
+"""The last step whose points a cleanly closed logger sent or kept in the backlog."""
 DELIVER_S = 20.0
 """How long the flow tries to send a finished job's backlog before it gives up."""
 
@@ -29,6 +31,22 @@ class TrackingUnavailable(TrainflowError):
 def backlog_path(out_dir: Path) -> Path:
     """Where a training run's unsent points are kept."""
     return out_dir / FILE_NAME
+
+
+def save_handed(out_dir: Path, step: int) -> None:
+    """Record that every point up to `step` was sent or is in the backlog (atomic write)."""
+    path = out_dir / HANDED_NAME
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps({"step": step}))
+    os.replace(tmp, path)
+
+
+def handed_through(out_dir: Path) -> int:
+    """The step save_handed recorded last; 0 when none was (or the job died without closing)."""
+    try:
+        return int(json.loads((out_dir / HANDED_NAME).read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0
 
 
 def save(path: Path, points: list[Metric]) -> None:

@@ -57,7 +57,9 @@ class MlflowLogger:
         self._metric = Metric
         self._uri = tracking_uri
         self._sender = MetricSender(tracking_uri, run_id, say=lambda line: print(line, flush=True))
+        self._out_dir = out_dir
         self._backlog = backlog.backlog_path(out_dir) if out_dir else None
+        self._last_step = 0
         if self._backlog is not None:
             self._sender.put(backlog.load(self._backlog))
 
@@ -65,6 +67,7 @@ class MlflowLogger:
         """Buffer metrics; nothing is sent before flush()."""
         ts = int(time.time() * 1000)
         self._sender.put([self._metric(k, float(v), ts, step) for k, v in metrics.items()])
+        self._last_step = max(self._last_step, step)
 
     def flush(self) -> None:
         """Have the sender thread send the buffer (returns at once)."""
@@ -73,8 +76,10 @@ class MlflowLogger:
     def close(self, drain_s: float = DRAIN_S) -> int:
         """Send what is left within `drain_s`; keep the rest in out_dir; return its count."""
         left = self._sender.close(drain_s)
-        if self._backlog is not None:
+        if self._out_dir is not None and self._backlog is not None:
             backlog.save(self._backlog, left)
+            # A resumed attempt must not log these steps again (tasks.train.job._relog).
+            backlog.save_handed(self._out_dir, self._last_step)
         lost = len(left) + self._sender.dropped
         if lost:
             where = f"; kept in {self._backlog}" if self._backlog and left else ""

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from tasks.errors import ConfigError
 from tasks.hashing import sha256_file
 from tasks.preprocess.ref import DatasetRef
+from tasks.tracking.backlog import handed_through
 from tasks.tracking.logger import MetricLogger, make_logger
 from tasks.train.checkpoint import (
     host_copy,
@@ -115,7 +116,7 @@ class TrainingJob(submitit.helpers.Checkpointable):
             logger = recorder.closing(
                 make_logger(spec.tracking_uri, spec.run_id, dist.rank, spec.out_dir)
             )
-            _relog(progress, logger)
+            _relog(progress, logger, self.spec.out_dir)
             while progress.epoch < cfg.epochs:
                 metrics = self._run_epoch(trainer, train, val, progress)
                 if dist.is_main:
@@ -325,8 +326,10 @@ def _memory_of(data: Split, dist: DistContext) -> str:
     return "pinned-prefetch host memory" if dist.device.type == "cuda" else "host memory"
 
 
-def _relog(progress: Progress, logger: MetricLogger) -> None:
-    """Log the epochs a previous attempt checkpointed but never flushed (no gaps, no repeats)."""
-    for entry in progress.history[progress.logged_epochs :]:
+def _relog(progress: Progress, logger: MetricLogger, out_dir: Path) -> None:
+    """Log the epochs a previous attempt checkpointed but never handed to its logger (no gaps,
+    no repeats): an attempt whose logger closed cleanly sent or kept all it was given."""
+    done = max(progress.logged_epochs, handed_through(out_dir))
+    for entry in progress.history[done:]:
         metrics = {k: v for k, v in entry.items() if k not in _NOT_LOGGED}
         logger.log(metrics, step=int(entry["epoch"]))
