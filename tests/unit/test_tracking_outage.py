@@ -14,11 +14,13 @@ from typing import Any
 import cloudpickle
 import pytest
 import submitit
+from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from cluster.config import ClusterConfig
 from cluster.executor import make_executor
 from cluster.jobs import wait_for_job
+from flows.service_errors import explain_refusal
 from tasks.preprocess.ref import DatasetRef
 from tasks.tracking import backlog
 from tasks.tracking.backlog import TrackingUnavailable
@@ -146,6 +148,10 @@ def test_a_server_that_never_comes_back_lets_training_finish_and_ends_with_a_cle
     # Marking the runs FAILED on the dead server is skipped at once, with a warning.
     runs.close(train_run, RuntimeError("boom"))
     runs.close(runs.parent_id, RuntimeError("boom"))
+    # Any other call of the flow fails after ~10 s of retries (not minutes), and reads as a line.
+    with pytest.raises(MlflowException) as err:
+        runs.tag(runs.parent_id, {"k": "v"})
+    assert f"{url} cannot be reached (connection refused" in str(explain_refusal(err.value))
     assert time.monotonic() - start < 120  # a guard against MLflow's minutes of retries
     assert capsys.readouterr().err.count("is unreachable") == 2
 
