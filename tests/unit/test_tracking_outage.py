@@ -27,6 +27,7 @@ from tasks.tracking.backlog import TrackingUnavailable
 from tasks.tracking.config import TrackingConfig
 from tasks.tracking.logger import MlflowLogger
 from tasks.tracking.pipeline_runs import PipelineRuns
+from tasks.tracking.sender import MetricSender
 from tasks.train.checkpoint import latest_checkpoint
 from tasks.train.config import TrainConfig
 from tasks.train.data import Split
@@ -169,3 +170,15 @@ def test_points_left_by_an_earlier_attempt_are_sent_first(tmp_path: Path) -> Non
     assert [m.step for m in hist] == [1, 2]
     assert hist[0].value != hist[0].value  # NaN survives the round trip
     assert os.listdir(tmp_path).count(backlog.FILE_NAME) == 0
+
+
+def test_a_full_buffer_drops_and_counts_newer_points_instead_of_blocking(tmp_path: Path) -> None:
+    from mlflow.entities import Metric
+
+    url = f"sqlite:///{tmp_path}/mlflow.db"
+    lines: list[str] = []
+    sender = MetricSender(url, _run_id(url, tmp_path), say=lines.append, max_points=3)
+    sender.put([Metric("x", float(s), 1, s) for s in range(1, 6)])  # not woken: nothing sent
+    assert sender.dropped == 2 and len(lines) == 1 and "buffer full" in lines[0]
+    assert [m.step for m in sender.close(drain_s=60)] == []  # close sends the 3 it kept
+    assert sender.sent == 3
