@@ -49,6 +49,12 @@ def dataset(tmp_path_factory: pytest.TempPathFactory) -> DatasetRef:
     return write_dataset(tmp_path_factory.mktemp("data") / "ds")
 
 
+@pytest.fixture(scope="module")
+def sqlite_store(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """One local store for the tests that need no server (creating one takes ~10 s)."""
+    return f"sqlite:///{tmp_path_factory.mktemp('store')}/mlflow.db"
+
+
 class GatedJob(TrainingJob):
     """Waits before the epochs named in `gates` until the test creates the gate's file."""
 
@@ -157,10 +163,12 @@ def test_a_server_that_never_comes_back_lets_training_finish_and_ends_with_a_cle
     assert capsys.readouterr().err.count("is unreachable") == 2
 
 
-def test_points_left_by_an_earlier_attempt_are_sent_first(tmp_path: Path) -> None:
+def test_points_left_by_an_earlier_attempt_are_sent_first(
+    tmp_path: Path, sqlite_store: str
+) -> None:
     from mlflow.entities import Metric
 
-    url = f"sqlite:///{tmp_path}/mlflow.db"
+    url = sqlite_store
     run_id = _run_id(url, tmp_path)
     backlog.save(backlog.backlog_path(tmp_path), [Metric("x", float("nan"), 5, 1)])
     logger = MlflowLogger(url, run_id, tmp_path)
@@ -172,10 +180,12 @@ def test_points_left_by_an_earlier_attempt_are_sent_first(tmp_path: Path) -> Non
     assert os.listdir(tmp_path).count(backlog.FILE_NAME) == 0
 
 
-def test_a_full_buffer_drops_and_counts_newer_points_instead_of_blocking(tmp_path: Path) -> None:
+def test_a_full_buffer_drops_and_counts_newer_points_instead_of_blocking(
+    tmp_path: Path, sqlite_store: str
+) -> None:
     from mlflow.entities import Metric
 
-    url = f"sqlite:///{tmp_path}/mlflow.db"
+    url = sqlite_store
     lines: list[str] = []
     sender = MetricSender(url, _run_id(url, tmp_path), say=lines.append, max_points=3)
     sender.put([Metric("x", float(s), 1, s) for s in range(1, 6)])  # not woken: nothing sent
