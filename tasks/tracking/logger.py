@@ -9,8 +9,7 @@ import time
 from pathlib import Path
 from typing import Protocol
 
-from tasks.tracking import backlog
-from tasks.tracking.sender import MetricSender
+from tasks.tracking.handed import save_handed
 
 DRAIN_S = 30.0
 """How long the end of a job waits for the server to take the points still buffered."""
@@ -54,7 +53,10 @@ class MlflowLogger:
         # Imported here: mlflow costs ~1 s of start-up in every rank, and only rank 0 logs.
         from mlflow.entities import Metric
 
-        self._metric = Metric
+        from tasks.tracking import backlog
+        from tasks.tracking.sender import MetricSender
+
+        self._metric, self._save = Metric, backlog.save
         self._uri = tracking_uri
         self._sender = MetricSender(tracking_uri, run_id, say=lambda line: print(line, flush=True))
         self._out_dir = out_dir
@@ -77,9 +79,9 @@ class MlflowLogger:
         """Send what is left within `drain_s`; keep the rest in out_dir; return its count."""
         left = self._sender.close(drain_s)
         if self._out_dir is not None and self._backlog is not None:
-            backlog.save(self._backlog, left)
+            self._save(self._backlog, left)
             # A resumed attempt must not log these steps again (tasks.train.job._relog).
-            backlog.save_handed(self._out_dir, self._last_step)
+            save_handed(self._out_dir, self._last_step)
         lost = len(left) + self._sender.dropped
         if lost:
             where = f"; kept in {self._backlog}" if self._backlog and left else ""

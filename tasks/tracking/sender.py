@@ -148,8 +148,8 @@ class MetricSender:
                 self._down_since = time.time()
                 self._say(
                     f"warning: MLflow tracking server {self._uri} unreachable "
-                    f"({_short(exc)}); training goes on, metrics are buffered and sent "
-                    "when it is back"
+                    f"({_short(exc)}): metric points are buffered and sent when it is back; "
+                    "training does not wait"
                 )
             return "retry"
         if self._down_since is not None:
@@ -205,5 +205,11 @@ def _permanent(exc: Exception) -> bool:
 
 
 def _short(exc: Exception) -> str:
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    return text[:160]
+    """Why a send failed, in a few words."""
+    text = str(exc)
+    if "Connection refused" in text:
+        return "connection refused"
+    if "timed out" in text or "timeout" in text.lower():
+        return f"no answer within {SEND_TIMEOUT_S} s"
+    first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+    return first[:160]

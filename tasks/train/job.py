@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from tasks.errors import ConfigError
 from tasks.hashing import sha256_file
 from tasks.preprocess.ref import DatasetRef
-from tasks.tracking.backlog import handed_through
+from tasks.tracking.handed import handed_through
 from tasks.tracking.logger import MetricLogger, make_logger
 from tasks.train.checkpoint import (
     host_copy,

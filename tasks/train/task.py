@@ -36,13 +36,14 @@ def train_task(
     logger = get_run_logger()
     # Model/data mismatches (e.g. images too small) fail here, before anything is queued.
     model = build_model(spec.train, spec.dataset.shape, len(spec.dataset.classes))
-    check_cluster(cluster)
-    executor = make_executor(cluster, job_dir)
-    job = executor.submit(TrainingJob(spec))
-    logger.info("submitted training job %s (%s executor)", job.job_id, cluster.executor)
-    registry.record(workdir, str(job.job_id), cluster.executor, job_dir)
     # A checkpoint holds weights and two Adam moments; two of them and best.pt may coexist.
     need = 4 * sum(p.numel() for p in model.parameters()) * 7
+    check_cluster(cluster)
+    executor = make_executor(cluster, job_dir)
+    with disk_stage("train", job_dir, need):  # the job's pickle
+        job = executor.submit(TrainingJob(spec))
+    logger.info("submitted training job %s (%s executor)", job.job_id, cluster.executor)
+    registry.record(workdir, str(job.job_id), cluster.executor, job_dir)
     try:
         with disk_stage("train", spec.out_dir, need):
             ref = _wait_and_account(job, spec, cluster, logger.info)

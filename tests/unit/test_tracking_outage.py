@@ -14,17 +14,20 @@ from typing import Any
 import cloudpickle
 import pytest
 import submitit
+from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from cluster.config import ClusterConfig
 from cluster.executor import make_executor
 from cluster.jobs import wait_for_job
+from flows.service_errors import explain_refusal
 from tasks.preprocess.ref import DatasetRef
 from tasks.tracking import backlog
 from tasks.tracking.backlog import TrackingUnavailable
 from tasks.tracking.config import TrackingConfig
 from tasks.tracking.logger import MlflowLogger
 from tasks.tracking.pipeline_runs import PipelineRuns
+from tasks.tracking.sender import MetricSender
 from tasks.train.checkpoint import latest_checkpoint
 from tasks.train.config import TrainConfig
 from tasks.train.data import SplitData as Split
@@ -44,6 +47,12 @@ _BACK = "reachable again"
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory: pytest.TempPathFactory) -> DatasetRef:
     return write_dataset(tmp_path_factory.mktemp("data") / "ds")
+
+
+@pytest.fixture(scope="module")
+def sqlite_store(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """One local store for the tests that need no server (creating one takes ~10 s)."""
+    return f"sqlite:///{tmp_path_factory.mktemp('store')}/mlflow.db"
 
 
 class GatedJob(TrainingJob):
@@ -146,14 +155,20 @@ def test_a_server_that_never_comes_back_lets_training_finish_and_ends_with_a_cle
     # Marking the runs FAILED on the dead server is skipped at once, with a warning.
     runs.close(train_run, RuntimeError("boom"))
     runs.close(runs.parent_id, RuntimeError("boom"))
+    # Any other call of the flow fails after ~10 s of retries (not minutes), and reads as a line.
+    with pytest.raises(MlflowException) as err:
+        runs.tag(runs.parent_id, {"k": "v"})
+    assert f"{url} cannot be reached (connection refused" in str(explain_refusal(err.value))
     assert time.monotonic() - start < 120  # a guard against MLflow's minutes of retries
     assert capsys.readouterr().err.count("is unreachable") == 2
 
 
-def test_points_left_by_an_earlier_attempt_are_sent_first(tmp_path: Path) -> None:
+def test_points_left_by_an_earlier_attempt_are_sent_first(
+    tmp_path: Path, sqlite_store: str
+) -> None:
     from mlflow.entities import Metric
 
-    url = f"sqlite:///{tmp_path}/mlflow.db"
+    url = sqlite_store
     run_id = _run_id(url, tmp_path)
     backlog.save(backlog.backlog_path(tmp_path), [Metric("x", float("nan"), 5, 1)])
     logger = MlflowLogger(url, run_id, tmp_path)
@@ -163,3 +178,17 @@ def test_points_left_by_an_earlier_attempt_are_sent_first(tmp_path: Path) -> Non
     assert [m.step for m in hist] == [1, 2]
     assert hist[0].value != hist[0].value  # NaN survives the round trip
     assert os.listdir(tmp_path).count(backlog.FILE_NAME) == 0
+
+
+def test_a_full_buffer_drops_and_counts_newer_points_instead_of_blocking(
+    tmp_path: Path, sqlite_store: str
+) -> None:
+    from mlflow.entities import Metric
+
+    url = sqlite_store
+    lines: list[str] = []
+    sender = MetricSender(url, _run_id(url, tmp_path), say=lines.append, max_points=3)
+    sender.put([Metric("x", float(s), 1, s) for s in range(1, 6)])  # not woken: nothing sent
+    assert sender.dropped == 2 and len(lines) == 1 and "buffer full" in lines[0]
+    assert [m.step for m in sender.close(drain_s=60)] == []  # close sends the 3 it kept
+    assert sender.sent == 3
