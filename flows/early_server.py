@@ -10,6 +10,11 @@ keeps one such server per process) and stops it at exit as before.
 import threading
 from collections.abc import Callable
 
+OVERLAP_ALLOWANCE_S = 60
+"""Added to Prefect's start-up timeout (20 s by default): the server now boots while this
+process imports, and on a busy machine the two share the cores (seen: a 2-core machine at
+load 11 timed out at 20 s)."""
+
 
 def start_temporary_server() -> Callable[[], None]:
     """Begin starting Prefect's temporary server when no Prefect API is configured.
@@ -17,17 +22,22 @@ def start_temporary_server() -> Callable[[], None]:
     Returns a function that waits until the server answers (and re-raises its start-up
     error); it returns at once when a server is configured or ephemeral mode is off.
     """
-    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
+    from prefect.settings import (
+        PREFECT_API_URL,
+        PREFECT_SERVER_EPHEMERAL_ENABLED,
+        PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS,
+    )
 
     if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
         return lambda: None
     errors: list[BaseException] = []
+    timeout = PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value() + OVERLAP_ALLOWANCE_S
 
     def start() -> None:
         try:
             from prefect.server.api.server import SubprocessASGIServer
 
-            SubprocessASGIServer().start()
+            SubprocessASGIServer().start(timeout=timeout)
         except BaseException as err:  # handed to the caller of wait()
             errors.append(err)
 
