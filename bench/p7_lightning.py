@@ -19,6 +19,7 @@ trainflow's `auto` picks there (bf16-mixed where the device has bf16, 16-mixed o
 """
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -136,6 +137,7 @@ def _run_lightning(data_dir: Path, out: Path) -> dict[str, Any]:
 
 def run() -> tuple[str, list[tuple[str, str, str]], dict[str, Any]]:
     """Lightning and trainflow on the same data, devices and optimiser settings."""
+    load = [os.getloadavg()[0]]
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         dataset = _make_dataset(root / "data")
@@ -143,6 +145,7 @@ def run() -> tuple[str, list[tuple[str, str, str]], dict[str, Any]]:
         lit = _run_lightning(dataset.path, root / "lightning.json")
         full = _run_stage(dataset, train, cluster, root / "full")
         search = _time_to_target(dataset, train, cluster, root)
+    load.append(os.getloadavg()[0])
     reached = search[-1]["test_accuracy"] >= TARGET
     tf_rate = statistics.median(full["samples_per_s"][1:])
     tf_time = search[-1]["stage_s"] if reached else None
@@ -154,6 +157,7 @@ def run() -> tuple[str, list[tuple[str, str, str]], dict[str, Any]]:
         "trainflow_to_target_s": tf_time,
         "throughput_ratio": tf_rate / lit["samples_per_s"],
         "time_ratio": tf_time / lit["to_target_s"] if tf_time and lit["to_target_s"] else None,
+        "load_average_1min": load,
     }
     return "P7 trainflow vs PyTorch Lightning (same model, data, optimiser)", _rows(result), result
 
@@ -173,6 +177,8 @@ def _rows(r: dict[str, Any]) -> list[tuple[str, str, str]]:
         (f"trainflow s to test acc {TARGET} (submit on)",
          _fmt(r["trainflow_to_target_s"], ".1f", " s"), ""),
         ("time-to-accuracy ratio trainflow / Lightning", _fmt(r["time_ratio"], ".2f"), "<= 0.5"),
+        ("machine load, 1-min average at start/end",
+         "/".join(f"{v:.1f}" for v in r["load_average_1min"]), "2 cores: noisy above 2"),
     ]  # fmt: skip
 
 

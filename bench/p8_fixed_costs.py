@@ -10,6 +10,7 @@ run), and the model export of the evaluate stage.
 """
 
 import ast
+import os
 import re
 import subprocess
 import sys
@@ -133,7 +134,7 @@ def _export_seconds(folder: Path) -> float:
 
 def run() -> tuple[str, list[tuple[str, str, str]], dict[str, Any]]:
     """The tiny preset against a running Prefect server and with the temporary one."""
-    result: dict[str, Any] = {}
+    result: dict[str, Any] = {"load_average_1min": [os.getloadavg()[0]]}
     with tempfile.TemporaryDirectory() as tmp:
         folder, workdir = Path(tmp), Path(tmp) / "work"
         db = f"sqlite+aiosqlite:///{folder}/prefect.db"
@@ -151,6 +152,7 @@ def run() -> tuple[str, list[tuple[str, str, str]], dict[str, Any]]:
             "dask cluster start and stop": round(_dask_seconds(), 2),
             "model export (log_model)": round(_export_seconds(folder), 2),
         }
+    result["load_average_1min"].append(os.getloadavg()[0])
     return "P8 fixed costs of `trainflow run --preset tiny`", _rows(result), result
 
 
@@ -162,4 +164,6 @@ def _rows(result: dict[str, Any]) -> list[tuple[str, str, str]]:
         rows += [(f"  {k}", f"{v:.2f} s", "") for k, v in r["phases_s"].items() if v]
         rows.append(("  dask INFO lines in the log", str(r["dask_info_lines"]), "0"))
     rows += [(f"alone: {k}", f"{v:.2f} s", "") for k, v in result["alone_s"].items()]
+    load = "/".join(f"{v:.1f}" for v in result["load_average_1min"])
+    rows.append(("machine load, 1-min average at start/end", load, "2 cores: noisy above 2"))
     return rows
