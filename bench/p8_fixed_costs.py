@@ -22,6 +22,7 @@ from typing import Any
 from bench.common import median_seconds
 from tests.services import prefect_server, service_env
 
+_DASK_INFO = re.compile(r"\| INFO +\| (distributed|dask_cuda)\.")
 _STAMP = re.compile(r"^(\d\d):(\d\d):(\d\d)\.(\d\d\d) \| ")
 # (phase, the log line that ends it); each phase starts where the previous one ended.
 _MARKS = (
@@ -84,7 +85,7 @@ def _trainflow(workdir: Path, env: dict[str, str]) -> dict[str, Any]:
         "wall_s": round(wall, 2),
         "stages_s": ast.literal_eval(stage.split(None, 2)[2]),
         "phases_s": phases(lines, started, wall),
-        "dask_info_lines": sum("| distributed." in x for x in lines),
+        "dask_info_lines": sum(bool(_DASK_INFO.search(x)) for x in lines),
     }
 
 
