@@ -15,6 +15,7 @@ BENCHES = [
     "p4_logging",
     "p5_checkpoint",
     "p6_gpu",
+    "p7_lightning",
     "p8_fixed_costs",
 ]
 OPTIONAL = ["cold_start"]

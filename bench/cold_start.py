@@ -108,7 +108,7 @@ def run() -> tuple[str, list[tuple[str, str, str]], dict[str, Any]]:
         for name, rs in runs.items()
     }
     rows = [
-        (f"{k.replace('_s', '').replace('_', ' ')} ({name})", f"{v:.2f} s", "")
+        (f"{k.removesuffix('_s').replace('_', ' ')} ({name})", f"{v:.2f} s", "")
         for name, m in medians.items()
         for k, v in m.items()
     ]

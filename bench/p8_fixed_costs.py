@@ -10,6 +10,7 @@ run), and the model export of the evaluate stage.
 """
 
 import ast
+import os
 import re
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from typing import Any
 from bench.common import median_seconds
 from tests.services import prefect_server, service_env
 
+_DASK_INFO = re.compile(r"\| INFO +\| (distributed|dask_cuda)\.")
 _STAMP = re.compile(r"^(\d\d):(\d\d):(\d\d)\.(\d\d\d) \| ")
 # (phase, the log line that ends it); each phase starts where the previous one ended.
 _MARKS = (
@@ -83,7 +85,7 @@ def _trainflow(workdir: Path, env: dict[str, str]) -> dict[str, Any]:
         "wall_s": round(wall, 2),
         "stages_s": ast.literal_eval(stage.split(None, 2)[2]),
         "phases_s": phases(lines, started, wall),
-        "dask_info_lines": sum("| distributed." in x for x in lines),
+        "dask_info_lines": sum(bool(_DASK_INFO.search(x)) for x in lines),
     }
 
 
@@ -133,7 +135,7 @@ def _export_seconds(folder: Path) -> float:
 
 def run() -> tuple[str, list[tuple[str, str, str]], dict[str, Any]]:
     """The tiny preset against a running Prefect server and with the temporary one."""
-    result: dict[str, Any] = {}
+    result: dict[str, Any] = {"load_average_1min": [os.getloadavg()[0]]}
     with tempfile.TemporaryDirectory() as tmp:
         folder, workdir = Path(tmp), Path(tmp) / "work"
         db = f"sqlite+aiosqlite:///{folder}/prefect.db"
@@ -151,6 +153,7 @@ def run() -> tuple[str, list[tuple[str, str, str]], dict[str, Any]]:
             "dask cluster start and stop": round(_dask_seconds(), 2),
             "model export (log_model)": round(_export_seconds(folder), 2),
         }
+    result["load_average_1min"].append(os.getloadavg()[0])
     return "P8 fixed costs of `trainflow run --preset tiny`", _rows(result), result
 
 
@@ -162,4 +165,6 @@ def _rows(result: dict[str, Any]) -> list[tuple[str, str, str]]:
         rows += [(f"  {k}", f"{v:.2f} s", "") for k, v in r["phases_s"].items() if v]
         rows.append(("  dask INFO lines in the log", str(r["dask_info_lines"]), "0"))
     rows += [(f"alone: {k}", f"{v:.2f} s", "") for k, v in result["alone_s"].items()]
+    load = "/".join(f"{v:.1f}" for v in result["load_average_1min"])
+    rows.append(("machine load, 1-min average at start/end", load, "2 cores: noisy above 2"))
     return rows

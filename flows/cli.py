@@ -218,11 +218,12 @@ def _run(args: argparse.Namespace) -> int:
     cfg = build_config(args.preset, args.overrides)  # fail fast, before Prefect starts
     preflight(cfg)
     _prepare_flow_process()
-    from flows.early_server import start_temporary_server
+    from flows.early_server import preload_tracking_store, start_temporary_server
 
     server_ready = start_temporary_server()  # boots while the pipeline's modules import
     from flows.pipeline import pipeline
 
+    preload_tracking_store(resolve_tracking_uri(cfg.tracking, cfg.workdir))
     try:
         server_ready()
         summary = pipeline(preset=args.preset, overrides=args.overrides)

@@ -2,6 +2,7 @@
 `trainflow ui` serves the runs' store and artifacts."""
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -65,9 +66,10 @@ def test_sigterm_cancels_the_training_job_and_marks_runs_killed(tmp_path: Path) 
     )
     try:
         lines = _wait_for_line(proc, "epoch 2/5000", limit_s=240)
-        # The dask cluster started and stopped by now: none of its INFO lines reach the log.
+        # The dask cluster started and stopped by now: none of its INFO lines reached the log
+        # (its warnings may: a loaded machine makes the nanny kill a slow worker at shutdown).
         assert "preprocess" in "".join(lines)
-        assert [line for line in lines if "| distributed." in line] == []
+        assert [x for x in lines if re.search(r"\| INFO +\| (distributed|dask_cuda)\.", x)] == []
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 130
     finally:

@@ -17,3 +17,12 @@ def test_helpers() -> None:
     assert median_seconds(lambda: None, repeats=3) >= 0
     assert slug("AMD EPYC 9B14 96-Core") == "amd-epyc-9b14-96-core"
     assert "goal" in table("t", [("m", "1", "<= 2")])
+
+
+def test_lightning_trains_in_the_precision_trainflow_picks() -> None:
+    from bench.p7_lightning import PRECISION, lightning_precision
+    from tasks.train.precision import resolve_precision
+
+    cpu = torch.device("cpu")
+    assert lightning_precision(cpu) == PRECISION[resolve_precision("auto", cpu).name]
+    assert set(PRECISION.values()) == {"bf16-mixed", "16-mixed", "32-true"}

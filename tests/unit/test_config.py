@@ -3,6 +3,7 @@
 import pytest
 
 from flows.config import (
+    GPU_BATCH,
     PRESETS,
     PipelineConfig,
     build_config,
@@ -11,6 +12,7 @@ from flows.config import (
     expand_grid,
     flatten,
     parse_override,
+    scaled_lr,
 )
 from tasks.errors import ConfigError
 
@@ -27,6 +29,17 @@ def test_demo_preset_is_mnist_on_two_cpu_ranks() -> None:
     assert cfg.preprocess.source == "mnist"
     assert cfg.cluster.ranks_per_node == 2
     assert cfg.cluster.executor == "local"
+
+
+def test_gpu_preset_is_one_gpu_rank_with_a_scaled_learning_rate() -> None:
+    cfg, demo = build_config("gpu"), build_config("demo")
+    assert (cfg.cluster.ranks_per_node, cfg.cluster.gpus_per_node) == (1, 1)
+    assert cfg.preprocess == demo.preprocess
+    assert cfg.train.batch_size == GPU_BATCH > demo.train.batch_size
+    ratio = (cfg.train.batch_size / demo.train.batch_size) ** 0.5
+    assert cfg.train.lr == pytest.approx(demo.train.lr * ratio)
+    assert not cfg.train.cuda_graphs and cfg.train.precision == "auto"
+    assert scaled_lr(64) == pytest.approx(5e-3) and scaled_lr(256) == pytest.approx(1e-2)
 
 
 def test_overrides_parse_json_values_and_text() -> None:

@@ -46,3 +46,14 @@ def test_no_early_server_when_a_prefect_api_is_configured() -> None:
         wait = start_temporary_server()
         wait()  # returns at once: nothing was started
     assert "prefect-temporary-server" not in {t.name for t in threading.enumerate()}
+
+
+def test_the_database_store_is_preloaded_only_for_database_uris() -> None:
+    from flows.early_server import preload_tracking_store
+
+    name = "mlflow.store.tracking.sqlalchemy_store"
+    if name not in sys.modules:  # an earlier test may have needed it already
+        preload_tracking_store("http://127.0.0.1:5000")
+        assert name not in sys.modules
+    preload_tracking_store("sqlite:////tmp/x.db")
+    assert name in sys.modules
