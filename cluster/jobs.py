@@ -22,7 +22,7 @@ import submitit
 from submitit.core.utils import FailedJobError, UncompletedJobError
 from submitit.local.debug import DebugJob
 
-from cluster.lost_ranks import failure_message, rank_ends
+from cluster.lost_ranks import RankLostError, failure_message, rank_ends
 from tasks.errors import JobError
 
 
@@ -161,6 +161,9 @@ def _outcome(job: submitit.Job[Any]) -> Any:
     tracebacks of the ranks that raised after it."""
     ends = rank_ends(job)
     message = failure_message(job, ends)
+    lost = sorted((e for e in ends if e.lost), key=lambda e: e.ended or float("inf"))
+    if message and lost and not _cancelled(job):
+        return RankLostError(message, lost)
     if message and any(end.outcome == "error" for end in ends):
         return JobError(message)
     try:
@@ -169,6 +172,11 @@ def _outcome(job: submitit.Job[Any]) -> Any:
     except (FailedJobError, UncompletedJobError) as exc:
         head = message or f"job {job.job_id} did not complete"
         return JobError(f"{head}\n{exc}")
+
+
+def _cancelled(job: submitit.Job[Any]) -> bool:
+    """Whether Slurm says the job was cancelled (scancel): its killed ranks are no loss."""
+    return isinstance(job, submitit.SlurmJob) and job.state.startswith("CANCELLED")
 
 
 def _debug_outcome(job: DebugJob[Any]) -> Any:

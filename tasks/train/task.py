@@ -13,8 +13,11 @@ from cluster import registry
 from cluster.config import ClusterConfig
 from cluster.executor import make_executor
 from cluster.jobs import wait_for_job, wait_for_jobs
+from cluster.lost_ranks import RankLostError
+from cluster.restarts import run_with_restarts
 from cluster.slurm_checks import check_cluster
 from tasks.errors import JobError
+from tasks.tracking.lost_ranks import record_lost_ranks
 from tasks.tracking.slurm_logs import record_job_accounting
 from tasks.train.job import TrainingJob, TrainJobSpec
 from tasks.train.models import build_model
@@ -35,16 +38,9 @@ def train_task(
     # Model/data mismatches (e.g. images too small) fail here, before anything is queued.
     build_model(spec.train, spec.dataset.shape, len(spec.dataset.classes))
     check_cluster(cluster)
-    executor = make_executor(cluster, job_dir)
-    job = executor.submit(TrainingJob(spec))
-    logger.info("submitted training job %s (%s executor)", job.job_id, cluster.executor)
-    registry.record(workdir, str(job.job_id), cluster.executor, job_dir)
-    try:
-        ref = _wait_and_account(job, spec, cluster, logger.info)
-    finally:
-        registry.forget(workdir, str(job.job_id))
+    ref = train_with_restarts(spec, cluster, job_dir, workdir, logger.info, logger.warning)
     if not isinstance(ref, CheckpointRef):
-        raise JobError(f"training job {job.job_id} returned no checkpoint (got {ref!r})")
+        raise JobError(f"the training job returned no checkpoint (got {ref!r})")
     return ref
 
 
@@ -73,6 +69,38 @@ def train_array_task(
         for job_id, spec in zip(ids, specs, strict=True):
             record_job_accounting(job_id, spec.tracking_uri, spec.run_id, logger.info, since)
     return [o if isinstance(o, CheckpointRef) else str(o) for o in outcomes]
+
+
+def train_with_restarts(
+    spec: TrainJobSpec,
+    cluster: ClusterConfig,
+    job_dir: Path,
+    workdir: Path,
+    log: Callable[[str], None],
+    warn: Callable[[str], None],
+) -> Any:
+    """Submit the training job and wait for it; after a lost rank, submit it again from its
+    last checkpoint (cluster.restarts), each loss named in `warn` and on the MLflow run."""
+
+    def submit(exclude: list[str]) -> submitit.Job[Any]:
+        executor = make_executor(cluster, job_dir)
+        if exclude:
+            executor.update_parameters(exclude=",".join(exclude))
+        job = executor.submit(TrainingJob(spec))
+        log(f"submitted training job {job.job_id} ({cluster.executor} executor)")
+        return job
+
+    def wait(job: submitit.Job[Any]) -> Any:
+        registry.record(workdir, str(job.job_id), cluster.executor, job_dir)
+        try:
+            return _wait_and_account(job, spec, cluster, log)
+        finally:
+            registry.forget(workdir, str(job.job_id))
+
+    def on_loss(err: RankLostError, attempt: int) -> None:
+        record_lost_ranks(spec.tracking_uri, spec.run_id, err, attempt, warn)
+
+    return run_with_restarts(cluster, submit, wait, log, on_loss)
 
 
 def _wait_and_account(
