@@ -84,6 +84,10 @@ class ClusterConfig(StrictModel):
     cluster.rank_guard). A killed rank's peers fail at once on the closed connection; this bounds
     the case where a peer's node is gone without closing it. Raise it if a rank can be busy alone
     for longer (e.g. a slow checkpoint write while its peers wait)."""
+    max_restarts: int = Field(1, ge=0, le=20)
+    """How often a job that lost a rank (killed, or its node gone) is submitted again from its
+    last checkpoint, in the same MLflow run; on Slurm away from the lost node when the other
+    nodes can hold the job. A rank that raises is never restarted."""
     max_requeues: int = Field(3, ge=0, le=100)
     """How often a Slurm job may be requeued after a timeout before it fails (submitit's
     max_num_timeout; preemptions do not count)."""

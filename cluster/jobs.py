@@ -23,7 +23,7 @@ from submitit.core.utils import FailedJobError, UncompletedJobError
 from submitit.local.debug import DebugJob
 
 from cluster.job_folder import check_private
-from cluster.lost_ranks import failure_message, rank_ends
+from cluster.lost_ranks import RankLostError, failure_message, rank_ends
 from tasks.errors import JobError
 
 
@@ -164,6 +164,9 @@ def _outcome(job: submitit.Job[Any]) -> Any:
     check_private(job.paths.folder, [job.task(k).paths.result_pickle for k in range(job.num_tasks)])
     ends = rank_ends(job)
     message = failure_message(job, ends)
+    lost = sorted((e for e in ends if e.lost), key=lambda e: e.ended or float("inf"))
+    if message and lost and not _cancelled(job):
+        return RankLostError(message, lost)
     if message and any(end.outcome == "error" for end in ends):
         return JobError(message)
     try:
@@ -172,6 +175,11 @@ def _outcome(job: submitit.Job[Any]) -> Any:
     except (FailedJobError, UncompletedJobError) as exc:
         head = message or f"job {job.job_id} did not complete"
         return JobError(f"{head}\n{exc}")
+
+
+def _cancelled(job: submitit.Job[Any]) -> bool:
+    """Whether Slurm says the job was cancelled (scancel): its killed ranks are no loss."""
+    return isinstance(job, submitit.SlurmJob) and job.state.startswith("CANCELLED")
 
 
 def _debug_outcome(job: DebugJob[Any]) -> Any:

@@ -17,6 +17,8 @@ from typing import Any
 import submitit
 from submitit.core.utils import pickle_load
 
+from tasks.errors import JobError
+
 
 @dataclass(frozen=True)
 class RankEnd:
@@ -66,6 +68,16 @@ class RankEnd:
             oom = ": an OOM kill (the kernel's memory.events counted one)" if self.oom_kill else ""
             return f"{where} was killed by signal {sig} ({name}){oom}"
         return f"{where} exited with code {self.returncode} without a result"
+
+
+class RankLostError(JobError):
+    """A job ended because a rank was lost (killed, or its node gone), not because one raised:
+    the case cluster.restarts restarts."""
+
+    def __init__(self, message: str, lost: list[RankEnd] | None = None) -> None:
+        super().__init__(message)
+        self.lost = lost or []
+        """The lost ranks, the first lost first."""
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:

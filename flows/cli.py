@@ -222,6 +222,7 @@ def _run(args: argparse.Namespace) -> int:
 
     server_ready = start_temporary_server()  # boots while the pipeline's modules import
     from flows.pipeline import pipeline
+    from tasks.tracking.runs import resolve_tracking_uri
 
     preload_tracking_store(resolve_tracking_uri(cfg.tracking, cfg.workdir))
     try:

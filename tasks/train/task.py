@@ -13,10 +13,13 @@ from cluster import registry
 from cluster.config import ClusterConfig
 from cluster.executor import make_executor
 from cluster.jobs import wait_for_job, wait_for_jobs
+from cluster.lost_ranks import RankLostError
+from cluster.restarts import run_with_restarts
 from cluster.slurm_checks import check_cluster
 from tasks.diskspace import disk_stage
 from tasks.errors import JobError
 from tasks.tracking import backlog
+from tasks.tracking.lost_ranks import record_lost_ranks
 from tasks.tracking.slurm_logs import record_job_accounting
 from tasks.train.job import TrainingJob, TrainJobSpec
 from tasks.train.models import build_model
@@ -39,18 +42,12 @@ def train_task(
     # A checkpoint holds weights and two Adam moments; two of them and best.pt may coexist.
     need = 4 * sum(p.numel() for p in model.parameters()) * 7
     check_cluster(cluster)
-    executor = make_executor(cluster, job_dir)
-    with disk_stage("train", job_dir, need):  # the job's pickle
-        job = executor.submit(TrainingJob(spec))
-    logger.info("submitted training job %s (%s executor)", job.job_id, cluster.executor)
-    registry.record(workdir, str(job.job_id), cluster.executor, job_dir)
-    try:
-        with disk_stage("train", spec.out_dir, need):
-            ref = _wait_and_account(job, spec, cluster, logger.info)
-    finally:
-        registry.forget(workdir, str(job.job_id))
+    with disk_stage("train", spec.out_dir, need):
+        ref = train_with_restarts(
+            spec, cluster, job_dir, workdir, logger.info, logger.warning, need
+        )
     if not isinstance(ref, CheckpointRef):
-        raise JobError(f"training job {job.job_id} returned no checkpoint (got {ref!r})")
+        raise JobError(f"the training job returned no checkpoint (got {ref!r})")
     if spec.tracking_uri and spec.run_id:  # points the job could not send: now, or a clear error
         backlog.deliver(spec.out_dir, spec.tracking_uri, spec.run_id, logger.info)
     return ref
@@ -81,6 +78,41 @@ def train_array_task(
         for job_id, spec in zip(ids, specs, strict=True):
             record_job_accounting(job_id, spec.tracking_uri, spec.run_id, logger.info, since)
     return [o if isinstance(o, CheckpointRef) else str(o) for o in outcomes]
+
+
+def train_with_restarts(
+    spec: TrainJobSpec,
+    cluster: ClusterConfig,
+    job_dir: Path,
+    workdir: Path,
+    log: Callable[[str], None],
+    warn: Callable[[str], None],
+    need: int = 0,
+) -> Any:
+    """Submit the training job and wait for it; after a lost rank, submit it again from its
+    last checkpoint (cluster.restarts), each loss named in `warn` and on the MLflow run.
+    `need`: bytes the job's pickle may take, for a clear disk-full error (tasks.diskspace)."""
+
+    def submit(exclude: list[str]) -> submitit.Job[Any]:
+        executor = make_executor(cluster, job_dir)
+        if exclude:
+            executor.update_parameters(exclude=",".join(exclude))
+        with disk_stage("train", job_dir, need):  # the job's pickle
+            job = executor.submit(TrainingJob(spec))
+        log(f"submitted training job {job.job_id} ({cluster.executor} executor)")
+        return job
+
+    def wait(job: submitit.Job[Any]) -> Any:
+        registry.record(workdir, str(job.job_id), cluster.executor, job_dir)
+        try:
+            return _wait_and_account(job, spec, cluster, log)
+        finally:
+            registry.forget(workdir, str(job.job_id))
+
+    def on_loss(err: RankLostError, attempt: int) -> None:
+        record_lost_ranks(spec.tracking_uri, spec.run_id, err, attempt, warn)
+
+    return run_with_restarts(cluster, submit, wait, log, on_loss)
 
 
 def _wait_and_account(

@@ -1,4 +1,5 @@
-"""Training across the dev cluster's two nodes: DDP over nodes, and a rank lost on one node.
+"""Training across the dev cluster's two nodes: DDP over nodes, a rank lost on one node, and a
+restart that avoids the lost node.
 
 Jobs go through sbatch/srun on tfnode1 and tfnode2 (tests/slurm/conftest.py starts 2 nodes);
 the ranks rendezvous at the job's first node by name (the hosts line the cluster writes).
@@ -6,6 +7,7 @@ the ranks rendezvous at the job's first node by name (the hosts line the cluster
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -26,6 +28,7 @@ from tasks.preprocess.ref import DatasetRef
 from tasks.train.config import TrainConfig
 from tasks.train.job import TrainingJob, TrainJobSpec
 from tasks.train.ref import CheckpointRef
+from tasks.train.task import train_with_restarts
 from tests.unit.datasets import write_dataset
 
 pytestmark = pytest.mark.timeout(300)
@@ -123,3 +126,39 @@ def _alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def test_a_job_that_lost_a_node_restarts_on_the_other_node_to_the_same_weights(
+    dataset: DatasetRef, tmp_path: Path
+) -> None:
+    cfg = ClusterConfig(executor="slurm", nodes=1, ranks_per_node=2, timeout_min=10)
+    assert cfg.max_restarts == 1  # the default
+    plain = make_executor(cfg, tmp_path / "p").submit(
+        TrainingJob(_spec(dataset, tmp_path / "plain", epochs=4))
+    )
+    killed: list[str] = []
+    lines: list[str] = []
+    job_dir = tmp_path / "k"
+
+    def kill_after_epoch_2(line: str) -> None:
+        lines.append(line)
+        if not killed and "epoch 2/4" in line:
+            record = json.loads(next(job_dir.glob("*_1_rank.json")).read_text())
+            os.kill(int(record["pid"]), signal.SIGKILL)
+            killed.append(str(record["slurm_node"]))
+
+    warnings: list[str] = []
+    spec = _spec(dataset, tmp_path / "lost", epochs=4)
+    ref = train_with_restarts(spec, cfg, job_dir, tmp_path, kill_after_epoch_2, warnings.append)
+    ref_plain = wait_for_job(plain, lambda line: None)
+
+    assert killed and isinstance(ref, CheckpointRef) and isinstance(ref_plain, CheckpointRef)
+    assert f"lost rank 1 (node {killed[0]})" in warnings[0]
+    restarted = [ln for ln in lines if f"excluding node(s) {killed[0]}" in ln]
+    assert restarted, lines
+    second = re.findall(r"submitted training job (\d+)", "\n".join(lines))[-1]
+    node = _sacct(second, "NodeList").strip()
+    assert node in {"tfnode1", "tfnode2"} and node != killed[0]
+    a = torch.load(ref.path, weights_only=True)["model"]
+    b = torch.load(ref_plain.path, weights_only=True)["model"]
+    assert all(torch.equal(a[k], b[k]) for k in a), "the restarted job's weights differ"

@@ -1,0 +1,69 @@
+"""Restarting a job that lost a rank: resubmit from its last checkpoint, away from a lost node.
+
+torchrun's elastic `max_restarts`, for submitit jobs: when a job ends because a rank was lost
+(cluster.lost_ranks.RankLostError: killed, or its node gone), it is submitted again up to
+`cluster.max_restarts` times. The training job resumes from its newest checkpoint by itself and
+logs into the same MLflow run (the spec is unchanged). On Slurm the new job excludes the nodes
+that lost ranks when the partition's other nodes can still hold it. A rank that raised is a bug,
+not a loss: it is never restarted.
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import submitit
+
+from cluster.config import ClusterConfig
+from cluster.lost_ranks import RankLostError
+
+Submit = Callable[[list[str]], submitit.Job[Any]]
+"""Submits the job excluding the given nodes and returns it."""
+
+
+def can_exclude(cfg: ClusterConfig, excluded: set[str]) -> bool:
+    """Whether a Slurm job of cfg still fits on its partition's usable nodes without `excluded`."""
+    if cfg.executor != "slurm" or not excluded:
+        return False
+    from cluster.slurm_checks import read_nodes, read_partitions
+
+    parts = read_partitions()
+    part = next(p for p in parts if p.name == cfg.partition or (not cfg.partition and p.default))
+    left = [n for n in read_nodes() if part.name in n.partitions and n.name not in excluded]
+    return len(left) >= cfg.nodes
+
+
+def run_with_restarts(
+    cfg: ClusterConfig,
+    submit: Submit,
+    wait: Callable[[submitit.Job[Any]], Any],
+    log: Callable[[str], None],
+    on_loss: Callable[[RankLostError, int], None] = lambda err, attempt: None,
+) -> Any:
+    """Submit and wait; after a lost rank, submit again (at most cfg.max_restarts times).
+
+    `on_loss(err, attempt)` is told of every loss (e.g. to tag the MLflow run). With no restart
+    left the last RankLostError propagates, saying so.
+    """
+    excluded: set[str] = set()
+    for attempt in range(cfg.max_restarts + 1):
+        job = submit(sorted(excluded))
+        try:
+            return wait(job)
+        except RankLostError as err:
+            on_loss(err, attempt)
+            headline = str(err).splitlines()[0]
+            if attempt == cfg.max_restarts:
+                raise RankLostError(
+                    f"{err}\nno restart left (cluster.max_restarts={cfg.max_restarts})", err.lost
+                ) from None
+            lost_nodes = {end.node for end in err.lost if end.node}
+            if can_exclude(cfg, excluded | lost_nodes):
+                excluded |= lost_nodes
+                where = f"excluding node(s) {', '.join(sorted(excluded))}"
+            else:
+                where = "on any node (the others cannot hold the job alone)"
+            log(
+                f"{headline}: restart {attempt + 1}/{cfg.max_restarts} from the last checkpoint, "
+                f"{where}"
+            )
+    raise AssertionError("unreachable")
