@@ -1,5 +1,5 @@
-"""Preprocess an npz folder on a dask cluster, then train on it streaming: run inside a memory
-cgroup by test_memory_limit.py. Prints each process's peak RSS (MiB) on its last line."""
+"""Preprocess an image folder on a dask cluster, then train on it streaming: run inside a
+memory cgroup by test_memory_limit.py. Prints each process's peak RSS (MiB) on its last line."""
 
 import json
 import re
@@ -22,7 +22,12 @@ def vm_hwm() -> int:
 
 def main(raw: Path, work: Path) -> None:
     cfg = PreprocessConfig(
-        source="npz", path=raw, val_fraction=0.45, test_fraction=0.44, shard_size=8192
+        source="folder",
+        path=raw,
+        image_size=(32, 32),
+        val_fraction=0.45,
+        test_fraction=0.44,
+        shard_size=8192,
     )
     with dask_client(DaskConfig(backend="cpu", n_workers=1, memory_limit="0")) as (client, be):
         ref = run_preprocess(cfg, work / "datasets", client, be, fingerprint(cfg))
