@@ -17,6 +17,7 @@ so the client reports it once (tasks.preprocess.gather) instead of a traceback p
 """
 
 import functools
+import mmap
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -274,8 +275,16 @@ class StagedImages:
 
     @functools.cached_property
     def _maps(self) -> list[np.ndarray]:
-        # Mapped once per worker, dropped with this object when the run releases it.
-        return [np.load(path, mmap_mode="r") for path in self.paths]
+        # Mapped once per worker, dropped with this object when the run releases it. Shards
+        # take random rows (the split is a shuffle): without MADV_RANDOM each row read pulls
+        # in the kernel's readahead window, which under a memory limit (page cache smaller
+        # than the staged data) re-reads the files many times over.
+        maps = [np.load(path, mmap_mode="r") for path in self.paths]
+        for array in maps:
+            mapping = getattr(array, "_mmap", None)
+            if mapping is not None:
+                mapping.madvise(mmap.MADV_RANDOM)
+        return maps
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickle the paths, never the mappings."""
