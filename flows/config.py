@@ -80,6 +80,7 @@ def _gpu() -> dict[str, Any]:
     # The demo's data on one GPU rank with larger batches and the learning rate scaled to
     # them; more epochs, as each has 4x fewer steps. CUDA graphs stay off: at batch 512 on
     # the H100 their first epoch compiled for ~20 s, longer than this whole run trains.
+    # On one CPU rank (fp32) this recipe reached 0.976 test accuracy in 12 epochs, 0.96 in 4.
     cfg = _demo()
     cfg.update(
         name="gpu",
