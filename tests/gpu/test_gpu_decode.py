@@ -47,5 +47,6 @@ def test_gpu_decode_matches_the_cpu_path(tmp_path: Path, size: tuple[int, int]) 
     # nvJPEG and libjpeg-turbo differ in IDCT/upsampling rounding; the resize rounds once more.
     assert diff.mean() <= 1.0, diff.mean()
     assert np.percentile(diff, 99.9) <= 4, np.percentile(diff, 99.9)
-    # PNG and CMYK took the CPU path on the GPU worker too: identical.
-    np.testing.assert_array_equal(gpu[-2:], cpu[-2:])
+    # The PNG took the CPU path on the GPU worker too: identical. (The CMYK JPEG, which
+    # nvJPEG may or may not take, is within the tolerance above either way.)
+    np.testing.assert_array_equal(gpu[-2], cpu[-2])
