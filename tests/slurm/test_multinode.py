@@ -134,7 +134,7 @@ def test_a_job_that_lost_a_node_restarts_on_the_other_node_to_the_same_weights(
     cfg = ClusterConfig(executor="slurm", nodes=1, ranks_per_node=2, timeout_min=10)
     assert cfg.max_restarts == 1  # the default
     plain = make_executor(cfg, tmp_path / "p").submit(
-        TrainingJob(_spec(dataset, tmp_path / "plain", epochs=4))
+        TrainingJob(_spec(dataset, tmp_path / "plain", epochs=60))
     )
     killed: list[str] = []
     lines: list[str] = []
@@ -142,13 +142,13 @@ def test_a_job_that_lost_a_node_restarts_on_the_other_node_to_the_same_weights(
 
     def kill_after_epoch_2(line: str) -> None:
         lines.append(line)
-        if not killed and "epoch 2/4" in line:
+        if not killed and "epoch 2/60" in line:
             record = json.loads(next(job_dir.glob("*_1_rank.json")).read_text())
             os.kill(int(record["pid"]), signal.SIGKILL)
             killed.append(str(record["slurm_node"]))
 
     warnings: list[str] = []
-    spec = _spec(dataset, tmp_path / "lost", epochs=4)
+    spec = _spec(dataset, tmp_path / "lost", epochs=60)
     ref = train_with_restarts(spec, cfg, job_dir, tmp_path, kill_after_epoch_2, warnings.append)
     ref_plain = wait_for_job(plain, lambda line: None)
 

@@ -211,16 +211,17 @@ def test_pipeline_template_refuses_bad_arguments_before_any_work(tmp_path: Path)
 def test_pipeline_template_gives_each_allocated_gpu_a_rank(tmp_path: Path) -> None:
     argv = [
         *(f"--chdir={tmp_path}", f"--output={tmp_path}/%j.out", "--gpus-per-node=2"),
-        *("--cpus-per-task=8", str(TEMPLATES / "pipeline.sbatch"), "--preset", "tiny"),
+        # 4: each dev node has 4 of the cluster's 8 CPUs.
+        *("--cpus-per-task=4", str(TEMPLATES / "pipeline.sbatch"), "--preset", "tiny"),
     ]
     with submitted(argv, job_env(TRAINFLOW_ROOT=str(REPO), TRAINFLOW_DRY_RUN="1")) as job_id:
         out = tmp_path / f"{job_id}.out"
         assert wait_ended(job_id, out) == ("COMPLETED", "0:0"), _tail(out)
     log = out.read_text()
-    assert "CPUs 8, GPUs 2, training ranks 2" in log, log
+    assert "CPUs 4, GPUs 2, training ranks 2" in log, log
     assert (
         "run --set cluster.executor=local --set cluster.gpus_per_node=2 "
-        "--set cluster.ranks_per_node=2 --set cluster.cpus_per_task=4 --preset tiny"
+        "--set cluster.ranks_per_node=2 --set cluster.cpus_per_task=2 --preset tiny"
     ) in log, log
     assert not (tmp_path / "trainflow-work").exists()  # a dry run does no work
 

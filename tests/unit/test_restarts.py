@@ -25,7 +25,7 @@ from tasks.train.task import train_with_restarts
 from tests.unit.datasets import write_dataset
 
 pytestmark = pytest.mark.timeout(240)
-EPOCHS = 5
+EPOCHS = 60  # ~0.1 s each here: the kill after epoch 2 must land long before the end
 
 
 @pytest.fixture(scope="module")
