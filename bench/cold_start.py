@@ -1,5 +1,5 @@
 """Cold start of a training rank: process start and job start to the first finished step,
-with torch._dynamo (and MLflow's client) imported on a background thread from the job's
+with torch._dynamo imported on a background thread from the job's
 first line (`tasks.train.warmup`, the default) and without (imported where first needed).
 
 The tiny preset's data and train config on the demo's cluster layout (2 CPU ranks here, one
@@ -33,6 +33,13 @@ def _process_start() -> float:
     return boot + ticks / os.sysconf("SC_CLK_TCK")
 
 
+class _Done:
+    """Stands in for the prewarm thread when prewarming is off: nothing to join."""
+
+    def join(self, timeout: float | None = None) -> None:
+        """Return at once."""
+
+
 class TimedJob(TrainingJob):
     """The training job, recording when its first optimizer step finished on each rank."""
 
@@ -53,7 +60,7 @@ class TimedJob(TrainingJob):
         if not self.prewarm:
             import tasks.train.job as job
 
-            job.prewarm_rank = lambda **_: None  # type: ignore[assignment]
+            job.prewarm_rank = lambda: _Done()  # type: ignore[assignment,return-value]
         result = super().__call__()
         rank = int(os.environ.get("RANK", "0"))
         record = {"process_start": _process_start(), "call": called, **marks}

@@ -76,10 +76,13 @@ def run_pipeline(cfg: PipelineConfig) -> PipelineSummary:
     with runs.parent(flatten(cfg)):
         runs.tag(runs.parent_id, {"config_hash": config_hash(cfg)})
         dataset, cached = preprocess_stage(runs, cfg, t)
-        prewarm_imports(EVALUATE_MODULES)  # while the training job runs
         with runs.stage("train", flatten(cfg.train)) as run_id, timed(t, "train"):
             spec = train_spec(cfg, dataset, run_dir, runs.tracking_uri, run_id)
+            # Imported while the job runs; joined before MLflow is used again: two threads
+            # importing parts of one package with import cycles can see it half initialised.
+            warm = prewarm_imports(EVALUATE_MODULES)
             ckpt = train_task(spec, cfg.cluster, run_dir / "jobs", cfg.workdir)
+            warm.join()
             log_checkpoint(runs.client, run_id, ckpt)
         result = evaluate_stage(runs, cfg, dataset, ckpt, t)
     return summarize(runs, dataset, cached, result, t)

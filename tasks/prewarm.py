@@ -1,7 +1,10 @@
 """Import modules on a background thread, so the import runs while this process waits.
 
 A module imported here and at the same time by the main thread is imported once: the main
-thread waits for it (Python's per-module import lock), so only when the work happens changes.
+thread waits for it (Python's per-module import lock). But two threads importing different parts
+of one package with import cycles (MLflow, torch) can each find the other's module half
+initialised ("partially initialized module"), so callers join the thread before their own
+thread imports from the same packages.
 """
 
 import importlib

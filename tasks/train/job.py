@@ -101,7 +101,7 @@ class TrainingJob(submitit.helpers.Checkpointable):
         """Set up, resume if a checkpoint exists, train the remaining epochs, clean up."""
         deliver_held_signal()  # a requeue signal that came during start-up: requeue now
         spec, cfg = self.spec, self.spec.train
-        prewarm_rank(logs_metrics=spec.run_id is not None)  # dynamo, MLflow: in the waits
+        warm = prewarm_rank()  # torch._dynamo, imported in the waits (rendezvous, data loading)
         torch.set_num_threads(spec.cpus_per_task)
         with distributed(cfg.device) as dist, EpochRecorder() as recorder:
             torch.manual_seed(cfg.seed)
@@ -111,6 +111,7 @@ class TrainingJob(submitit.helpers.Checkpointable):
             train, val = self._load("train", dist, nhwc), self._load("val", dist, nhwc)
             if dist.is_main:
                 self._announce(dist, policy, nhwc, train)
+            warm.join()  # the model, optimizer and DDP import torch internals on this thread
             trainer = self._trainer(dist, policy, len(train))
             progress = self._resume(trainer)
             logger = recorder.closing(

@@ -142,7 +142,10 @@ def test_a_ranks_peak_memory_does_not_grow_with_the_dataset(tmp_path: Path) -> N
     shape = (3, 32, 32)  # 3 KiB a sample: 1x = 36 MiB, 4x = 144 MiB of uint8 train shards
     small = write_uint8_dataset(tmp_path / "x1", 12_000, shard_size=4096, shape=shape)
     large = write_uint8_dataset(tmp_path / "x4", 48_000, shard_size=4096, shape=shape)
-    one, four = _peak_rss(small.path, "stream"), _peak_rss(large.path, "stream")
+    # The lower of two runs each: under CPU load the prefetcher's timing moves a run's peak by
+    # a few MiB (seen: +7 MiB at load 10), which is noise, not growth with the data.
+    one = min(_peak_rss(small.path, "stream") for _ in range(2))
+    four = min(_peak_rss(large.path, "stream") for _ in range(2))
     assert abs(four - one) <= 0.1 * one, f"peak RSS 1x {one >> 20} MiB, 4x {four >> 20} MiB"
     # The same reads with the split loaded into memory do grow: the test can tell.
     loaded = _peak_rss(large.path, "host")
