@@ -55,39 +55,34 @@ def _privately(folder: Path, submit: Callable[[], list[submitit.Job[Any]]]) -> l
     return jobs
 
 
-class TrainflowLocalExecutor(submitit.LocalExecutor):
-    """submitit's LocalExecutor whose ranks run under cluster.rank_guard and whose pickles,
-    logs and job processes are private (umask 077)."""
+class _GuardedPrivate:
+    """What trainflow adds to a submitit executor: every rank runs under cluster.rank_guard,
+    and jobs are submitted privately (umask 077: pickles, logs and job processes)."""
 
     peer_timeout_s: int = ClusterConfig().peer_timeout_s
+    folder: Path
+    python: str
 
     @property
     def _submitit_command_str(self) -> str:
-        return _guarded(super()._submitit_command_str, self.python, self.peer_timeout_s)
+        command: str = super()._submitit_command_str  # type: ignore[misc]
+        return _guarded(command, self.python, self.peer_timeout_s)
 
     def _internal_process_submissions(
         self, delayed_submissions: list[DelayedSubmission]
     ) -> list[submitit.Job[Any]]:
-        base = super()._internal_process_submissions
+        base = super()._internal_process_submissions  # type: ignore[misc]
         return _privately(self.folder, lambda: base(delayed_submissions))
 
 
-class TrainflowSlurmExecutor(submitit.SlurmExecutor):
-    """submitit's SlurmExecutor whose ranks (srun tasks) run under cluster.rank_guard and whose
-    pickles and jobs are private: sbatch runs under umask 077, which Slurm hands on to the job
-    (SLURM_UMASK), so its logs and result pickles are too."""
+class TrainflowLocalExecutor(_GuardedPrivate, submitit.LocalExecutor):
+    """submitit's LocalExecutor with guarded ranks and private job files."""
 
-    peer_timeout_s: int = ClusterConfig().peer_timeout_s
 
-    @property
-    def _submitit_command_str(self) -> str:
-        return _guarded(super()._submitit_command_str, self.python, self.peer_timeout_s)
-
-    def _internal_process_submissions(
-        self, delayed_submissions: list[DelayedSubmission]
-    ) -> list[submitit.Job[Any]]:
-        base = super()._internal_process_submissions
-        return _privately(self.folder, lambda: base(delayed_submissions))
+class TrainflowSlurmExecutor(_GuardedPrivate, submitit.SlurmExecutor):
+    """submitit's SlurmExecutor with guarded ranks (srun tasks) and private jobs: sbatch runs
+    under umask 077, which Slurm hands on to the job (SLURM_UMASK), so its logs and result
+    pickles are private too."""
 
 
 def restore_sigint() -> None:

@@ -118,6 +118,23 @@ def rank_ends(job: submitit.Job[Any]) -> list[RankEnd]:
     return ends
 
 
+PEER_LOSS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "remote worker crashing",
+    "remote process exited",
+    "DistNetworkError",
+    "Broken pipe",
+)
+"""What a rank's last error line says when its collective lost a peer (gloo, NCCL, the store)."""
+
+
+def _collateral(end: RankEnd) -> bool:
+    """True when `end` raised only because a peer went away."""
+    lines = (end.traceback or "").strip().splitlines()
+    return bool(lines) and any(sign in lines[-1] for sign in PEER_LOSS)
+
+
 def failure_message(job: submitit.Job[Any], ends: list[RankEnd]) -> str | None:
     """The message of a failed job, None when no rank failed.
 
@@ -129,7 +146,11 @@ def failure_message(job: submitit.Job[Any], ends: list[RankEnd]) -> str | None:
     if not failed:
         return None
     lost = sorted((e for e in failed if e.lost), key=lambda e: (e.ended or float("inf"), e.task))
-    raised = sorted((e for e in failed if not e.lost), key=lambda e: (e.ended, e.task))
+    # A rank whose error is its collective losing a peer is collateral: the rank that raised
+    # something else is the cause and leads, even when it took longer to exit.
+    raised = sorted(
+        (e for e in failed if not e.lost), key=lambda e: (_collateral(e), e.ended, e.task)
+    )
     if lost:
         first = lost[0]
         parts = [f"job {job.job_id} lost rank {first.task} (node {first.node or '?'}): "]

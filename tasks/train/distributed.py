@@ -1,9 +1,9 @@
 """Distributed set-up and tear-down: who am I (rank), which device, which backend.
 
-Under submitit the rank layout comes from the job environment (exported as the RANK /
-WORLD_SIZE / MASTER_ADDR / MASTER_PORT variables torch's env:// rendezvous reads); under
-torchrun those variables are already set; a plain process is a world of one with no process
-group at all.
+Under submitit the rank layout comes from the job environment and the ranks meet on a store
+rank 0 starts on a free port of the first node (tasks.train.rendezvous); under torchrun the
+RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT variables are already set and torch's env://
+rendezvous reads them; a plain process is a world of one with no process group at all.
 """
 
 import atexit
@@ -22,6 +22,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from tasks.errors import ConfigError
+from tasks.train.rendezvous import Layout, export_env, meet, submitit_layout
 
 DEFAULT_TIMEOUT = timedelta(minutes=5)
 """How long a collective waits for a silent peer before the job fails instead of hanging,
@@ -57,18 +58,16 @@ class DistContext:
         return self.rank == 0
 
 
-def _export_submitit_env() -> None:
-    """Export submitit's rank layout as torch's env:// variables when inside a submitit job."""
-    try:
-        env = submitit.JobEnvironment()
-    except RuntimeError:
-        return  # not a submitit job: torchrun variables or a single process
-    if env.num_tasks > 1:
-        # Keep CUDA_VISIBLE_DEVICES as the scheduler set it: submitit's default rewrites it
-        # to the local rank, which hides the GPU when Slurm already bound one per task.
-        submitit.helpers.TorchDistributedEnvironment().export(
-            set_cuda_visible_devices=False, overwrite=True
-        )
+def _export_submitit_env() -> Layout | None:
+    """Export a multi-task submitit job's rank layout as torch's RANK / WORLD_SIZE / LOCAL_RANK
+    variables and return it; None (nothing exported) outside such a job.
+
+    CUDA_VISIBLE_DEVICES stays as the scheduler set it (submitit's own helper rewrites it to
+    the local rank, which hides the GPU when Slurm already bound one per task)."""
+    layout = submitit_layout()
+    if layout is not None:
+        export_env(layout)
+    return layout
 
 
 def _pick_device(device_pref: str, local_rank: int) -> torch.device:
@@ -93,7 +92,7 @@ def setup_distributed(device_pref: str, timeout: timedelta | None = None) -> Dis
 
     `timeout` (default: peer_timeout()) bounds every collective's wait for a silent peer."""
     timeout = timeout or peer_timeout()
-    _export_submitit_env()
+    layout = _export_submitit_env()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -105,6 +104,7 @@ def setup_distributed(device_pref: str, timeout: timedelta | None = None) -> Dis
         torch.cuda.set_device(device)
     dist.init_process_group(
         backend,
+        store=meet(layout, timeout) if layout is not None else None,
         timeout=timeout,
         rank=rank,
         world_size=world_size,

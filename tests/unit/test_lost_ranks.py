@@ -27,21 +27,26 @@ from tasks.train.distributed import distributed
 pytestmark = pytest.mark.timeout(120)
 
 
-def _all_reduce_until(fail_rank: int | None) -> int:
-    """Two ranks all-reduce in a loop; `fail_rank` raises at step 3. Runs ~forever otherwise."""
-    with distributed("cpu") as ctx:
-        for step in range(100_000):
-            if step == 3 and ctx.rank == fail_rank:
-                raise ValueError(f"rank {ctx.rank} broke on purpose")
-            dist.all_reduce(torch.ones(1))
-            print(f"step {step}", flush=True)
-            time.sleep(0.05)
+def _all_reduce_until(fail_rank: int | None, linger_s: float = 0.0) -> int:
+    """Two ranks all-reduce in a loop; `fail_rank` raises at step 3, after leaving the group
+    it lingers `linger_s` before its exception ends it. Runs ~forever otherwise."""
+    try:
+        with distributed("cpu") as ctx:
+            for step in range(100_000):
+                if step == 3 and ctx.rank == fail_rank:
+                    raise ValueError(f"rank {ctx.rank} broke on purpose")
+                dist.all_reduce(torch.ones(1))
+                print(f"step {step}", flush=True)
+                time.sleep(0.05)
+    except ValueError:
+        time.sleep(linger_s)
+        raise
     return 0
 
 
-def _submit(tmp_path: Path, fail_rank: int | None) -> submitit.Job[int]:
+def _submit(tmp_path: Path, fail_rank: int | None, linger_s: float = 0.0) -> submitit.Job[int]:
     executor = make_executor(ClusterConfig(ranks_per_node=2, timeout_min=5), tmp_path / "jobs")
-    return executor.submit(_all_reduce_until, fail_rank)
+    return executor.submit(_all_reduce_until, fail_rank, linger_s)
 
 
 def _rank_record(job: submitit.Job[int], task: int) -> dict[str, object]:
@@ -92,7 +97,8 @@ def _alive(pid: int) -> bool:
 
 
 def test_a_rank_that_raises_is_named_with_its_traceback_node_and_log(tmp_path: Path) -> None:
-    job = _submit(tmp_path, fail_rank=1)
+    # The raising rank ends 3 s after its peer (whose all-reduce lost it): the cause still leads.
+    job = _submit(tmp_path, fail_rank=1, linger_s=3.0)
     with pytest.raises(JobError) as failure:
         wait_for_job(job, lambda line: None, poll_s=0.1)
     message = str(failure.value)
@@ -102,6 +108,7 @@ def test_a_rank_that_raises_is_named_with_its_traceback_node_and_log(tmp_path: P
     assert f"log: {job.paths.folder}/{job.job_id}_1_log.err" in head
     assert "ValueError: rank 1 broke on purpose" in message
     assert "lost rank" not in message  # a rank that raised is no lost rank
+    assert ", then rank(s) [0]:" in head  # the peer's collective error follows as detail
 
 
 def _peer_timeout() -> float:
