@@ -7,6 +7,7 @@ shows a chosen epoch (`scancel --signal=USR2`), so they hold on a busy machine, 
 1-minute limit may pass before an epoch does.
 """
 
+import json
 import subprocess
 import time
 from pathlib import Path
@@ -24,6 +25,7 @@ from tasks.train.checkpoint import latest_checkpoint, load_state
 from tasks.train.config import TrainConfig
 from tasks.train.job import TrainingJob, TrainJobSpec
 from tasks.train.ref import CheckpointRef
+from tests.gates import GatedJob
 from tests.unit.datasets import write_dataset
 
 EPOCHS = 8
@@ -104,10 +106,25 @@ def test_a_two_node_job_requeued_mid_epoch_matches_an_uninterrupted_run(tmp_path
     assert len(client.search_runs([exp.experiment_id])) == 2  # the parent and this train run
 
 
+def _wait_for_new_attempt(rank_record: Path, since: float) -> None:
+    """Wait until rank 0 of a new attempt has started (cluster.rank_guard's record)."""
+    deadline = time.monotonic() + 180
+    while True:
+        try:
+            if json.loads(rank_record.read_text())["started"] > since:
+                return
+        except (OSError, ValueError, KeyError):
+            pass
+        assert time.monotonic() < deadline, "the requeued job never started again"
+        time.sleep(0.2)
+
+
 def test_scontrol_requeue_resumes_into_the_same_mlflow_run(tmp_path: Path) -> None:
     # Preemption with PreemptMode=REQUEUE looks like this to the job: killed, queued again.
-    dataset = write_dataset(tmp_path / "data", n_train=8192, n_val=256)
-    epochs = 60
+    # The job waits before epoch 6 until the requeue is under way, so it cannot finish first.
+    dataset = write_dataset(tmp_path / "data", n_train=4096, n_val=256)
+    epochs = EPOCHS
+    gate = tmp_path / "gate-6"
     runs = PipelineRuns(TrackingConfig(experiment="requeue"), tmp_path, "requeue")
     run_id = runs.open_stage("train", {})
     spec = TrainJobSpec(
@@ -118,13 +135,16 @@ def test_scontrol_requeue_resumes_into_the_same_mlflow_run(tmp_path: Path) -> No
         run_id=run_id,
     )
     cluster = ClusterConfig(executor="slurm", ranks_per_node=2)
-    job = make_executor(cluster, tmp_path / "jobs").submit(TrainingJob(spec))
+    job = make_executor(cluster, tmp_path / "jobs").submit(GatedJob(spec, {6: gate}))
     log = Path(job.task(0).paths.stdout)
     deadline = time.monotonic() + 120
     while not (log.exists() and "epoch 5/" in log.read_text()):
         assert time.monotonic() < deadline, "the job never reached epoch 5"
         time.sleep(0.5)
+    requeued_at = time.time()
     subprocess.run(["scontrol", "requeue", str(job.job_id)], check=True, timeout=30)
+    _wait_for_new_attempt(job.paths.folder / f"{job.job_id}_0_rank.json", requeued_at)
+    gate.touch()
     lines: list[str] = []
     ref = wait_for_job(job, lines.append)
     assert isinstance(ref, CheckpointRef)

@@ -30,10 +30,9 @@ from tasks.tracking.pipeline_runs import PipelineRuns
 from tasks.tracking.sender import MetricSender
 from tasks.train.checkpoint import latest_checkpoint
 from tasks.train.config import TrainConfig
-from tasks.train.data import SplitData as Split
-from tasks.train.job import Progress, TrainingJob, TrainJobSpec
-from tasks.train.loop import Trainer
+from tasks.train.job import TrainJobSpec
 from tasks.train.ref import CheckpointRef
+from tests.gates import GatedJob
 from tests.services import free_port, mlflow_server, wait_for
 from tests.unit.datasets import write_dataset
 
@@ -53,22 +52,6 @@ def dataset(tmp_path_factory: pytest.TempPathFactory) -> DatasetRef:
 def sqlite_store(tmp_path_factory: pytest.TempPathFactory) -> str:
     """One local store for the tests that need no server (creating one takes ~10 s)."""
     return f"sqlite:///{tmp_path_factory.mktemp('store')}/mlflow.db"
-
-
-class GatedJob(TrainingJob):
-    """Waits before the epochs named in `gates` until the test creates the gate's file."""
-
-    def __init__(self, spec: TrainJobSpec, gates: dict[int, Path]) -> None:
-        super().__init__(spec)
-        self.gates = gates
-
-    def _run_epoch(
-        self, trainer: Trainer, train: Split, val: Split, progress: Progress
-    ) -> dict[str, float]:
-        gate = self.gates.get(progress.epoch + 1)
-        while gate is not None and not gate.exists():
-            time.sleep(0.05)
-        return super()._run_epoch(trainer, train, val, progress)
 
 
 def _run_id(url: str, folder: Path) -> str:

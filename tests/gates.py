@@ -1,0 +1,32 @@
+"""A training job that waits at chosen epochs until the test opens a gate (creates a file).
+
+Tests that act on a running job (stop a server, requeue it) hold it at an epoch this way, so
+what they check does not depend on how fast this machine trains at the time."""
+
+import sys
+import time
+from pathlib import Path
+
+import cloudpickle
+
+from tasks.train.data import SplitData as Split
+from tasks.train.job import Progress, TrainingJob, TrainJobSpec
+from tasks.train.loop import Trainer
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+class GatedJob(TrainingJob):
+    """Waits before the epochs named in `gates` until the test creates the gate's file."""
+
+    def __init__(self, spec: TrainJobSpec, gates: dict[int, Path]) -> None:
+        super().__init__(spec)
+        self.gates = gates
+
+    def _run_epoch(
+        self, trainer: Trainer, train: Split, val: Split, progress: Progress
+    ) -> dict[str, float]:
+        gate = self.gates.get(progress.epoch + 1)
+        while gate is not None and not gate.exists():
+            time.sleep(0.05)
+        return super()._run_epoch(trainer, train, val, progress)
