@@ -102,9 +102,13 @@ def setup_distributed(device_pref: str, timeout: timedelta | None = None) -> Dis
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    store = None
+    if layout is not None:
+        store = meet(layout, timeout)
+        export_env(layout, store.port)  # MASTER_PORT as it is, for code that reads it
     dist.init_process_group(
         backend,
-        store=meet(layout, timeout) if layout is not None else None,
+        store=store,
         timeout=timeout,
         rank=rank,
         world_size=world_size,

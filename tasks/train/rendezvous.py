@@ -112,7 +112,6 @@ def _host(layout: Layout, timeout: timedelta) -> dist.TCPStore:
     tmp.write_text(json.dumps({"addr": layout.master_addr, "port": store.port, "nonce": nonce}))
     os.chmod(tmp, 0o600)
     os.replace(tmp, layout.file)
-    export_env(layout, store.port)
     return store
 
 
@@ -130,7 +129,6 @@ def _join(layout: Layout, timeout: timedelta) -> dist.TCPStore:
             store = _connect(published["addr"], published["port"], layout.world_size)
             if store is not None and _holds(store, published["nonce"]):
                 store.set_timeout(timeout)
-                export_env(layout, int(published["port"]))
                 return store
             seen = f"{published['addr']}:{published['port']} is not this attempt's store"
         time.sleep(POLL_S)

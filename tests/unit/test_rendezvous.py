@@ -3,6 +3,7 @@
 Real TCPStores in threads of this process: rank 0's host side and rank 1's joining side."""
 
 import json
+import os
 import socket
 import threading
 import time
@@ -78,3 +79,14 @@ def test_a_missing_rank_0_ends_the_wait_with_a_message_naming_it(tmp_path: Path)
     assert "rank 1 waited 1 s for rank 0" in message
     assert "42_rendezvous_0.json: no file yet" in message
     assert "cluster.peer_timeout_s" in message
+
+
+def test_meeting_changes_no_environment_variable(tmp_path: Path) -> None:
+    # setup_distributed exports the layout; meet() itself must not leak a world of 2 into the
+    # process (a later in-process run would then wait for a peer that never comes).
+    before = dict(os.environ)
+    thread, joined = _join_in_thread(tmp_path)
+    host = meet(_layout(tmp_path, 0), TIMEOUT)  # kept: a dropped store closes its port
+    thread.join(timeout=30)
+    assert joined and host.port == joined[0].port
+    assert dict(os.environ) == before
