@@ -12,8 +12,10 @@ its workers then exit after DEATH_TIMEOUT_S without a scheduler, and their jobs 
 """
 
 import logging
+import signal
 import socket
 import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
@@ -68,8 +70,7 @@ def slurm_client(
     ``env``: variables exported in each worker job before the worker starts.
     """
     check_dask_workers(cfg)  # before anything is queued
-    from dask_jobqueue import SLURMCluster  # imported only for executor=slurm
-
+    SLURMCluster = import_slurm_cluster()
     name = f"trainflow-dask-{uuid.uuid4().hex[:8]}"
     cluster = SLURMCluster(**cluster_options(cfg, name, log_dir, env or {}))
     try:
@@ -84,6 +85,24 @@ def slurm_client(
             cluster.close(timeout=30)
         finally:
             cancel_worker_jobs(name, ids)
+
+
+def import_slurm_cluster() -> Any:
+    """dask_jobqueue's SLURMCluster, imported without the SIGINT handler its import installs.
+
+    dask_jobqueue.runner sets SIGINT to `sys.exit()` when imported: Ctrl-C would then end the
+    flow with exit status 0 instead of KeyboardInterrupt (and the import fails off the main
+    thread, where signal.signal raises). signal.signal is held off for the import alone.
+    """
+    if "dask_jobqueue" in sys.modules:
+        return sys.modules["dask_jobqueue"].SLURMCluster
+    real = signal.signal
+    signal.signal = lambda signum, _handler: signal.getsignal(signum)  # type: ignore[assignment]
+    try:
+        from dask_jobqueue import SLURMCluster
+    finally:
+        signal.signal = real
+    return SLURMCluster
 
 
 def cluster_options(
