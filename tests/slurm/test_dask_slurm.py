@@ -4,9 +4,11 @@
   build has the content hash a local cluster's has for the same config;
 - a worker request no node can hold fails before anything is queued, with a clear message;
 - no worker job is left in squeue after the block ends, after an error in it, after workers
-  that do not start (with squeue's reason in the error), and after Ctrl-C.
+  that do not start (with squeue's reason in the error), after Ctrl-C and after a cancel of
+  the Prefect flow run (Prefect's SIGTERM to the flow process).
 """
 
+import json
 import os
 import re
 import signal
@@ -23,7 +25,7 @@ from tasks.errors import ConfigError, JobError
 from tasks.preprocess.config import PreprocessConfig
 from tasks.preprocess.run import run_preprocess
 from tasks.preprocess.sources import fingerprint
-from tests.services import wait_for
+from tests.services import background, get_json, prefect_server, service_env, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 _SMALL = {"executor": "slurm", "mem_gb": 0.5, "timeout_min": 10, "start_timeout_s": 180}
@@ -142,3 +144,43 @@ def test_ctrl_c_cancels_every_worker_job(tmp_path: Path) -> None:
     finally:
         proc.kill()
     _no_worker_jobs_left()
+
+
+def test_cancelling_the_prefect_flow_run_cancels_the_worker_jobs(tmp_path: Path) -> None:
+    """A served pipeline whose worker job pends (BeginTime) until the flow run is cancelled."""
+    with prefect_server(tmp_path) as api:
+        env = service_env(PREFECT_API_URL=api, PREFECT_HOME=str(tmp_path / "prefect-home"))
+        serve = "from flows.pipeline import pipeline; pipeline.serve(name='dask-cancel')"
+        with background([sys.executable, "-c", serve], tmp_path / "serve.log", env, REPO):
+            overrides = [
+                "cluster.dask.executor=slurm",
+                "cluster.dask.n_workers=1",
+                "cluster.dask.mem_gb=0.5",
+                "cluster.dask.timeout_min=10",
+                'cluster.dask.sbatch_extra={"begin": "now+1hour"}',
+                f"workdir={tmp_path / 'work'}",
+            ]
+            flow_run = _deploy(env, "trainflow-pipeline/dask-cancel", overrides)
+            wait_for(lambda: _worker_jobs() or None, 240, "the flow to queue its worker job")
+            cli = [sys.executable, "-m", "prefect", "flow-run", "cancel", flow_run]
+            subprocess.run(cli, env=env, check=True, timeout=60, capture_output=True)
+            _no_worker_jobs_left()
+
+            def cancelled() -> bool | None:
+                run = get_json(f"{api}/flow_runs/{flow_run}")
+                return (run and run["state"]["type"] == "CANCELLED") or None
+
+            wait_for(cancelled, 60, "the flow run to be Cancelled")
+
+
+def _deploy(env: dict[str, str], deployment: str, overrides: list[str]) -> str:
+    """`prefect deployment run` (retried until the served deployment exists): the run's id."""
+    argv = [sys.executable, "-m", "prefect", "deployment", "run", deployment]
+    argv += ["--param", "preset=tiny", "--param", f"overrides={json.dumps(overrides)}"]
+
+    def run() -> str | None:
+        out = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=60)
+        found = re.search(r"UUID:\s*([0-9a-f-]{36})", out.stdout)
+        return found.group(1) if out.returncode == 0 and found else None
+
+    return str(wait_for(run, 90, "the deployment to accept a run"))
