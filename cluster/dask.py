@@ -32,13 +32,14 @@ _MALLOC_ENV = {"MALLOC_TRIM_THRESHOLD_": 64 << 20, "MALLOC_MMAP_THRESHOLD_": 32 
 
 @contextmanager
 def dask_client(
-    cfg: DaskConfig, log_dir: Path | None = None
+    cfg: DaskConfig, workdir: Path | None = None
 ) -> Iterator[tuple[distributed.Client, Backend]]:
     """Yield a connected client and the array backend its workers use; close both on exit.
 
     An external scheduler (cfg.address) is only disconnected from, never shut down. With
-    cfg.executor=slurm the workers are Slurm jobs (cluster.dask_slurm), their logs in log_dir
-    (a folder the nodes can write; None: a new temporary folder), cancelled on exit.
+    cfg.executor=slurm the workers are Slurm jobs (cluster.dask_slurm), cancelled on exit; with
+    a workdir (on a filesystem the nodes share) their logs go to workdir/dask-workers and the
+    jobs are recorded in workdir/active_jobs for `trainflow cleanup` (else: a temporary folder).
     """
     with ExitStack() as stack:
         stack.enter_context(quiet_dask_logs())  # first in, last out: covers the shutdown too
@@ -46,8 +47,9 @@ def dask_client(
         if cfg.executor == "slurm":
             from cluster.dask_slurm import slurm_client
 
-            folder = log_dir or Path(tempfile.mkdtemp(prefix="trainflow-dask-"))
-            client, backend = stack.enter_context(slurm_client(cfg, folder, _MALLOC_ENV))
+            folder = workdir or Path(tempfile.mkdtemp(prefix="trainflow-dask-"))
+            jobs = stack.enter_context(slurm_client(cfg, folder, _MALLOC_ENV, workdir is not None))
+            client, backend = jobs
         elif cfg.address:
             backend = "cupy" if cfg.backend == "gpu" else "numpy"
             client = stack.enter_context(distributed.Client(cfg.address))

@@ -8,7 +8,8 @@ does not start, say why (squeue's reason, or the tail of its log). However the b
 (normally, on an error, Ctrl-C or a Prefect cancel), every worker job is cancelled: by job id
 through SLURMCluster.close and then by the cluster's unique job name, which also catches a
 job whose sbatch was still under way. A flow process killed outright cannot cancel anything:
-its workers then exit after DEATH_TIMEOUT_S without a scheduler, and their jobs end.
+its jobs are recorded in the workdir's registry (cluster.registry) for `trainflow cleanup`, and
+its workers exit after DEATH_TIMEOUT_S without a scheduler, which ends their jobs anyway.
 """
 
 import logging
@@ -26,6 +27,7 @@ from typing import Any, Literal
 
 import distributed
 
+from cluster import registry
 from cluster.config import DaskConfig
 from cluster.dask_slurm_checks import check_dask_workers, worker_mem_mb
 from tasks.errors import ConfigError, JobError
@@ -63,28 +65,38 @@ class QueuedJob:
 
 @contextmanager
 def slurm_client(
-    cfg: DaskConfig, log_dir: Path, env: Mapping[str, object] | None = None
+    cfg: DaskConfig, workdir: Path, env: Mapping[str, object] | None = None, record: bool = True
 ) -> Iterator[tuple[distributed.Client, Backend]]:
     """Start cfg.n_workers worker jobs, wait for them, yield a client; cancel every job on exit.
 
-    ``env``: variables exported in each worker job before the worker starts.
+    Worker logs go to workdir/dask-workers; with ``record`` each job is also recorded in
+    workdir/active_jobs while it runs (cluster.registry: `trainflow cleanup` cancels the jobs
+    of a flow process that was killed). ``env``: variables exported in each worker job.
     """
     check_dask_workers(cfg)  # before anything is queued
     SLURMCluster = import_slurm_cluster()
     name = f"trainflow-dask-{uuid.uuid4().hex[:8]}"
+    log_dir = workdir / "dask-workers"
     cluster = SLURMCluster(**cluster_options(cfg, name, log_dir, env or {}))
+    ids: list[str] = []
     try:
         cluster.scale(jobs=cfg.n_workers)
-        cluster.sync(cluster._correct_state)  # submit now: an sbatch error raises here
+        try:
+            cluster.sync(cluster._correct_state)  # submit now: an sbatch error raises here
+        finally:
+            ids = [str(job.job_id) for job in cluster.workers.values() if job.job_id]
+            for job_id in ids if record else []:
+                registry.record(workdir, job_id, "slurm", log_dir)
         with distributed.Client(cluster) as client:
             wait_for_workers(client, cluster, cfg, name, log_dir)
             yield client, "cupy" if cfg.gpus_per_worker else "numpy"
     finally:
-        ids = [str(job.job_id) for job in cluster.workers.values() if job.job_id]
         try:
             cluster.close(timeout=30)
         finally:
             cancel_worker_jobs(name, ids)
+            for job_id in ids if record else []:
+                registry.forget(workdir, job_id)
 
 
 def import_slurm_cluster() -> Any:

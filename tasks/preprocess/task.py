@@ -50,7 +50,7 @@ def preprocess_task(
 ) -> DatasetRef:
     """Validate, split, normalise and shard the raw data on a dask cluster."""
     log = get_run_logger()
-    with dask_client(dask, out_root.parent / "dask-workers") as (client, backend):
+    with dask_client(dask, out_root.parent) as (client, backend):  # out_root: workdir/datasets
         log.info(
             "preprocessing source=%s on dask (%s backend, %s)",
             cfg.source,

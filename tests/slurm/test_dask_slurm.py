@@ -5,7 +5,8 @@
 - a worker request no node can hold fails before anything is queued, with a clear message;
 - no worker job is left in squeue after the block ends, after an error in it, after workers
   that do not start (with squeue's reason in the error), after Ctrl-C and after a cancel of
-  the Prefect flow run (Prefect's SIGTERM to the flow process).
+  the Prefect flow run (Prefect's SIGTERM to the flow process); the jobs of a flow process
+  killed outright are recorded, and `trainflow cleanup`'s cancel_orphans cancels them.
 """
 
 import json
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from cluster import registry
 from cluster.config import DaskConfig
 from cluster.dask import dask_client
 from cluster.slurm_checks import read_nodes
@@ -118,6 +120,7 @@ def test_workers_that_do_not_start_say_why_and_are_cancelled(tmp_path: Path) -> 
 _HOLD = """
 import sys, time
 from pathlib import Path
+from cluster import registry
 from cluster.config import DaskConfig
 from cluster.dask import dask_client
 cfg = DaskConfig(executor="slurm", n_workers=2, mem_gb=0.5, timeout_min=10, start_timeout_s=180)
@@ -143,6 +146,24 @@ def test_ctrl_c_cancels_every_worker_job(tmp_path: Path) -> None:
         assert proc.wait(timeout=120) == -signal.SIGINT
     finally:
         proc.kill()
+    _no_worker_jobs_left()
+    assert registry.recorded(tmp_path) == []
+
+
+def test_cleanup_cancels_the_worker_jobs_of_a_killed_flow_process(tmp_path: Path) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _HOLD, str(tmp_path)], stdout=subprocess.PIPE, text=True, cwd=REPO
+    )
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "ready"
+        jobs = sorted(_worker_jobs())
+        assert len(jobs) == 2
+    finally:
+        proc.kill()  # SIGKILL: nothing in the process can cancel its jobs
+        proc.wait()
+    assert sorted(_worker_jobs()) == jobs  # orphans, until their workers' death timeout
+    assert sorted(job.job_id for job in registry.cancel_orphans(tmp_path)) == jobs
     _no_worker_jobs_left()
 
 
