@@ -290,3 +290,15 @@ def cancel_worker_jobs(name: str, job_ids: list[str]) -> None:
             subprocess.run(argv, capture_output=True, timeout=60, check=False)
         except (OSError, subprocess.TimeoutExpired) as err:
             log.warning("could not cancel dask worker jobs (%s): %s", " ".join(argv), err)
+
+
+def worker_placement(client: distributed.Client) -> str:
+    """Where each worker runs, as its own environment says: 'job 12 on tfnode1, ...'."""
+
+    def where() -> str:
+        import os  # runs on the worker
+
+        job, node = os.environ.get("SLURM_JOB_ID", "?"), os.environ.get("SLURMD_NODENAME", "?")
+        return f"job {job} on {node}"
+
+    return ", ".join(sorted(client.run(where).values()))

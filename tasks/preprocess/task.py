@@ -13,6 +13,7 @@ from prefect.context import TaskRunContext
 
 from cluster.config import DaskConfig
 from cluster.dask import dask_client
+from cluster.dask_slurm import worker_placement
 from tasks.diskspace import disk_stage
 from tasks.errors import DataError
 from tasks.preprocess.config import PreprocessConfig
@@ -57,6 +58,8 @@ def preprocess_task(
             backend,
             client.dashboard_link,
         )
+        if dask.executor == "slurm":
+            log.info("dask workers (Slurm): %s", worker_placement(client))
         ref = run_preprocess(cfg, out_root, client, backend, cache_key)
     log.info(
         "dataset %s: %s samples of shape %s, %d classes, hash %s",
