@@ -80,9 +80,8 @@ def slurm_client(
     cluster = SLURMCluster(**cluster_options(cfg, name, log_dir, env or {}))
     ids: list[str] = []
     try:
-        cluster.scale(jobs=cfg.n_workers)
         try:
-            cluster.sync(cluster._correct_state)  # submit now: an sbatch error raises here
+            submit_workers(cluster, cfg.n_workers)
         finally:
             ids = [str(job.job_id) for job in cluster.workers.values() if job.job_id]
             for job_id in ids if record else []:
@@ -93,10 +92,32 @@ def slurm_client(
     finally:
         try:
             cluster.close(timeout=30)
+        # A worker whose sbatch failed fails close()'s own status assertion: the jobs are
+        # cancelled below all the same, and the error that brought us here must not be hidden.
+        except Exception as err:
+            log.info("closing the dask worker cluster: %s: %s", type(err).__name__, err)
         finally:
             cancel_worker_jobs(name, ids)
             for job_id in ids if record else []:
                 registry.forget(workdir, job_id)
+
+
+def submit_workers(cluster: Any, n: int) -> None:
+    """Queue n worker jobs now; JobError with sbatch's own words when it refuses one.
+
+    SpecCluster.scale only schedules the submission on the cluster's event loop, where a
+    failing sbatch is logged as a traceback and the worker silently never comes.
+    """
+    while len(cluster.worker_spec) < n:
+        cluster.worker_spec.update(cluster.new_worker_spec())
+    try:
+        cluster.sync(cluster._correct_state)
+    except RuntimeError as err:  # dask-jobqueue's: the command, its exit code, stdout, stderr
+        why = " ".join(str(err).rpartition("stderr:")[2].split()) or str(err)
+        raise JobError(
+            f"sbatch refused a dask worker job: {why}; check cluster.dask.partition, account "
+            "and sbatch_extra"
+        ) from None
 
 
 def import_slurm_cluster() -> Any:

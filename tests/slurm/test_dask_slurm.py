@@ -93,6 +93,14 @@ def test_a_worker_no_node_can_hold_fails_before_queueing(tmp_path: Path) -> None
     _no_worker_jobs_left()
 
 
+def test_a_worker_job_sbatch_refuses_fails_with_sbatchs_words(tmp_path: Path) -> None:
+    cfg = DaskConfig(**_SMALL, n_workers=1, sbatch_extra={"constraint": "nosuch"})
+    refused = "sbatch refused a dask worker job: sbatch: error: .*Invalid feature specification"
+    with pytest.raises(JobError, match=refused), dask_client(cfg, tmp_path):
+        pass
+    _no_worker_jobs_left()
+
+
 def test_no_worker_job_is_left_after_an_error(tmp_path: Path) -> None:
     cfg = DaskConfig(**_SMALL, n_workers=1)
     with pytest.raises(RuntimeError, match="boom"), dask_client(cfg, tmp_path):
