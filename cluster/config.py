@@ -69,9 +69,11 @@ class DaskConfig(StrictModel):
     memory_limit: str = "auto"
     """Memory limit per local worker (dask syntax, e.g. '4GB'); 'auto' splits the host's memory.
     Slurm workers take mem_gb instead."""
-    executor: Literal["local", "slurm"] = "local"
+    executor: Literal["local", "slurm", "allocation"] = "local"
     """local: workers on this machine (or at `address`); slurm: one Slurm job per worker
-    (dask-jobqueue), the scheduler in the flow's process. The fields below are Slurm's."""
+    (dask-jobqueue), the scheduler in the flow's process; allocation: the workers as one srun
+    step over the nodes of the Slurm job the flow runs in (deploy/slurm/pipeline.sbatch). The
+    fields below are Slurm's (allocation uses cpus/gpus_per_worker, mem_gb, start_timeout_s)."""
     partition: str | None = None
     """Slurm partition of the worker jobs; None: the cluster's default partition."""
     account: str | None = None
@@ -96,7 +98,7 @@ class DaskConfig(StrictModel):
 
     @model_validator(mode="after")
     def _check_executor(self) -> "DaskConfig":
-        if self.executor == "slurm":
+        if self.executor != "local":
             _check_slurm_workers(self)
         for key in self.sbatch_extra:
             _check_sbatch_key(key, DASK_SBATCH_OPTIONS)
@@ -187,8 +189,9 @@ def _check_slurm_workers(cfg: DaskConfig) -> None:
     """ValueError for DaskConfig fields that contradict executor='slurm'."""
     if cfg.address:
         raise ValueError(
-            f"cluster.dask.executor='slurm' starts its own scheduler, but cluster.dask.address="
-            f"{cfg.address!r} names one: unset cluster.dask.address or set executor='local'"
+            f"cluster.dask.executor={cfg.executor!r} starts its own scheduler, but "
+            f"cluster.dask.address={cfg.address!r} names one: unset cluster.dask.address or set "
+            "executor='local'"
         )
     if cfg.threads_per_worker > cfg.cpus_per_worker:
         raise ValueError(
@@ -198,7 +201,7 @@ def _check_slurm_workers(cfg: DaskConfig) -> None:
         )
     if cfg.backend == "gpu" and cfg.gpus_per_worker == 0:
         raise ValueError(
-            "cluster.dask.backend='gpu' with executor='slurm' needs GPU workers: set "
+            f"cluster.dask.backend='gpu' with executor={cfg.executor!r} needs GPU workers: set "
             "cluster.dask.gpus_per_worker>=1 (or backend='auto')"
         )
     if cfg.backend == "cpu" and cfg.gpus_per_worker > 0:

@@ -50,6 +50,11 @@ def dask_client(
             folder = workdir or Path(tempfile.mkdtemp(prefix="trainflow-dask-"))
             jobs = stack.enter_context(slurm_client(cfg, folder, _MALLOC_ENV, workdir is not None))
             client, backend = jobs
+        elif cfg.executor == "allocation":
+            from cluster.dask_srun import allocation_client
+
+            folder = workdir or Path(tempfile.mkdtemp(prefix="trainflow-dask-"))
+            client, backend = stack.enter_context(allocation_client(cfg, folder, _MALLOC_ENV))
         elif cfg.address:
             backend = "cupy" if cfg.backend == "gpu" else "numpy"
             client = stack.enter_context(distributed.Client(cfg.address))

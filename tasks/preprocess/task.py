@@ -58,7 +58,7 @@ def preprocess_task(
             backend,
             client.dashboard_link,
         )
-        if dask.executor == "slurm":
+        if dask.executor != "local":
             log.info("dask workers (Slurm): %s", worker_placement(client))
         ref = run_preprocess(cfg, out_root, client, backend, cache_key)
     log.info(
