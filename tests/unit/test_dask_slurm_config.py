@@ -7,8 +7,10 @@ import pytest
 from pydantic import ValidationError
 
 from cluster.config import DaskConfig
+from cluster.dask import dask_client
 from cluster.dask_slurm import cluster_options, import_slurm_cluster, slurm_time
 from cluster.dask_slurm_checks import check_workers_against
+from cluster.dask_srun import srun_argv
 from cluster.slurm_checks import Node, Partition
 from tasks.errors import ConfigError
 
@@ -95,3 +97,34 @@ def test_gpu_workers_run_dask_cuda_worker_with_their_gpus() -> None:
 
 def test_slurm_time() -> None:
     assert [slurm_time(m) for m in (1, 90, 1440 + 61)] == ["0-00:01:00", "0-01:30:00", "1-01:01:00"]
+
+
+def test_allocation_workers_need_a_slurm_job(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    cfg = DaskConfig(executor="allocation")
+    refused = r"runs in none \(no SLURM_JOB_ID\).*dask.executor=slurm or local"
+    with pytest.raises(ConfigError, match=refused), dask_client(cfg, tmp_path):
+        pass
+
+
+def test_allocation_step_spreads_the_workers_over_the_jobs_nodes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("SLURM_JOB_NUM_NODES", "2")
+    cfg = DaskConfig(executor="allocation", n_workers=3, cpus_per_worker=2, mem_gb=1)
+    argv = srun_argv(cfg, "tcp://10.0.0.1:1", "trainflow-dask-x", Path("/logs"))
+    assert argv[:7] == [
+        "srun",
+        "--job-name=trainflow-dask-x",
+        "--overlap",
+        "--kill-on-bad-exit=1",
+        "--nodes=2",
+        "--ntasks=3",
+        "--cpus-per-task=2",
+    ]
+    assert "distributed.cli.dask_worker" in argv and "--memory-limit" in argv
+    assert argv[argv.index("--memory-limit") + 1] == "1024MiB"
+    gpu = srun_argv(cfg.model_copy(update={"gpus_per_worker": 1}), "tcp://h:1", "n", Path("/l"))
+    assert "--gpus-per-task=1" in gpu and "dask_cuda.cli" in gpu
