@@ -18,8 +18,10 @@ def check_dask_workers(cfg: DaskConfig) -> None:
         return
     try:
         partitions, nodes = read_partitions(), read_nodes()
-    except ConfigError as err:  # its text names cluster.executor; say which setting needs Slurm
-        raise ConfigError(f"cluster.dask.executor=slurm needs Slurm: {err}") from None
+    except ConfigError as err:  # its text is about cluster.executor: name the dask setting
+        why = str(err).replace("cluster.executor=slurm, but ", "")
+        why = why.replace("cluster.executor=local", "cluster.dask.executor=local")
+        raise ConfigError(f"cluster.dask.executor=slurm needs Slurm, but {why}") from None
     check_workers_against(cfg, partitions, nodes)
 
 
