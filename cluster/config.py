@@ -32,6 +32,27 @@ RESERVED_SBATCH_OPTIONS = {
     "open_mode": "(set by trainflow)",
 }
 
+# The same for the dask worker jobs (cluster.dask.sbatch_extra).
+DASK_SBATCH_OPTIONS = {
+    "nodes": "(one node per worker job)",
+    "ntasks": "(one task per worker job)",
+    "ntasks_per_node": "(one task per worker job)",
+    "gpus": "cluster.dask.gpus_per_worker",
+    "gpus_per_node": "cluster.dask.gpus_per_worker",
+    "gpus_per_task": "cluster.dask.gpus_per_worker",
+    "gres": "cluster.dask.gpus_per_worker",
+    "cpus_per_task": "cluster.dask.cpus_per_worker",
+    "mem": "cluster.dask.mem_gb",
+    "mem_per_cpu": "cluster.dask.mem_gb",
+    "mem_per_gpu": "cluster.dask.mem_gb",
+    "time": "cluster.dask.timeout_min",
+    "partition": "cluster.dask.partition",
+    "account": "cluster.dask.account",
+    "job_name": "(set by trainflow)",
+    "output": "(set by trainflow)",
+    "error": "(set by trainflow)",
+}
+
 
 class DaskConfig(StrictModel):
     """The dask cluster used by preprocessing."""
@@ -41,11 +62,47 @@ class DaskConfig(StrictModel):
     backend: Literal["auto", "gpu", "cpu"] = "auto"
     """auto: LocalCUDACluster + CuPy when a GPU is usable, else LocalCluster + NumPy."""
     n_workers: int = Field(2, ge=1, le=256)
-    """Workers of a local CPU cluster (a CUDA cluster starts one per visible GPU)."""
+    """Workers of a local CPU cluster (a CUDA cluster starts one per visible GPU); with
+    executor=slurm, worker jobs queued."""
     threads_per_worker: int = Field(1, ge=1, le=64)
     """Threads per local CPU worker."""
     memory_limit: str = "auto"
-    """Memory limit per worker (dask syntax, e.g. '4GB'); 'auto' splits the host's memory."""
+    """Memory limit per local worker (dask syntax, e.g. '4GB'); 'auto' splits the host's memory.
+    Slurm workers take mem_gb instead."""
+    executor: Literal["local", "slurm", "allocation"] = "local"
+    """local: workers on this machine (or at `address`); slurm: one Slurm job per worker
+    (dask-jobqueue), the scheduler in the flow's process; allocation: the workers as one srun
+    step over the nodes of the Slurm job the flow runs in (deploy/slurm/pipeline.sbatch). The
+    fields below are Slurm's (allocation uses cpus/gpus_per_worker, mem_gb, start_timeout_s)."""
+    partition: str | None = None
+    """Slurm partition of the worker jobs; None: the cluster's default partition."""
+    account: str | None = None
+    """Slurm account charged for the worker jobs; None: the user's default."""
+    timeout_min: int = Field(60, ge=1, le=60 * 24 * 14)
+    """Wall-clock limit of each worker job in minutes: cover the whole preprocessing."""
+    mem_gb: float = Field(4.0, gt=0)
+    """Memory of each worker job in GiB (sbatch --mem), also the worker's dask memory limit."""
+    cpus_per_worker: int = Field(1, ge=1, le=256)
+    """CPUs of each worker job (sbatch --cpus-per-task); the worker runs threads_per_worker."""
+    gpus_per_worker: int = Field(0, ge=0, le=16)
+    """GPUs of each worker job (--gres=gpu:N); above 0 the job runs dask-cuda-worker (one
+    worker per GPU, CuPy arrays), 0 a plain dask worker (NumPy)."""
+    start_timeout_s: int = Field(300, ge=1, le=24 * 3600)
+    """How long to wait for all n_workers to connect before failing with squeue's reason."""
+    scheduler_host: str | None = None
+    """Address the scheduler listens on, reachable from the compute nodes; None: this host's
+    name resolved (on many clusters set the login node's cluster-network address)."""
+    sbatch_extra: dict[str, str] = Field(default_factory=dict)
+    """Extra sbatch options of the worker jobs by long name without dashes, e.g.
+    {"constraint": "a100"}; options set from the fields above are refused here."""
+
+    @model_validator(mode="after")
+    def _check_executor(self) -> "DaskConfig":
+        if self.executor != "local":
+            _check_slurm_workers(self)
+        for key in self.sbatch_extra:
+            _check_sbatch_key(key, DASK_SBATCH_OPTIONS)
+        return self
 
 
 class ClusterConfig(StrictModel):
@@ -128,7 +185,33 @@ class ClusterConfig(StrictModel):
         return self
 
 
-def _check_sbatch_key(key: str) -> None:
+def _check_slurm_workers(cfg: DaskConfig) -> None:
+    """ValueError for DaskConfig fields that contradict executor='slurm'."""
+    if cfg.address:
+        raise ValueError(
+            f"cluster.dask.executor={cfg.executor!r} starts its own scheduler, but "
+            f"cluster.dask.address={cfg.address!r} names one: unset cluster.dask.address or set "
+            "executor='local'"
+        )
+    if cfg.threads_per_worker > cfg.cpus_per_worker:
+        raise ValueError(
+            f"cluster.dask.threads_per_worker={cfg.threads_per_worker} exceeds "
+            f"cluster.dask.cpus_per_worker={cfg.cpus_per_worker}: raise cpus_per_worker or "
+            "lower threads_per_worker"
+        )
+    if cfg.backend == "gpu" and cfg.gpus_per_worker == 0:
+        raise ValueError(
+            f"cluster.dask.backend='gpu' with executor={cfg.executor!r} needs GPU workers: set "
+            "cluster.dask.gpus_per_worker>=1 (or backend='auto')"
+        )
+    if cfg.backend == "cpu" and cfg.gpus_per_worker > 0:
+        raise ValueError(
+            f"cluster.dask.backend='cpu' with gpus_per_worker={cfg.gpus_per_worker}: set "
+            "gpus_per_worker=0 for CPU workers or backend='auto'"
+        )
+
+
+def _check_sbatch_key(key: str, reserved: dict[str, str] = RESERVED_SBATCH_OPTIONS) -> None:
     """ValueError for an sbatch_extra key that is malformed or reserved by trainflow."""
     name = key.replace("-", "_")
     if len(name) < 2 or not name.replace("_", "").isalnum() or name.startswith("_"):
@@ -136,9 +219,8 @@ def _check_sbatch_key(key: str) -> None:
             f"sbatch_extra key {key!r}: use sbatch's long option name without leading dashes, "
             "e.g. 'constraint' for --constraint"
         )
-    if name in RESERVED_SBATCH_OPTIONS:
+    if name in reserved:
         raise ValueError(
             f"sbatch_extra key {key!r} is set by trainflow itself: use "
-            f"{RESERVED_SBATCH_OPTIONS[name]} instead (reserved: "
-            f"{', '.join(sorted(RESERVED_SBATCH_OPTIONS))})"
+            f"{reserved[name]} instead (reserved: {', '.join(sorted(reserved))})"
         )

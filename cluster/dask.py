@@ -6,8 +6,10 @@ back to a CPU LocalCluster. Both are imported only when a GPU cluster is asked f
 
 import importlib
 import logging
+import tempfile
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
+from pathlib import Path
 from types import ModuleType
 from typing import Any, Literal
 
@@ -29,15 +31,32 @@ _MALLOC_ENV = {"MALLOC_TRIM_THRESHOLD_": 64 << 20, "MALLOC_MMAP_THRESHOLD_": 32 
 
 
 @contextmanager
-def dask_client(cfg: DaskConfig) -> Iterator[tuple[distributed.Client, Backend]]:
+def dask_client(
+    cfg: DaskConfig, workdir: Path | None = None
+) -> Iterator[tuple[distributed.Client, Backend]]:
     """Yield a connected client and the array backend its workers use; close both on exit.
 
-    An external scheduler (cfg.address) is only disconnected from, never shut down.
+    An external scheduler (cfg.address) is only disconnected from, never shut down. With
+    cfg.executor=slurm the workers are Slurm jobs (cluster.dask_slurm), cancelled on exit; with
+    a workdir (on a filesystem the nodes share) their logs go to workdir/dask-workers and the
+    jobs are recorded in workdir/active_jobs for `trainflow cleanup` (else: a temporary folder).
     """
     with ExitStack() as stack:
         stack.enter_context(quiet_dask_logs())  # first in, last out: covers the shutdown too
-        if cfg.address:
-            backend: Backend = "cupy" if cfg.backend == "gpu" else "numpy"
+        backend: Backend
+        if cfg.executor == "slurm":
+            from cluster.dask_slurm import slurm_client
+
+            folder = workdir or Path(tempfile.mkdtemp(prefix="trainflow-dask-"))
+            jobs = stack.enter_context(slurm_client(cfg, folder, _MALLOC_ENV, workdir is not None))
+            client, backend = jobs
+        elif cfg.executor == "allocation":
+            from cluster.dask_srun import allocation_client
+
+            folder = workdir or Path(tempfile.mkdtemp(prefix="trainflow-dask-"))
+            client, backend = stack.enter_context(allocation_client(cfg, folder, _MALLOC_ENV))
+        elif cfg.address:
+            backend = "cupy" if cfg.backend == "gpu" else "numpy"
             client = stack.enter_context(distributed.Client(cfg.address))
         else:
             with dask.config.set(_worker_environ()):
@@ -52,7 +71,7 @@ def dask_client(cfg: DaskConfig) -> Iterator[tuple[distributed.Client, Backend]]
 # reach the flow log. `silence_logs` only lowers the StreamHandlers on "distributed" itself, and
 # once Prefect has configured logging there are none: records propagate to Prefect's console
 # handler on the root logger. Raising the loggers' own level stops them at the source.
-_NOISY_LOGGERS = ("distributed", "dask_cuda", "bokeh", "tornado")
+_NOISY_LOGGERS = ("distributed", "dask_cuda", "dask_jobqueue", "bokeh", "tornado")
 
 
 @contextmanager

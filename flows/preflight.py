@@ -8,6 +8,7 @@ again first thing (a deployment run does not go through the command line).
 import os
 from pathlib import Path
 
+from cluster.dask_slurm_checks import check_dask_workers
 from cluster.slurm_checks import check_cluster
 from flows.config import PipelineConfig
 from tasks.errors import ConfigError
@@ -19,6 +20,7 @@ def preflight(cfg: PipelineConfig) -> None:
     check_workdir(cfg.workdir)
     preflight_source(cfg.preprocess)
     check_cluster(cfg.cluster)  # a Slurm request that can never run, or no Slurm to reach
+    check_dask_workers(cfg.cluster.dask)  # the same for dask worker jobs
 
 
 def check_workdir(workdir: Path) -> None:

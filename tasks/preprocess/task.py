@@ -13,6 +13,7 @@ from prefect.context import TaskRunContext
 
 from cluster.config import DaskConfig
 from cluster.dask import dask_client
+from cluster.dask_slurm import worker_placement
 from tasks.diskspace import disk_stage
 from tasks.errors import DataError
 from tasks.preprocess.config import PreprocessConfig
@@ -50,13 +51,15 @@ def preprocess_task(
 ) -> DatasetRef:
     """Validate, split, normalise and shard the raw data on a dask cluster."""
     log = get_run_logger()
-    with dask_client(dask) as (client, backend):
+    with dask_client(dask, out_root.parent) as (client, backend):  # out_root: workdir/datasets
         log.info(
             "preprocessing source=%s on dask (%s backend, %s)",
             cfg.source,
             backend,
             client.dashboard_link,
         )
+        if dask.executor != "local":
+            log.info("dask workers (Slurm): %s", worker_placement(client))
         ref = run_preprocess(cfg, out_root, client, backend, cache_key)
     log.info(
         "dataset %s: %s samples of shape %s, %d classes, hash %s",

@@ -1,4 +1,5 @@
-"""Flows on Slurm: requests checked before any work; a sweep is one job array."""
+"""Flows on Slurm: requests checked before any work; a sweep is one job array (its
+preprocessing on dask workers that are Slurm jobs)."""
 
 import re
 from collections.abc import Iterator
@@ -20,11 +21,13 @@ def prefect_server() -> Iterator[None]:
 
 
 def test_sweep_is_one_slurm_job_array(tmp_path: Path) -> None:
-    summary = sweep(
-        preset="tiny",
-        overrides=[f"workdir={tmp_path}", "cluster.executor=slurm", "cluster.ranks_per_node=1"],
-        grid={"train.lr": [1e-6, 5e-3]},
-    )
+    # Preprocessing's dask workers are Slurm jobs too (cluster.dask.executor=slurm).
+    overrides = [f"workdir={tmp_path}", "cluster.executor=slurm", "cluster.ranks_per_node=1"]
+    overrides += ["cluster.dask.executor=slurm", "cluster.dask.mem_gb=0.5"]
+    summary = sweep(preset="tiny", overrides=overrides, grid={"train.lr": [1e-6, 5e-3]})
+    worker_logs = sorted((tmp_path / "dask-workers").glob("trainflow-dask-*.err"))
+    assert len(worker_logs) == 2  # the default cluster.dask.n_workers, one job each
+    assert not list((tmp_path / "active_jobs").glob("*.json"))  # every job forgotten
     assert summary.best_overrides == {"train.lr": 5e-3}
     logs = sorted((tmp_path / "runs" / summary.parent_run_id / "jobs").glob("*_log.out"))
     # Array tasks are named <array id>_<index>_<task>: one array id, indices 0 and 1.

@@ -1,6 +1,7 @@
 """The sbatch templates under deploy/slurm, submitted to the real single-node Slurm.
 
 - pipeline.sbatch runs a whole pipeline inside one allocation and logs to MLflow and Prefect;
+  on 2 nodes its dask workers are one srun step over both;
   its early-warning signal stops the flow cleanly (runs KILLED).
 - prefect-worker.sbatch keeps a Prefect worker in a pool and requeues itself on its signal.
 - scrontab.example's entry, submitted as the very batch job scrontab would make of it.
@@ -168,6 +169,30 @@ def test_pipeline_template_runs_a_whole_pipeline_in_one_allocation(
     assert [(r["parameters"]["preset"], r["state_type"]) for r in flow_runs] == [
         ("tiny", "COMPLETED")
     ]
+
+
+def test_pipeline_template_spreads_dask_workers_over_a_two_node_allocation(
+    tmp_path: Path, prefect_api: str
+) -> None:
+    argv = [
+        *(f"--chdir={REPO}", f"--output={tmp_path}/%j.out", "--nodes=2", "--ntasks=2"),
+        *("--cpus-per-task=2", str(TEMPLATES / "pipeline.sbatch")),
+        *("--preset", "tiny", "--set", f"workdir={tmp_path}/work"),
+    ]
+    with submitted(argv, job_env(PREFECT_API_URL=prefect_api)) as job_id:
+        out = tmp_path / f"{job_id}.out"
+        assert wait_ended(job_id, out) == ("COMPLETED", "0:0"), _tail(out)
+
+    parent, kids = pipeline_runs(tmp_path / "work")
+    assert parent.info.status == "FINISHED"
+    assert all(r.info.status == "FINISHED" for r in kids.values())
+    assert parent.data.params["cluster.dask.executor"] == "allocation"
+    log = out.read_text()
+    assert "nodes 2" in log
+    # Asked of each worker: one per node, both inside this job (a step, not a new job).
+    assert f"dask workers (Slurm): job {job_id} on tfnode1, job {job_id} on tfnode2" in log, log
+    steps = _slurm("sacct", "-n", "-P", "-o", "JobName,NodeList", "-j", job_id).split()
+    assert any(s.startswith("trainflow-dask-") and s.endswith("|tfnode[1-2]") for s in steps)
 
 
 def test_pipeline_template_signal_stops_the_flow_and_marks_runs_killed(
