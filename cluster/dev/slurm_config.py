@@ -172,9 +172,26 @@ def hosts_line(c: DevCluster) -> str:
 
 
 def with_hosts_line(hosts: str, line: str) -> str:
-    """`hosts` (the text of /etc/hosts) with our marked line replaced by `line`."""
-    kept = [entry for entry in hosts.splitlines() if not entry.endswith(HOSTS_MARK)]
-    return "\n".join([*kept, line]) + "\n"
+    """`hosts` (the text of /etc/hosts) with one marked line naming the nodes of `line` and of
+    the marked line already there: a second dev cluster (its own base folder and ports) may
+    run beside the first, and a name that resolves to loopback harms no one."""
+    entries = hosts.splitlines()
+    ours = [entry for entry in entries if entry.endswith(HOSTS_MARK)]
+    kept = [entry for entry in entries if not entry.endswith(HOSTS_MARK)]
+    names = {name for entry in [*ours, line] for name in _names(entry)}
+    merged = f"127.0.0.1 {' '.join(sorted(names, key=_natural))} {HOSTS_MARK}"
+    return "\n".join([*kept, merged]) + "\n"
+
+
+def _names(entry: str) -> list[str]:
+    """The host names of a marked hosts line."""
+    return entry.removesuffix(HOSTS_MARK).split()[1:]
+
+
+def _natural(name: str) -> tuple[str, int]:
+    """Sort key: tfnode2 before tfnode10."""
+    stem = name.rstrip("0123456789")
+    return stem, int(name[len(stem) :] or 0)
 
 
 def _put(path: Path, content: str, mode: int) -> bool:

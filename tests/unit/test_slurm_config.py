@@ -22,10 +22,14 @@ def test_per_node_paths_use_percent_n() -> None:
         assert key in conf
 
 
-def test_the_hosts_line_is_replaced_not_repeated() -> None:
+def test_the_hosts_line_is_merged_not_repeated() -> None:
     hosts = with_hosts_line("127.0.0.1 localhost\n", f"127.0.0.1 tfnode1 {HOSTS_MARK}")
     hosts = with_hosts_line(hosts, f"127.0.0.1 tfnode1 tfnode2 {HOSTS_MARK}")
     assert hosts == f"127.0.0.1 localhost\n127.0.0.1 tfnode1 tfnode2 {HOSTS_MARK}\n"
+    # A second, smaller cluster beside it keeps the first one's names resolving.
+    hosts = with_hosts_line(hosts, f"127.0.0.1 tfnode1 {HOSTS_MARK}")
+    hosts = with_hosts_line(hosts, f"127.0.0.1 tfnode10 {HOSTS_MARK}")
+    assert hosts == f"127.0.0.1 localhost\n127.0.0.1 tfnode1 tfnode2 tfnode10 {HOSTS_MARK}\n"
 
 
 def test_write_reports_a_change_only_once(tmp_path: Path, capsys: object) -> None:
