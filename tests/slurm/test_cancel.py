@@ -1,8 +1,9 @@
-"""Cancelling a pipeline never leaves its Slurm job running.
+"""Cancelling a pipeline never leaves its Slurm job, or a rank on any node, running.
 
-Three ways a run ends early, each against the real cluster: Ctrl-C on `trainflow run`, a
-cancel of the Prefect flow run from the API (what the UI's Cancel button does), and a flow
-process killed outright (SIGKILL), whose job `trainflow cleanup` cancels.
+Three ways a run ends early, each against the real cluster with a job over both nodes: Ctrl-C
+on `trainflow run`, a cancel of the Prefect flow run from the API (what the UI's Cancel
+button does), and a flow process killed outright (SIGKILL), whose job `trainflow cleanup`
+cancels.
 """
 
 import json
@@ -20,7 +21,10 @@ from mlflow.tracking import MlflowClient
 from cluster import registry
 from tests.services import background, get_json, prefect_server, service_env, wait_for
 
-_LONG = ["--preset", "tiny", "--set", "cluster.executor=slurm", "--set", "train.epochs=5000"]
+_LONG = [
+    *("--preset", "tiny", "--set", "cluster.executor=slurm", "--set", "train.epochs=5000"),
+    *("--set", "cluster.nodes=2", "--set", "cluster.ranks_per_node=1"),
+]
 
 
 def _in_squeue(job_id: str) -> bool:
@@ -39,6 +43,25 @@ def _running_job(workdir: Path) -> str:
         return jobs[0].job_id if logs and "epoch 2/" in logs[0].read_text() else None
 
     return str(wait_for(ready, 240, "the Slurm job to train"))
+
+
+def _rank_pids(workdir: Path, job_id: str) -> dict[str, int]:
+    """{node: pid} of the job's ranks, from cluster.rank_guard's records."""
+    folder = Path(registry.recorded(workdir)[0].folder)
+    records = [json.loads(p.read_text()) for p in folder.glob(f"{job_id}_*_rank.json")]
+    return {str(r["slurm_node"]): int(r["pid"]) for r in records}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
+def _no_rank_left(ranks: dict[str, int]) -> bool:
+    return not any(_alive(pid) for pid in ranks.values())
 
 
 def _statuses(workdir: Path) -> dict[str, str]:
@@ -64,11 +87,14 @@ def test_ctrl_c_on_trainflow_run_cancels_the_slurm_job(tmp_path: Path) -> None:
     try:
         job_id = _running_job(tmp_path)
         assert _in_squeue(job_id)
+        ranks = _rank_pids(tmp_path, job_id)
+        assert sorted(ranks) == ["tfnode1", "tfnode2"]
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 130
     finally:
         proc.kill()
     wait_for(lambda: not _in_squeue(job_id), 20, f"job {job_id} to leave squeue")
+    wait_for(lambda: _no_rank_left(ranks), 20, f"no rank of job {job_id} left on any node")
     assert _statuses(tmp_path) == {"tiny": "KILLED", "preprocess": "FINISHED", "train": "KILLED"}
     assert registry.recorded(tmp_path) == []
 
@@ -110,7 +136,10 @@ def test_cancelling_the_prefect_flow_run_cancels_the_slurm_job(
     ]
     with background(serve, tmp_path / "serve.log", env):
         overrides = json.dumps(
-            ["cluster.executor=slurm", "train.epochs=5000", f"workdir={tmp_path / 'work'}"]
+            [
+                *("cluster.executor=slurm", "train.epochs=5000", f"workdir={tmp_path / 'work'}"),
+                *("cluster.nodes=2", "cluster.ranks_per_node=1"),
+            ]
         )
         cli = [sys.executable, "-m", "prefect"]
 
@@ -136,8 +165,11 @@ def test_cancelling_the_prefect_flow_run_cancels_the_slurm_job(
 
         flow_run = str(wait_for(deploy, 90, "the deployment to accept a run"))
         job_id = _running_job(tmp_path / "work")
+        ranks = _rank_pids(tmp_path / "work", job_id)
+        assert sorted(ranks) == ["tfnode1", "tfnode2"]
         subprocess.run([*cli, "flow-run", "cancel", flow_run], env=env, check=True, timeout=60)
         wait_for(lambda: not _in_squeue(job_id), 30, f"job {job_id} to leave squeue")
+        wait_for(lambda: _no_rank_left(ranks), 20, f"no rank of job {job_id} left on any node")
 
         def state() -> str | None:
             run = get_json(f"{prefect_api}/flow_runs/{flow_run}")
