@@ -38,7 +38,8 @@ def job_accounting(
     """State, elapsed seconds, requeues, CPU/GPU hours (and energy if measured) of a job.
 
     Keys: job_id, state (e.g. COMPLETED, FAILED, CANCELLED, TIMEOUT), elapsed_s (all attempts),
-    requeues, cpu_hours, gpu_hours, and energy_j only when the cluster measures energy.
+    requeues, nodes (of the last attempt), cpu_hours, gpu_hours (over all nodes), and
+    energy_j only when the cluster measures energy.
     Records reach sacct a little after the job ends: retried for up to `wait_s` until the
     last attempt shows a final state (then returned as it is). `submitted_after` (local time,
     as sacct prints it) leaves out older jobs with the same id. RuntimeError if sacct knows
@@ -88,6 +89,7 @@ def summarize(job_id: str, records: list[dict[str, str]]) -> dict[str, float | s
         "state": _state(records[-1]),
         "elapsed_s": sum(elapsed),
         "requeues": float(len(records) - 1),
+        "nodes": tres[-1].get("node", 0.0),
         "cpu_hours": sum(t.get("cpu", 0.0) * s for t, s in zip(tres, elapsed, strict=True)) / 3600,
         "gpu_hours": sum(t.get("gres/gpu", 0.0) * s for t, s in zip(tres, elapsed, strict=True))
         / 3600,

@@ -204,7 +204,7 @@ def test_two_ranks_train_through_slurm_and_the_run_gets_the_accounting(
     tracked_run: Run,
 ) -> None:
     client, run_id = tracked_run
-    cfg = _slurm(ranks_per_node=2)
+    cfg = _slurm(nodes=2, ranks_per_node=1)  # the accounting counts both nodes
     check_request(cfg)
     since = datetime.now().replace(microsecond=0)  # sacct's Submit has whole seconds
     job = make_executor(cfg, submitit_folder).submit(
@@ -220,8 +220,9 @@ def test_two_ranks_train_through_slurm_and_the_run_gets_the_accounting(
     assert sorted(m.step for m in history) == [1, 2, 3]
     assert acct is not None and acct["state"] == "COMPLETED"
     assert float(acct["elapsed_s"]) > 0 and float(acct["cpu_hours"]) > 0
-    assert acct["requeues"] == 0 and acct["gpu_hours"] == 0
+    assert acct["requeues"] == 0 and acct["gpu_hours"] == 0 and acct["nodes"] == 2
     data = client.get_run(run_id).data
+    assert data.metrics["slurm_nodes"] == 2
     assert data.tags["slurm_state"] == "COMPLETED" and data.tags["slurm_job_id"] == job.job_id
     assert data.metrics["slurm_cpu_hours"] == pytest.approx(
         2 * data.metrics["slurm_elapsed_s"] / 3600
