@@ -52,7 +52,7 @@ gpu: setup
 	$(BIN)/python -m pytest tests/gpu
 
 test: lint typecheck
-	$(BIN)/python -m pytest tests --durations=30
+	$(BIN)/python -m pytest tests -n 2 --dist loadgroup --durations=30
 
 
 # The local stack (Prefect server, a process worker, MLflow server): see deploy/README.md.
