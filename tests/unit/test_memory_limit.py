@@ -6,11 +6,13 @@ process with its dask scheduler, the dask worker, training on the `debug` execut
 the flow process: one copy of torch instead of two) runs in a new group whose limit (memory
 and memory+swap) is LIMIT; memory.max_usage_in_bytes (page cache included) proves it held.
 The Prefect server is a service the run talks to, as in production: a real `prefect server`
-outside the group, started while the data is written. The dataset is .npz files of uint8
-arrays written with NumPy (no image encoding): 3x LIMIT of pixels, with splits such that the
-validation and test splits are each larger than the limit (training and evaluation must stream them) while the train split
-stays small (one epoch on CPU). Samples have many channels on a small grid, so the resnet's
-compute per byte stays low. LIMIT is the floor the processes need (measured, see LIMIT).
+outside the group, started while the data is written.
+
+The dataset is .npz files of uint8 arrays written with NumPy (no image encoding): 3x LIMIT
+of pixels. The validation and test splits are each larger than the limit (training and
+evaluation must stream them); the train split stays small (one epoch on CPU). Samples have
+many channels on a small grid, so the resnet's compute per byte stays low. LIMIT is the
+floor the processes need (measured, see LIMIT).
 """
 
 import os
