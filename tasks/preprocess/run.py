@@ -22,7 +22,12 @@ from tasks.preprocess.dataset import (
     dataset_dir,
     read_manifest,
 )
-from tasks.preprocess.npz_staging import NpzFiles, probe_npz, stage_in_shard_order
+from tasks.preprocess.npz_staging import (
+    NpzFiles,
+    check_float_values,
+    probe_npz,
+    stage_in_shard_order,
+)
 from tasks.preprocess.ref import DatasetRef
 from tasks.preprocess.sources import RawSource, _npz_files, load_source
 from tasks.preprocess.validate import validate_raw
@@ -66,6 +71,8 @@ def run_preprocess(
         source = plan_source(cfg, client)
         validate_raw(source, _origin(cfg))
         if (final / MANIFEST).is_file():
+            if isinstance(source.images, NpzFiles):  # no staging will read (and check) them
+                check_float_values(client, source.images, _gather)
             try:
                 return read_manifest(final)
             except DataError as exc:
