@@ -40,7 +40,7 @@ worker 144 MiB (while preprocessing, when the flow holds less), Prefect's tempor
 196 MiB (outside the group here). Batch 128, not 512: the first convolution's im2col buffer
 is 36x the batch's uint8 bytes (226 MiB at 512). A training rank of its own (local executor)
 adds ~450 MiB: a second torch, which is why training runs in the flow process here."""
-SAMPLE = (48, 16, 16)  # 12 KiB a sample
+SAMPLE = (192, 8, 8)  # 12 KiB a sample
 FILE_BYTES = 64 << 20
 DATA_BYTES = 3 * LIMIT
 
