@@ -15,7 +15,9 @@ many channels on a small grid, so the resnet's compute per byte stays low. LIMIT
 floor the processes need (measured, see LIMIT).
 """
 
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -76,6 +78,14 @@ def limited_group() -> Iterator[Path]:
         group.rmdir()
 
 
+@pytest.fixture
+def folder(tmp_path: Path) -> Iterator[Path]:
+    """tmp_path, without its ~5 GiB of raw data and shards afterwards (logs and MLflow kept)."""
+    yield tmp_path
+    shutil.rmtree(tmp_path / "raw", ignore_errors=True)
+    shutil.rmtree(tmp_path / "work" / "datasets", ignore_errors=True)
+
+
 def _empty(group: Path) -> None:
     """Wait for the payload's last processes (dask's resource tracker) to leave the group;
     any still there after a minute were started by this test: kill them."""
@@ -130,7 +140,8 @@ def _run_args(raw: Path, work: Path) -> list[str]:
     return [sys.executable, "-m", "flows.cli", "run", *flags]
 
 
-def test_whole_pipeline_on_data_3x_the_memory_limit(limited_group: Path, tmp_path: Path) -> None:
+def test_whole_pipeline_on_data_3x_the_memory_limit(limited_group: Path, folder: Path) -> None:
+    tmp_path = folder
     procs = limited_group / "cgroup.procs"
     with ThreadPoolExecutor(1) as pool:
         written = pool.submit(_write_npz, tmp_path / "raw")
@@ -158,7 +169,14 @@ def test_whole_pipeline_on_data_3x_the_memory_limit(limited_group: Path, tmp_pat
     assert done.returncode == 0, f"{oom}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
     assert "oom_kill 0" in oom or "oom_kill" not in oom
     assert peak <= LIMIT
-    # The real MLflow store holds the whole run: every stage finished, every test sample counted.
+    # Every sample was sharded, and the val and test splits are each larger than the limit.
+    manifest = json.loads(
+        next((tmp_path / "work" / "datasets").glob("*/manifest.json")).read_text()
+    )
+    counts = manifest["counts"]
+    assert sum(counts.values()) == samples
+    assert min(counts["val"], counts["test"]) * int(np.prod(SAMPLE)) > LIMIT
+    # The real MLflow store holds the whole run: every stage finished.
     client = MlflowClient(f"sqlite:///{tmp_path / 'work' / 'mlflow.db'}")
     experiment = client.get_experiment_by_name("trainflow")
     assert experiment is not None
