@@ -159,7 +159,9 @@ def _run_stage(dataset: Any, train: Any, cluster: Any, folder: Path) -> dict[str
     """
     from cluster.executor import make_executor
     from cluster.jobs import wait_for_job
-    from tasks.evaluate.run import load_model, predict
+    from tasks.evaluate import metrics
+    from tasks.evaluate.predict import confusion_streamed
+    from tasks.evaluate.run import load_model
     from tasks.train.job import TrainingJob, TrainJobSpec
 
     spec = TrainJobSpec(
@@ -172,8 +174,8 @@ def _run_stage(dataset: Any, train: Any, cluster: Any, folder: Path) -> dict[str
     stage_s = time.perf_counter() - start
     history = json.loads(ref.history_path.read_text())
     # Test accuracy of the best checkpoint, computed as the evaluation stage computes it.
-    x, y = load_split(dataset.path, "test")
-    accuracy = float((predict(load_model(ref, train, dataset), x, 500) == y).mean())
+    cm, _example = confusion_streamed(load_model(ref, train, dataset), dataset, 500, verify=False)
+    accuracy = metrics.accuracy(cm)
     return {
         "epochs": train.epochs,
         "stage_s": stage_s,

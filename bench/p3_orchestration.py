@@ -22,9 +22,10 @@ from cluster.dask import dask_client
 from flows.config import build_config
 from flows.pipeline import PipelineSummary, pipeline
 from tasks.evaluate import metrics
-from tasks.evaluate.run import load_model, predict
+from tasks.evaluate.predict import confusion_streamed
+from tasks.evaluate.run import load_model
 from tasks.hashing import sha256_file
-from tasks.preprocess.dataset import load_split, read_manifest
+from tasks.preprocess.dataset import read_manifest
 from tasks.preprocess.run import run_preprocess
 from tasks.preprocess.task import dataset_key
 from tasks.train.ref import CheckpointRef
@@ -46,8 +47,7 @@ def _stage_compute(overrides: list[str], summary: PipelineSummary, tmp: Path) ->
     best = _best_ref(run_dir)
     start = time.perf_counter()
     model = load_model(best, cfg.train, dataset)
-    x, y = load_split(dataset.path, "test")
-    cm = metrics.confusion_matrix(y, predict(model, x, cfg.evaluate.batch_size), 10)
+    cm, _example = confusion_streamed(model, dataset, cfg.evaluate.batch_size, verify=False)
     metrics.per_class_report(cm, dataset.classes)
     evaluate = time.perf_counter() - start
     return {"preprocess": pre, "train": train, "evaluate": evaluate}

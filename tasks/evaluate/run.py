@@ -13,9 +13,9 @@ from pydantic import BaseModel, ConfigDict
 from tasks.errors import DataError
 from tasks.evaluate import metrics
 from tasks.evaluate.config import EvaluateConfig
+from tasks.evaluate.predict import confusion_streamed
 from tasks.evaluate.registry import RegistryResult, register_and_promote
 from tasks.hashing import sha256_file
-from tasks.preprocess.dataset import load_split
 from tasks.preprocess.ref import DatasetRef
 from tasks.train.checkpoint import load_state
 from tasks.train.config import TrainConfig
@@ -47,16 +47,6 @@ def load_model(ckpt: CheckpointRef, train: TrainConfig, dataset: DatasetRef) -> 
     return model.eval()
 
 
-def predict(model: torch.nn.Module, x: np.ndarray, batch_size: int) -> np.ndarray:
-    """Predicted class per sample, in batches."""
-    preds = []
-    with torch.inference_mode():
-        for i in range(0, len(x), batch_size):
-            logits = model(torch.from_numpy(x[i : i + batch_size]))
-            preds.append(logits.argmax(dim=1).numpy())
-    return np.concatenate(preds)
-
-
 def run_evaluate(
     cfg: EvaluateConfig,
     train: TrainConfig,
@@ -72,15 +62,14 @@ def run_evaluate(
     ``version_tags`` (dataset_hash, git_commit, config_hash) and may take the champion alias.
     """
     model = load_model(ckpt, train, dataset)
-    x, y = load_split(dataset.path, "test", verify=True)
-    cm = metrics.confusion_matrix(y, predict(model, x, cfg.batch_size), len(dataset.classes))
+    cm, example = confusion_streamed(model, dataset, cfg.batch_size)  # the split streams
     report = metrics.per_class_report(cm, dataset.classes)
     flat = metrics.flat_metrics(cm, report)
     client = MlflowClient(tracking_uri)
     _log_results(client, run_id, cm, report, flat, dataset.classes, ckpt.history_path)
     from tasks.evaluate.model_logging import log_model  # torch.export, MLflow's flavor: lazy
 
-    uri = log_model(model, x[:4], tracking_uri, run_id) if cfg.log_model else None
+    uri = log_model(model, example, tracking_uri, run_id) if cfg.log_model else None
     registry = _register(client, cfg, uri, run_id, flat, version_tags) if uri else None
     return EvalResult(
         test_accuracy=flat["test_accuracy"], metrics=flat, model_uri=uri, registry=registry

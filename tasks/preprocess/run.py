@@ -22,6 +22,12 @@ from tasks.preprocess.dataset import (
     dataset_dir,
     read_manifest,
 )
+from tasks.preprocess.npz_staging import (
+    NpzFiles,
+    check_float_values,
+    probe_npz,
+    stage_in_shard_order,
+)
 from tasks.preprocess.ref import DatasetRef
 from tasks.preprocess.sources import RawSource, _npz_files, load_source
 from tasks.preprocess.validate import validate_raw
@@ -29,13 +35,11 @@ from tasks.preprocess.worker_sources import (
     PROBE_FILES,
     Failure,
     FolderImages,
-    StagedImages,
     check_headers,
     check_parts,
     list_folder,
     probe_headers,
     run_guarded,
-    stage_npz,
 )
 from tasks.preprocess.writer import ImageRows, Moments, Shard, stage, write_shards
 
@@ -64,9 +68,11 @@ def run_preprocess(
     tmp = out_root / f".tmp-{cache_key[:16]}-{uuid.uuid4().hex}"
     tmp.mkdir(parents=True)
     try:
-        source = plan_source(cfg, client, tmp)
+        source = plan_source(cfg, client)
         validate_raw(source, _origin(cfg))
         if (final / MANIFEST).is_file():
+            if isinstance(source.images, NpzFiles):  # no staging will read (and check) them
+                check_float_values(client, source.images, _gather)
             try:
                 return read_manifest(final)
             except DataError as exc:
@@ -92,7 +98,7 @@ def _remove(folder: Path) -> None:
         shutil.rmtree(trash, ignore_errors=True)
 
 
-def plan_source(cfg: PreprocessConfig, client: distributed.Client, scratch: Path) -> RawSource:
+def plan_source(cfg: PreprocessConfig, client: distributed.Client) -> RawSource:
     """The source with its pixels left on disk: folder and npz files are read by the workers.
 
     Only file lists, headers' sizes and labels reach this process. mnist (5,000 bundled
@@ -113,12 +119,11 @@ def plan_source(cfg: PreprocessConfig, client: distributed.Client, scratch: Path
         assert cfg.path is not None
         files = [str(f) for f in _npz_files(cfg.path)]
         futures = [
-            client.submit(run_guarded, stage_npz, f, i, str(scratch), pure=False)
-            for i, f in enumerate(files)
+            client.submit(run_guarded, probe_npz, f, i, pure=False) for i, f in enumerate(files)
         ]
         parts = _gather(client, [futures])[0]
         labels, classes = check_parts(parts)
-        return RawSource(StagedImages.of(parts), labels, classes)
+        return RawSource(NpzFiles(tuple(parts)), labels, classes)  # staged once split
     return load_source(cfg)
 
 
@@ -161,12 +166,14 @@ def _write_dataset(
     splits = split_indices(source.labels, cfg)
     raw = source.images
     images: ImageRows = stage(raw, out) if isinstance(raw, np.ndarray) else raw
-    # Sent once to every worker: tasks then carry only their row numbers (or file names).
-    handle = client.scatter(images, broadcast=True, hash=False)
     tasks = {
         name: _shard_groups(name, idx, source.labels, cfg.shard_size, images)
         for name, idx in splits.items()
     }
+    if isinstance(images, NpzFiles):  # each file read once, its rows written in shard order
+        images, tasks = stage_in_shard_order(client, images, tasks, out, _gather)
+    # Sent once to every worker: tasks then carry only their row numbers (or file names).
+    handle = client.scatter(images, broadcast=True, hash=False)
     futures = {
         name: [
             client.submit(

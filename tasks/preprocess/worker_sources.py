@@ -8,16 +8,13 @@ read by a worker, a group of files at a time, so no step holds the whole dataset
   channels; then each shard-writing task decodes, converts and resizes its own files
   (`FolderImages.take`), on the GPU where the worker has one (tasks.preprocess.gpu_decode)
   and with PIL for what the GPU decoder cannot read.
-- npz: each file is read and checked by a worker, which writes its images channels-first to a
-  scratch .npy in the dataset's temporary folder; shard tasks then gather rows from those files
-  memory-mapped (`StagedImages`).
+- npz: workers read each file's headers and labels, then each file is read once by one worker
+  and its rows written in shard order to scratch files (tasks.preprocess.npz_staging).
 
 Bad input raises DataError naming the file on the worker; `run_guarded` turns it into a value,
 so the client reports it once (tasks.preprocess.gather) instead of a traceback per task.
 """
 
-import functools
-import mmap
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +25,6 @@ import numpy as np
 from PIL import Image
 
 from tasks.errors import DataError
-from tasks.preprocess.npz import read_npz
 from tasks.preprocess.sources import (
     _GRAY_MODES,
     _check_same_size,
@@ -187,22 +183,13 @@ class FolderImages:
 
 @dataclass(frozen=True)
 class NpzPart:
-    """One npz file as a worker staged it: where its images went and what it holds."""
+    """One npz file as a worker probed it (headers and labels): what it holds."""
 
     source: str
-    staged: str
     shape: tuple[int, ...]
     dtype: str
     labels: np.ndarray
     classes: list[str] | None
-
-
-def stage_npz(file: str, index: int, scratch: str) -> NpzPart:
-    """Read and check one .npz file, write its images (N, C, H, W) to a scratch .npy."""
-    images, labels, classes = read_npz(Path(file), want_classes=index == 0)
-    staged = Path(scratch) / f".raw-{index:06d}.npy"
-    np.save(staged, images, allow_pickle=False)
-    return NpzPart(file, str(staged), images.shape, str(images.dtype), labels, classes)
 
 
 def check_parts(parts: list[NpzPart]) -> tuple[np.ndarray, list[str]]:
@@ -223,69 +210,3 @@ def check_parts(parts: list[NpzPart]) -> tuple[np.ndarray, list[str]]:
             )
     labels = np.concatenate([p.labels for p in parts])
     return labels, names or [str(i) for i in range(int(labels.max()) + 1)]
-
-
-@dataclass(frozen=True)
-class StagedImages:
-    """(N, C, H, W) images spread over staged .npy files, read memory-mapped by the workers."""
-
-    paths: tuple[str, ...]
-    starts: tuple[int, ...]
-    """First global row of each file, plus the total count at the end."""
-    sample_shape: tuple[int, ...]
-    dtype: np.dtype
-    """uint8 when every file holds uint8, else float32 (as concatenating them would give)."""
-
-    @classmethod
-    def of(cls, parts: list[NpzPart]) -> "StagedImages":
-        """The images of the staged parts, in file order."""
-        starts = np.concatenate([[0], np.cumsum([p.shape[0] for p in parts])])
-        uint8 = all(p.dtype == "uint8" for p in parts)
-        dtype = np.dtype(np.uint8 if uint8 else np.float32)
-        paths = tuple(p.staged for p in parts)
-        return cls(paths, tuple(int(s) for s in starts), parts[0].shape[1:], dtype)
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        """(N, C, H, W)."""
-        return (self.starts[-1], *self.sample_shape)
-
-    @property
-    def ndim(self) -> int:
-        """Always 4."""
-        return 4
-
-    def __len__(self) -> int:
-        """N."""
-        return self.shape[0]
-
-    def first_nonfinite(self) -> int | None:
-        """None: each file was checked for NaN/inf by the worker that staged it."""
-        return None
-
-    def take(self, rows: np.ndarray, xp: ModuleType = np) -> Any:
-        """The rows as a new array of module xp (in the order of rows)."""
-        starts = np.asarray(self.starts)
-        owner = np.searchsorted(starts, rows, side="right") - 1
-        out = np.empty((len(rows), *self.sample_shape), self.dtype)
-        for f in np.unique(owner):
-            mine = owner == f
-            out[mine] = self._maps[f][rows[mine] - starts[f]]
-        return xp.asarray(out)
-
-    @functools.cached_property
-    def _maps(self) -> list[np.ndarray]:
-        # Mapped once per worker, dropped with this object when the run releases it. Shards
-        # take random rows (the split is a shuffle): without MADV_RANDOM each row read pulls
-        # in the kernel's readahead window, which under a memory limit (page cache smaller
-        # than the staged data) re-reads the files many times over.
-        maps = [np.load(path, mmap_mode="r") for path in self.paths]
-        for array in maps:
-            mapping = getattr(array, "_mmap", None)
-            if mapping is not None:
-                mapping.madvise(mmap.MADV_RANDOM)
-        return maps
-
-    def __getstate__(self) -> dict[str, Any]:
-        """Pickle the paths, never the mappings."""
-        return {k: v for k, v in self.__dict__.items() if k != "_maps"}

@@ -38,13 +38,17 @@ class _ShardFile:
         del header
 
     def read(self, local: np.ndarray, out: np.ndarray) -> None:
-        """Rows `local` into `out` (contiguous, len(local) rows)."""
+        """Rows `local` into `out` (contiguous, len(local) rows); one pread per run of
+        consecutive rows (a shuffled batch: one per row; evaluation's ordered batches: one)."""
         view = memoryview(out.reshape(-1).view(np.uint8).data)
         size = self.row_bytes
-        for i, row in enumerate(local.tolist()):
-            got = os.preadv(self.fd, [view[i * size : (i + 1) * size]], self.offset + row * size)
-            if got != self.row_bytes:
-                raise OSError(f"short read of row {row}: {got} of {self.row_bytes} bytes")
+        cuts = (np.flatnonzero(np.diff(local) != 1) + 1).tolist()
+        for begin, end in zip([0, *cuts], [*cuts, len(local)], strict=True):
+            row = int(local[begin])
+            part = view[begin * size : end * size]
+            got = os.preadv(self.fd, [part], self.offset + row * size)
+            if got != len(part):
+                raise OSError(f"short read at row {row}: {got} of {len(part)} bytes")
 
     def close(self) -> None:
         os.close(self.fd)

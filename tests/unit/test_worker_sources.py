@@ -125,3 +125,44 @@ def test_dataset_of_the_old_format_is_rebuilt(tmp_path: Path, dask_cpu: Cluster)
         read_manifest(ref.path)
     again = _run(cfg, tmp_path, dask_cpu)
     assert again == ref and json.loads(manifest_file.read_text())["format_version"] == 2
+
+
+def test_npz_rows_are_staged_in_shard_order(tmp_path: Path, dask_cpu: Cluster) -> None:
+    """Many small shards fed by every file, a float32 file among uint8 ones (all float32)."""
+    rng = np.random.default_rng(2)
+    folder = tmp_path / "npz"
+    folder.mkdir()
+    for i, n in enumerate((300, 170, 241)):
+        images = rng.integers(0, 256, (n, 2, 4, 3)).astype(np.float32 if i == 1 else np.uint8)
+        np.savez(folder / f"part{i}.npz", images=images, labels=rng.permutation(n) % 3)
+    cfg = PreprocessConfig(source="npz", path=folder, shard_size=64)
+    ref = _run(cfg, tmp_path / "out", dask_cpu)
+    manifest = json.loads((ref.path / "manifest.json").read_text())
+    assert manifest["dtype"]["x"] == "float32" and len(manifest["splits"]["train"]) >= 7
+    raw = load_raw(cfg)
+    splits = split_indices(raw.labels, cfg)
+    for split, idx in splits.items():
+        x, y = load_raw_split(ref.path, split, verify=True)  # type: ignore[arg-type]
+        np.testing.assert_array_equal(x, raw.images[idx])
+        np.testing.assert_array_equal(y, raw.labels[idx])
+    # float32 blocks: moments merged in float64 from float32 sums (exact only for uint8).
+    train = raw.images[splits["train"]].astype(np.float64)
+    np.testing.assert_allclose(ref.std, train.std(axis=(0, 2, 3)), rtol=1e-7)
+    assert not list(ref.path.glob(".raw-*")), "scratch files must not be published"
+
+
+def test_npz_nan_found_while_staging_fails_once_naming_the_file(
+    tmp_path: Path, dask_cpu: Cluster
+) -> None:
+    folder = tmp_path / "npz"
+    folder.mkdir()
+    for i in range(3):
+        images = np.ones((20, 1, 4, 4), np.float32)
+        if i == 2:
+            images[7, 0, 1, 2] = np.nan
+        np.savez(folder / f"part{i}.npz", images=images, labels=np.arange(20) % 2)
+    cfg = PreprocessConfig(source="npz", path=folder, shard_size=64)
+    with pytest.raises(DataError, match=r"part2\.npz.*NaN") as info:
+        _run(cfg, tmp_path / "out", dask_cpu)
+    assert "\n" not in str(info.value)
+    assert not [p for p in (tmp_path / "out").iterdir()], "nothing is published or left"
