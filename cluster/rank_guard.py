@@ -99,6 +99,55 @@ def end_like(returncode: int) -> None:
     os._exit(128 + sig)  # a signal this process may not die of (e.g. SIGSTOP)
 
 
+HUNG_AFTER_RESULT_S = float(os.environ.get("TRAINFLOW_HUNG_AFTER_RESULT_S", "20"))
+"""How long a rank may live on after its result is written before the guard ends it."""
+
+
+def _outcome(result: Path) -> str | None:
+    """'success' or 'error' once submitit has written the rank's result, else None."""
+    try:
+        from submitit.core.utils import pickle_load
+
+        outcome, _ = pickle_load(result)
+    except Exception:  # not there yet, or being written
+        return None
+    return str(outcome)
+
+
+def _wait(child: subprocess.Popen[bytes], result: Path) -> tuple[int, bool]:
+    """The child's exit code, and whether it had to be killed after delivering its result.
+
+    A rank whose result is written but which does not exit within HUNG_AFTER_RESULT_S is stuck
+    in teardown (e.g. a process group destructor deadlocked on the GIL): its work is done,
+    so it is killed and counted as exiting the way its result says (0 success, 1 error),
+    instead of holding the whole job (the local controller and srun wait for every rank)."""
+    written_at: float | None = None
+    while True:
+        try:
+            return child.wait(timeout=1.0), False
+        except subprocess.TimeoutExpired:
+            pass
+        except InterruptedError:
+            continue
+        if written_at is None:
+            written_at = time.monotonic() if result.exists() else None
+            continue
+        if time.monotonic() - written_at < HUNG_AFTER_RESULT_S:
+            continue
+        outcome = _outcome(result)
+        if outcome is None:
+            continue
+        print(
+            f"rank_guard: rank wrote its result ({outcome}) {HUNG_AFTER_RESULT_S:.0f} s ago but "
+            "has not exited (stuck in teardown): killing it",
+            file=sys.stderr,
+            flush=True,
+        )
+        child.kill()
+        child.wait()
+        return (0 if outcome == "success" else 1), True
+
+
 def main(command: list[str], peer_timeout_s: str) -> None:
     """Run `command` as this rank, record how it ended, and end the same way."""
     folder, job_id, task = identity()
@@ -117,12 +166,7 @@ def main(command: list[str], peer_timeout_s: str) -> None:
         "guard_pid": os.getpid(),
     }
     _write_json(folder / f"{job_id}_{task}_rank.json", where | {"started": started})
-    while True:
-        try:
-            returncode = child.wait()
-            break
-        except InterruptedError:
-            continue
+    returncode, hung = _wait(child, folder / f"{job_id}_{task}_result.pkl")
     after = oom_kills()
     ended = {
         "returncode": returncode,
@@ -132,6 +176,7 @@ def main(command: list[str], peer_timeout_s: str) -> None:
         and after is not None
         and after > before,
         "ended": time.time(),
+        "hung_after_result": hung,
     }
     _write_json(folder / f"{job_id}_{task}_exit.json", where | ended)
     end_like(returncode)

@@ -125,7 +125,7 @@ class TrainingJob(submitit.helpers.Checkpointable):
             recorder.wait()
             result = self._finish(progress) if dist.is_main else None
         if not (cfg.compile or cfg.cuda_graphs):  # compiled runs keep the teardown that
-            exit_fast_at_shutdown()  # stops inductor's compile workers
+            exit_fast_at_shutdown(trainer)  # stops inductor's compile workers
         return result
 
     def checkpoint(self, *args: Any, **kwargs: Any) -> submitit.helpers.DelayedSubmission:

@@ -121,3 +121,26 @@ def test_each_rank_gets_the_configured_peer_timeout(tmp_path: Path) -> None:
     cfg = ClusterConfig(ranks_per_node=1, timeout_min=5, peer_timeout_s=17)
     job = make_executor(cfg, tmp_path / "jobs").submit(_peer_timeout)
     assert wait_for_job(job, lambda line: None, poll_s=0.1) == 17
+
+
+def _return_then_hang() -> int:
+    """Returns its result, then never exits: a non-daemon thread keeps the interpreter alive,
+    as a deadlocked destructor would."""
+    import threading
+
+    threading.Thread(target=time.sleep, args=(3600,), daemon=False).start()
+    return 42
+
+
+def test_a_rank_stuck_after_writing_its_result_is_ended_by_its_guard(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TRAINFLOW_HUNG_AFTER_RESULT_S", "2")
+    cfg = ClusterConfig(ranks_per_node=1, timeout_min=5)
+    job = make_executor(cfg, tmp_path / "jobs").submit(_return_then_hang)
+    start = time.monotonic()
+    assert wait_for_job(job, lambda line: None, poll_s=0.1) == 42
+    assert time.monotonic() - start < 60  # not the job's 5-minute limit
+    ended = json.loads((job.paths.folder / f"{job.job_id}_0_exit.json").read_text())
+    assert ended["hung_after_result"] is True and ended["returncode"] == 0
+    assert "has not exited (stuck in teardown): killing it" in job.paths.stderr.read_text()
