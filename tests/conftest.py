@@ -24,11 +24,12 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups into node ids
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """xdist groups for `pytest -n 2 --dist loadgroup` (make test): a test file's tests stay on
     one worker (module fixtures such as servers start once), and every test under tests/slurm
     runs on one worker, one after another, since they share the dev cluster's few CPUs."""
     slurm = Path(__file__).parent / "slurm"
     for item in items:
-        group = "slurm" if item.path.is_relative_to(slurm) else str(item.path)
+        group = "slurm" if item.path.is_relative_to(slurm) else item.nodeid.split("::")[0]
         item.add_marker(pytest.mark.xdist_group(group))
