@@ -36,7 +36,13 @@ from tasks.train.data import load_split_to, rank_batches, steps_per_epoch
 from tasks.train.distributed import DistContext, distributed, exit_fast_at_shutdown, wrap_ddp
 from tasks.train.early_signal import deliver_held_signal
 from tasks.train.loop import Trainer, evaluate_split, make_optimizer, train_epoch
-from tasks.train.models import build_model, place_model, use_channels_last, uses_cuda_graphs
+from tasks.train.models import (
+    build_model,
+    narrowest_conv,
+    place_model,
+    use_channels_last,
+    uses_cuda_graphs,
+)
 from tasks.train.precision import PrecisionPolicy, resolve_precision
 from tasks.train.recorder import EpochRecorder
 from tasks.train.ref import CheckpointRef
@@ -107,7 +113,7 @@ class TrainingJob(submitit.helpers.Checkpointable):
             torch.manual_seed(cfg.seed)
             random.seed(cfg.seed)
             policy = resolve_precision(cfg.precision, dist.device)
-            nhwc = use_channels_last(cfg.channels_last, dist.device)
+            nhwc = use_channels_last(cfg.channels_last, dist.device, narrowest_conv(cfg))
             train, val = self._load("train", dist, nhwc), self._load("val", dist, nhwc)
             if dist.is_main:
                 self._announce(dist, policy, nhwc, train)

@@ -52,6 +52,23 @@ def test_channels_last_auto_is_on_for_cuda_and_for_cpus_with_onednn() -> None:
     assert use_channels_last("on", CPU) and not use_channels_last("off", torch.device("cuda"))
 
 
+def test_channels_last_auto_is_off_on_cpu_for_convolutions_narrower_than_8_channels() -> None:
+    assert not use_channels_last("auto", CPU, narrowest=4)
+    assert use_channels_last("auto", CPU, narrowest=8) == torch.backends.mkldnn.is_available()
+    assert use_channels_last("auto", torch.device("cuda", 0), narrowest=4)
+    assert use_channels_last("on", CPU, narrowest=4)  # asked for explicitly: as asked
+
+
+@pytest.mark.timeout(120)
+def test_a_width_4_resnet_trains_on_cpu_with_the_auto_memory_format() -> None:
+    # With NHWC this spins for minutes in oneDNN's 1x1 conv backward (torch 2.13.0+cpu).
+    cfg = TrainConfig(model="resnet", width=4, channels_last="auto")
+    model = place_model(build_model(cfg, (3, 32, 32), 10), cfg, CPU)
+    x = torch.randn(128, 3, 32, 32)
+    model(x).logsumexp(1).mean().backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
 @pytest.mark.parametrize("setting, expected", [("on", True), ("off", False)])
 def test_place_model_sets_the_memory_format_of_conv_weights(setting: str, expected: bool) -> None:
     cfg = TrainConfig(channels_last=setting)
