@@ -6,6 +6,7 @@ run FAILED or KILLED is skipped with a warning instead of retried: the error tha
 flow comes out at once (tasks.tracking.reachability).
 """
 
+import logging
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -27,11 +28,19 @@ def status_for(exc: BaseException) -> str:
     return "FAILED" if isinstance(exc, Exception) else "KILLED"
 
 
+def quiet_store_setup() -> None:
+    """Keep MLflow's INFO lines about creating and migrating a new database store ("Creating
+    initial MLflow database tables...", "Updating database tables") out of the flow log: they
+    are library chatter on every first run in a workdir. Its warnings and errors still show."""
+    logging.getLogger("mlflow.store.db.utils").setLevel(logging.WARNING)
+
+
 class PipelineRuns:
     """Creates and closes the parent and stage runs of one pipeline run."""
 
     def __init__(self, cfg: TrackingConfig, workdir: Path, name: str) -> None:
         limit_http_retries()
+        quiet_store_setup()
         self.tracking_uri = runs.resolve_tracking_uri(cfg, workdir)
         self.experiment = cfg.experiment
         # A new SQLite store is ~1 MiB, and as much again for its journal while it is created.
