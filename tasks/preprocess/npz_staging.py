@@ -14,7 +14,6 @@ and written sequentially, or as whole rows, once per step.
 """
 
 import os
-import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,13 +24,9 @@ import distributed
 import numpy as np
 
 from tasks.errors import DataError
-from tasks.preprocess.npz import _npz_labels, read_npz
-from tasks.preprocess.preflight import (
-    _check_zip_magic,
-    _images_shape,
-    _member_array,
-    _member_header,
-)
+from tasks.preprocess.image_array import FourDimImages
+from tasks.preprocess.npz import read_npz
+from tasks.preprocess.preflight import read_npz_header
 from tasks.preprocess.worker_sources import NpzPart, run_guarded
 from tasks.preprocess.writer import Shard
 
@@ -40,32 +35,16 @@ Gather = Callable[[distributed.Client, list[list[Any]]], list[list[Any]]]
 
 def probe_npz(file: str, index: int) -> NpzPart:
     """Shape, dtype, labels (and, for the first file, class names) of one .npz, from its
-    headers and its labels alone; runs on a worker. DataError names the file."""
-    path = Path(file)
-    _check_zip_magic(path)
-    try:
-        with zipfile.ZipFile(path) as archive:
-            members = {n.removesuffix(".npy"): n for n in archive.namelist()}
-            missing = [k for k in ("images", "labels") if k not in members]
-            if missing:
-                raise DataError(
-                    f"npz file {file!r} lacks {missing}: it has keys {sorted(members)}; "
-                    "expected 'images' and 'labels' (optional 'classes')"
-                )
-            header = _member_header(archive, members["images"], path)
-            labels = _member_array(archive, members["labels"], path)
-            names = None
-            if index == 0 and "classes" in members:
-                names = [str(c) for c in _member_array(archive, members["classes"], path).ravel()]
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
-        raise DataError(f"cannot read npz file {file!r} (corrupt?): {exc}") from exc
-    shape = (header.shape[0], *_images_shape(path, header))
-    dtype = "uint8" if header.dtype == np.uint8 else "float32"  # as read_npz converts
-    return NpzPart(file, shape, dtype, _npz_labels(path, labels, shape[0]), names)
+    headers and its labels alone (preflight's reader); runs on a worker. DataError names the
+    file."""
+    header = read_npz_header(Path(file), want_classes=index == 0)
+    shape = (header.images.shape[0], *header.shape)
+    dtype = "uint8" if header.images.dtype == np.uint8 else "float32"  # as read_npz converts
+    return NpzPart(file, shape, dtype, header.labels, header.names)
 
 
 @dataclass(frozen=True)
-class NpzFiles:
+class NpzFiles(FourDimImages):
     """The images of probed .npz files, before staging: shape and dtype only."""
 
     parts: tuple[NpzPart, ...]
@@ -74,15 +53,6 @@ class NpzFiles:
     def shape(self) -> tuple[int, ...]:
         """(N, C, H, W)."""
         return (sum(p.shape[0] for p in self.parts), *self.parts[0].shape[1:])
-
-    @property
-    def ndim(self) -> int:
-        """Always 4."""
-        return 4
-
-    def __len__(self) -> int:
-        """N."""
-        return self.shape[0]
 
     @property
     def dtype(self) -> np.dtype:
@@ -100,7 +70,7 @@ class NpzFiles:
 
 
 @dataclass(frozen=True)
-class StagedImages:
+class StagedImages(FourDimImages):
     """(N, C, H, W) images in scratch .npy files, one per shard, read with pread."""
 
     paths: tuple[str, ...]
@@ -115,15 +85,6 @@ class StagedImages:
     def shape(self) -> tuple[int, ...]:
         """(N, C, H, W)."""
         return (self.starts[-1], *self.sample_shape)
-
-    @property
-    def ndim(self) -> int:
-        """Always 4."""
-        return 4
-
-    def __len__(self) -> int:
-        """N."""
-        return self.shape[0]
 
     @property
     def row_bytes(self) -> int:

@@ -64,11 +64,6 @@ def _check_folder(root: Path, image_size: tuple[int, int] | None) -> None:
     count = 0
     for class_dir in classes:
         files = _class_images(class_dir)
-        if not files:
-            raise DataError(
-                f"class folder {str(class_dir)!r} holds no .png/.jpg/.jpeg images: "
-                "add images or remove the folder"
-            )
         for file in files:
             size = _image_size(file)
             first = first or (file, size)
@@ -103,7 +98,8 @@ def _check_npz_files(path: Path) -> None:
     classes: list[str] | None = None
     counts = np.zeros(0, np.int64)
     for index, file in enumerate(files):
-        shape, labels, names = _check_npz(file, want_classes=index == 0)
+        header = read_npz_header(file, want_classes=index == 0)
+        shape, labels, names = header.shape, header.labels, header.names
         first_shape = first_shape or (file, shape)
         if shape != first_shape[1]:
             raise DataError(
@@ -128,10 +124,22 @@ def _check_npz_files(path: Path) -> None:
         raise DataError(f"{path}: classes without any sample: {empty[:10]}")
 
 
-def _check_npz(
-    file: Path, want_classes: bool
-) -> tuple[tuple[int, ...], np.ndarray, list[str] | None]:
-    """(C,H,W) of the images, the labels and (if wanted) the class names of one file."""
+@dataclass(frozen=True)
+class NpzHeader:
+    """What one .npz file holds, read from its headers and its labels alone (no pixels)."""
+
+    images: ArrayHeader
+    """The 'images' member's header: its shape as stored (N first) and its dtype."""
+    shape: tuple[int, ...]
+    """(C, H, W) of each image."""
+    labels: np.ndarray
+    """(N,) int64 labels, checked against the images' count."""
+    names: list[str] | None
+    """The 'classes' member's names, when asked for and present."""
+
+
+def read_npz_header(file: Path, want_classes: bool) -> NpzHeader:
+    """The headers and labels of one .npz; DataError names the file and what is wrong."""
     _check_zip_magic(file)
     try:
         with zipfile.ZipFile(file) as archive:
@@ -150,7 +158,7 @@ def _check_npz(
     except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
         raise DataError(f"cannot read npz file {str(file)!r} (corrupt?): {exc}") from exc
     shape = _images_shape(file, images)
-    return shape, _npz_labels(file, labels, images.shape[0]), names
+    return NpzHeader(images, shape, _npz_labels(file, labels, images.shape[0]), names)
 
 
 def _check_zip_magic(file: Path) -> None:

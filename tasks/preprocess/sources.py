@@ -168,9 +168,16 @@ def _class_dirs(root: Path) -> list[Path]:
 
 
 def _class_images(class_dir: Path) -> list[Path]:
-    return sorted(
+    """The class's image files, sorted; DataError when it holds none (an empty class)."""
+    files = sorted(
         p for p in class_dir.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES
     )
+    if not files:
+        raise DataError(
+            f"class folder {str(class_dir)!r} holds no .png/.jpg/.jpeg images: "
+            "add images or remove the folder"
+        )
+    return files
 
 
 def _image_files(root: Path) -> list[Path]:
@@ -187,11 +194,6 @@ def _load_folder(cfg: PreprocessConfig) -> RawData:
     classes = _class_dirs(root)
     for label, class_dir in enumerate(classes):
         files = _class_images(class_dir)
-        if not files:
-            raise DataError(
-                f"class folder {str(class_dir)!r} holds no .png/.jpg/.jpeg images: "
-                "add images or remove the folder"
-            )
         for file in files:
             array = _read_image(file, cfg.image_size)
             first = first or (file, array.shape[:2])

@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from tasks.preprocess.image_array import FourDimImages
+
 NOISE_STD = 0.5
 BANK_SIZE = 1 << 22
 """Noise values in the bank (16 MiB of float32): drawing normals costs ~25 ns each, a window
@@ -23,7 +25,7 @@ GENERATOR_VERSION = "synthetic-v2"
 
 
 @dataclass(frozen=True, eq=False)
-class SyntheticImages:
+class SyntheticImages(FourDimImages):
     """Lazy (N, C, H, W) float32 images; take(rows) generates them on the caller's device."""
 
     seed: int
@@ -48,15 +50,6 @@ class SyntheticImages:
     def shape(self) -> tuple[int, int, int, int]:
         """(N, C, H, W)."""
         return (len(self.labels), *self.sample_shape)
-
-    def __len__(self) -> int:
-        """N, the number of samples."""
-        return len(self.labels)
-
-    @property
-    def ndim(self) -> int:
-        """Always 4: (N, C, H, W)."""
-        return 4
 
     @property
     def dtype(self) -> np.dtype:

@@ -25,6 +25,7 @@ import numpy as np
 from PIL import Image
 
 from tasks.errors import DataError
+from tasks.preprocess.image_array import FourDimImages
 from tasks.preprocess.sources import (
     _GRAY_MODES,
     _check_same_size,
@@ -76,11 +77,6 @@ def list_folder(root: Path) -> FolderListing:
     classes = _class_dirs(root)
     for label, class_dir in enumerate(classes):
         images = _class_images(class_dir)
-        if not images:
-            raise DataError(
-                f"class folder {str(class_dir)!r} holds no .png/.jpg/.jpeg images: "
-                "add images or remove the folder"
-            )
         files.extend(str(f) for f in images)
         labels.extend([label] * len(images))
     return FolderListing(files, np.asarray(labels, np.int64), [d.name for d in classes])
@@ -120,7 +116,7 @@ def check_headers(
 
 
 @dataclass(frozen=True)
-class FolderImages:
+class FolderImages(FourDimImages):
     """(N, C, H, W) uint8 images decoded from files on whichever worker takes them."""
 
     files: tuple[str, ...]
@@ -133,15 +129,6 @@ class FolderImages:
     def shape(self) -> tuple[int, int, int, int]:
         """(N, C, H, W)."""
         return (len(self.files), self.channels, *self.size)
-
-    @property
-    def ndim(self) -> int:
-        """Always 4."""
-        return 4
-
-    def __len__(self) -> int:
-        """N."""
-        return self.shape[0]
 
     @property
     def dtype(self) -> np.dtype:

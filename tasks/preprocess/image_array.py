@@ -1,0 +1,20 @@
+"""What every lazy (N, C, H, W) image source derives from its shape: ndim and len()."""
+
+
+class FourDimImages:
+    """Base of the lazy image sources (sources.LazyImages): `ndim` and `len()` follow from
+    the `shape` property a subclass defines, so numpy-style callers treat them like arrays."""
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """(N, C, H, W): defined by each subclass."""
+        raise NotImplementedError
+
+    @property
+    def ndim(self) -> int:
+        """Always 4: (N, C, H, W)."""
+        return 4
+
+    def __len__(self) -> int:
+        """N, the number of samples."""
+        return self.shape[0]
