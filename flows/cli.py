@@ -1,13 +1,16 @@
 """The ``trainflow`` command line: run a pipeline, inspect presets and config, open the UI."""
 
 import argparse
+import atexit
 import os
 import signal
 import socket
 import sys
+import threading
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
 
 from flows.config import PRESETS, PipelineConfig, build_config
 from flows.error_output import DEBUG_ENV, debug_enabled
@@ -268,5 +271,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
+def entry() -> NoReturn:
+    """The ``trainflow`` command: main(), then an exit without the interpreter's teardown."""
+    exit_fast(main())
+
+
+def exit_fast(code: int) -> NoReturn:
+    """End the process as a normal exit would, minus Python's teardown of every module.
+
+    With torch, MLflow and Prefect loaded that teardown takes ~2-3 s on 2 cores (measured:
+    1.8 s for their imports alone, 2.7 s after a whole `trainflow run`), after the work and
+    the summary are done. Everything a normal exit does first still happens: other
+    non-daemon threads are joined, atexit handlers run (Prefect's temporary server stops,
+    logging flushes its handlers, temporary folders are removed), and stdout/stderr flush.
+    """
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

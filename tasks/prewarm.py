@@ -15,6 +15,7 @@ EVALUATE_MODULES = (
     "tasks.evaluate.model_logging",
     "torch._dynamo",
     "torch.export",
+    "torch.export._trace",  # what export() itself imports on its first call: ~1.4 s
 )
 """What the evaluate stage imports on first use (figures, the pt2 export, model logging): the
 flow imports them while it waits for the training job (3-4 s of the stage on 2 CPU cores)."""
