@@ -1,7 +1,7 @@
 """The sbatch templates under deploy/slurm, submitted to the real single-node Slurm.
 
 - pipeline.sbatch runs a whole pipeline inside one allocation and logs to MLflow and Prefect;
-  on 2 nodes its dask workers are one srun step over both;
+  on 2 nodes its dask workers and its training ranks are each one srun step over both;
   its early-warning signal stops the flow cleanly (runs KILLED).
 - prefect-worker.sbatch keeps a Prefect worker in a pool and requeues itself on its signal.
 - scrontab.example's entry, submitted as the very batch job scrontab would make of it.
@@ -193,6 +193,12 @@ def test_pipeline_template_spreads_dask_workers_over_a_two_node_allocation(
     assert f"dask workers (Slurm): job {job_id} on tfnode1, job {job_id} on tfnode2" in log, log
     steps = _slurm("sacct", "-n", "-P", "-o", "JobName,NodeList", "-j", job_id).split()
     assert any(s.startswith("trainflow-dask-") and s.endswith("|tfnode[1-2]") for s in steps)
+    # Training too: 2 nodes x 2 ranks as one step of this job, each rank's lines naming its node.
+    assert parent.data.params["cluster.executor"] == "allocation"
+    assert parent.data.params["cluster.nodes"] == "2"
+    assert any(s.startswith("trainflow-train-") and s.endswith("|tfnode[1-2]") for s in steps)
+    ranks = set(re.findall(r"\[rank(\d)@(tfnode\d)\] ", log))
+    assert ranks == {("0", "tfnode1"), ("1", "tfnode1"), ("2", "tfnode2"), ("3", "tfnode2")}, log
 
 
 def test_pipeline_template_signal_stops_the_flow_and_marks_runs_killed(
