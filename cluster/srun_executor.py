@@ -69,14 +69,12 @@ def check_allocation(cfg: ClusterConfig) -> None:
 
 
 def allocation_nodes() -> list[str]:
-    """The node names of this process's Slurm job (SLURM_JOB_NODELIST expanded)."""
+    """The node names of this process's Slurm job (SLURM_JOB_NODELIST expanded, as submitit
+    expands it for its own rendezvous)."""
+    from submitit.slurm.slurm import _parse_node_list
+
     nodelist = os.environ.get("SLURM_JOB_NODELIST", "")
-    if not nodelist:
-        return []
-    out = subprocess.run(
-        ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=30
-    )
-    return out.stdout.split()
+    return list(_parse_node_list(nodelist)) if nodelist else []
 
 
 def step_ids(slurm_job: str, name: str) -> list[str]:
