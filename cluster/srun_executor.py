@@ -96,6 +96,24 @@ def cancel_step(job_id: str) -> list[str]:
     return steps
 
 
+def step_state(job_id: str, wait_s: float = 10.0) -> str:
+    """The ended step's state from sacct (e.g. CANCELLED, FAILED, COMPLETED), waiting up to
+    `wait_s` for the accounting record; "UNKNOWN" without one."""
+    slurm_job, name = job_id.split("-", 1)[0], STEP_PREFIX + job_id
+    deadline = time.monotonic() + wait_s
+    while True:
+        out = subprocess.run(
+            ["sacct", "-n", "-P", "-j", slurm_job, "-o", "JobName,State"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        states = [line.split("|")[1] for line in out.stdout.splitlines() if line.startswith(name)]
+        if (states and states[-1] not in ("RUNNING", "PENDING")) or time.monotonic() > deadline:
+            return states[-1] if states else "UNKNOWN"
+        time.sleep(0.5)
+
+
 class AllocationJob(core.Job[core.R]):
     """A training step, watched through its srun process (as LocalJob watches its controller)."""
 

@@ -102,7 +102,7 @@ def cancelled(dataset: DatasetRef, out: Path, how: str) -> dict[str, Any]:
     except KeyboardInterrupt:
         error = "KeyboardInterrupt"
     except JobError as err:
-        error = str(err)
+        error = f"{type(err).__name__}: {err}"
     return {
         "job_id": job.job_id,
         "seen": seen,
