@@ -66,6 +66,28 @@ def check_allocation(cfg: ClusterConfig) -> None:
             f"cluster.nodes={cfg.nodes}, but this Slurm job has {have} node(s): set "
             f"cluster.nodes<={have}, or submit the job with --nodes={cfg.nodes}"
         )
+    cpus = cpus_per_node(os.environ.get("SLURM_JOB_CPUS_PER_NODE", ""))
+    need = cfg.ranks_per_node * cfg.cpus_per_task
+    if cpus is not None and need > cpus:
+        raise ConfigError(
+            f"cluster.ranks_per_node={cfg.ranks_per_node} x cluster.cpus_per_task="
+            f"{cfg.cpus_per_task} = {need} CPUs per node, but this Slurm job has {cpus} on its "
+            f"smallest node: lower them, or submit the job with {need} CPUs per node (e.g. "
+            f"one task per node and --cpus-per-task={need})"
+        )
+    gpus = int(os.environ.get("SLURM_GPUS_ON_NODE") or 0)
+    if cfg.gpus_per_node > gpus:
+        raise ConfigError(
+            f"cluster.gpus_per_node={cfg.gpus_per_node}, but this Slurm job has {gpus} GPU(s) "
+            f"per node: set cluster.gpus_per_node<={gpus} (0 for CPU), or submit the job with "
+            f"--gpus-per-node={cfg.gpus_per_node}"
+        )
+
+
+def cpus_per_node(value: str) -> int | None:
+    """The smallest CPU count in a SLURM_JOB_CPUS_PER_NODE value ("4(x2),2"); None if empty."""
+    counts = [int(part.split("(")[0]) for part in value.split(",") if part.split("(")[0].isdigit()]
+    return min(counts) if counts else None
 
 
 def allocation_nodes() -> list[str]:
@@ -128,6 +150,21 @@ class AllocationJob(core.Job[core.R]):
         self._process = process
         for sub in self._sub_jobs:
             sub._process = process  # type: ignore[attr-defined]
+
+    def results(self) -> list[core.R]:
+        """submitit's results; when srun ended before any rank started (it refused the step),
+        an UncompletedJobError with srun's own message instead of a wait for result files."""
+        self.wait()
+        process = self._process
+        folder = self.paths.folder
+        if process is not None and not list(folder.glob(f"{self.job_id}_*_rank.json")):
+            log = folder / f"{self.job_id}_srun.log"
+            said = log.read_text(errors="replace")[-2000:] if log.exists() else "(no srun log)"
+            raise utils.UncompletedJobError(
+                f"the training step (srun) ended with status {process.returncode} before any "
+                f"rank started; srun said ({log}):\n{said.rstrip()}"
+            )
+        return super().results()
 
     def done(self, force_check: bool = False) -> bool:
         """True once srun has ended (every rank of the step has)."""

@@ -7,6 +7,7 @@ to <out>/results.json for the test to check from outside.
 - ctrl_c: 2 nodes x 1 rank; a KeyboardInterrupt in the watcher (what Ctrl-C or SIGTERM of the
   flow raises) after epoch 2: wait_for_job cancels the step.
 - cleanup: the same, cancelled through the registry as `trainflow cleanup` does.
+- refused: a step srun refuses (too many CPUs) fails with srun's own message.
 
 Usage: python -m tests.slurm.allocation_driver <out folder>
 """
@@ -113,13 +114,28 @@ def cancelled(dataset: DatasetRef, out: Path, how: str) -> dict[str, Any]:
     }
 
 
+def refused(dataset: DatasetRef, out: Path) -> str:
+    """The error of a step srun refuses (more CPUs per node than the job has; the preflight
+    check is skipped here on purpose)."""
+    cfg = ClusterConfig(executor="allocation", nodes=2, ranks_per_node=2, cpus_per_task=2)
+    job = make_executor(cfg, out / "refused-jobs").submit(
+        TrainingJob(_spec(dataset, out / "refused", 1))
+    )
+    try:
+        wait_for_job(job, lambda line: None)
+    except JobError as err:
+        return str(err)
+    return "(no error)"
+
+
 def main(out: Path) -> None:
-    """Run the three cases and write their findings to out/results.json."""
+    """Run the cases and write their findings to out/results.json."""
     dataset = write_dataset(out / "ds")
     results = {
         "restart": restart(dataset, out),
         "ctrl_c": cancelled(dataset, out, "ctrl_c"),
         "cleanup": cancelled(dataset, out, "cleanup"),
+        "refused": refused(dataset, out),
     }
     (out / "results.json").write_text(json.dumps(results))
 

@@ -64,3 +64,6 @@ def test_allocation_steps_restart_after_a_lost_rank_and_cancel_without_leaving_r
     # A scancelled step is no lost rank: never restarted (like a scancelled Slurm job).
     assert results["cleanup"]["error"].startswith("JobError: "), results["cleanup"]["error"]
     assert not [p for p in _pids(restart["records"]) if _alive(p)], "a rank outlived its step"
+    # A step srun refuses fails at once with srun's reason, not a wait for result files.
+    assert "before any rank started; srun said" in results["refused"], results["refused"]
+    assert "More processors requested than permitted" in results["refused"]

@@ -11,7 +11,7 @@ from cluster.config import ClusterConfig
 from cluster.executor import make_executor
 from cluster.restarts import can_exclude
 from cluster.slurm_checks import check_cluster
-from cluster.srun_executor import STEP_PREFIX, AllocationExecutor
+from cluster.srun_executor import STEP_PREFIX, AllocationExecutor, cpus_per_node
 from flows.config import PipelineConfig
 from flows.preflight import preflight
 from tasks.errors import ConfigError
@@ -41,12 +41,25 @@ def test_allocation_outside_a_slurm_job_is_refused_before_any_work(
     assert not (tmp_path / "work").exists()
 
 
-def test_allocation_needs_the_nodes_it_asks_for(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_allocation_needs_the_nodes_cpus_and_gpus_it_asks_for(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setenv("SLURM_JOB_ID", "41")
     monkeypatch.setenv("SLURM_JOB_NUM_NODES", "2")
-    check_cluster(ClusterConfig(executor="allocation", nodes=2))
+    monkeypatch.setenv("SLURM_JOB_CPUS_PER_NODE", "4(x1),2")
+    monkeypatch.delenv("SLURM_GPUS_ON_NODE", raising=False)
+    check_cluster(ClusterConfig(executor="allocation", nodes=2, ranks_per_node=2))
     with pytest.raises(ConfigError, match=r"cluster.nodes=3, but this Slurm job has 2 node"):
         check_cluster(ClusterConfig(executor="allocation", nodes=3))
+    too_many = ClusterConfig(executor="allocation", ranks_per_node=2, cpus_per_task=2)
+    with pytest.raises(ConfigError, match=r"= 4 CPUs per node, but this Slurm job has 2 on"):
+        check_cluster(too_many)
+    gpus = ClusterConfig(executor="allocation", ranks_per_node=2, gpus_per_node=2)
+    with pytest.raises(ConfigError, match=r"has 0 GPU\(s\) per node: .* --gpus-per-node=2"):
+        check_cluster(gpus)
+    monkeypatch.setenv("SLURM_GPUS_ON_NODE", "2")
+    check_cluster(gpus)
+    assert cpus_per_node("8(x2)") == 8 and cpus_per_node("") is None
 
 
 def test_the_step_runs_every_rank_guarded_over_the_nodes_asked_for(
