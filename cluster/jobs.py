@@ -182,7 +182,9 @@ def _cancelled(job: submitit.Job[Any]) -> bool:
     """Whether Slurm says the job (or the allocation's training step) was cancelled (scancel):
     its killed ranks are no loss."""
     if isinstance(job, AllocationJob):
-        return step_state(job.job_id).startswith("CANCELLED")
+        # "CANCELLED by <uid>": a scancel. A step whose task died of SIGKILL (a lost rank) is
+        # recorded as plain "CANCELLED".
+        return step_state(job.job_id).startswith("CANCELLED by")
     return isinstance(job, submitit.SlurmJob) and job.state.startswith("CANCELLED")
 
 
