@@ -108,11 +108,12 @@ class DaskConfig(StrictModel):
 class ClusterConfig(StrictModel):
     """Where preprocessing and training run."""
 
-    executor: Literal["local", "debug", "slurm"] = "local"
+    executor: Literal["local", "debug", "slurm", "allocation"] = "local"
     """local: submitit LocalExecutor, one process per rank; debug: in this process, 1 rank;
-    slurm: an sbatch job on the Slurm cluster this machine submits to."""
+    slurm: an sbatch job on the Slurm cluster this machine submits to; allocation: one srun
+    step over the nodes of the Slurm job the flow runs in (deploy/slurm/pipeline.sbatch)."""
     nodes: int = Field(1, ge=1, le=1024)
-    """Nodes of the training job (more than 1 only with executor=slurm)."""
+    """Nodes of the training job (more than 1 only with executor=slurm or allocation)."""
     ranks_per_node: int = Field(2, ge=1, le=64)
     """DDP ranks (processes) per node; on GPU machines each rank drives one GPU."""
     gpus_per_node: int = Field(0, ge=0, le=16)
@@ -164,10 +165,11 @@ class ClusterConfig(StrictModel):
                 "executor='debug' runs in this process with a single rank: "
                 "set cluster.ranks_per_node=1 or use cluster.executor=local"
             )
-        if self.executor != "slurm" and self.nodes != 1:
+        if self.executor not in ("slurm", "allocation") and self.nodes != 1:
             raise ValueError(
                 f"nodes={self.nodes} with executor='{self.executor}': only Slurm spans "
-                "several nodes; set cluster.nodes=1 or cluster.executor=slurm"
+                "several nodes; set cluster.nodes=1 or cluster.executor=slurm (or allocation "
+                "inside a multi-node Slurm job)"
             )
         return self
 

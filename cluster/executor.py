@@ -12,6 +12,7 @@ from submitit.core.utils import DelayedSubmission
 
 from cluster.config import ClusterConfig
 from cluster.job_folder import prepare_job_folder, private_umask, seal_files
+from cluster.srun_executor import AllocationExecutor
 
 
 def make_executor(cfg: ClusterConfig, folder: Path) -> submitit.Executor:
@@ -27,6 +28,8 @@ def make_executor(cfg: ClusterConfig, folder: Path) -> submitit.Executor:
         return submitit.DebugExecutor(folder)
     if cfg.executor == "slurm":
         return _slurm_executor(cfg, folder)
+    if cfg.executor == "allocation":
+        return _allocation_executor(cfg, folder)
     restore_sigint()
     executor = TrainflowLocalExecutor(folder)
     executor.peer_timeout_s = cfg.peer_timeout_s
@@ -79,6 +82,11 @@ class TrainflowLocalExecutor(_GuardedPrivate, submitit.LocalExecutor):
     """submitit's LocalExecutor with guarded ranks and private job files."""
 
 
+class TrainflowAllocationExecutor(_GuardedPrivate, AllocationExecutor):
+    """AllocationExecutor (one srun step of the flow's own Slurm job) with guarded ranks and
+    private job files (srun hands the umask on to the ranks)."""
+
+
 class TrainflowSlurmExecutor(_GuardedPrivate, submitit.SlurmExecutor):
     """submitit's SlurmExecutor with guarded ranks (srun tasks) and private jobs: sbatch runs
     under umask 077, which Slurm hands on to the job (SLURM_UMASK), so its logs and result
@@ -106,6 +114,20 @@ def _slurm_executor(cfg: ClusterConfig, folder: Path) -> submitit.SlurmExecutor:
     executor = TrainflowSlurmExecutor(folder, max_num_timeout=cfg.max_requeues)
     executor.peer_timeout_s = cfg.peer_timeout_s
     executor.update_parameters(**slurm_parameters(cfg))
+    return executor
+
+
+def _allocation_executor(cfg: ClusterConfig, folder: Path) -> AllocationExecutor:
+    """The ranks as one srun step over the nodes of the Slurm job this process runs in."""
+    executor = TrainflowAllocationExecutor(folder)
+    executor.peer_timeout_s = cfg.peer_timeout_s
+    executor.update_parameters(
+        nodes=cfg.nodes,
+        tasks_per_node=cfg.ranks_per_node,
+        cpus_per_task=cfg.cpus_per_task,
+        gpus_per_node=cfg.gpus_per_node,
+        timeout_min=cfg.timeout_min,
+    )
     return executor
 
 

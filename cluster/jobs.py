@@ -24,6 +24,7 @@ from submitit.local.debug import DebugJob
 
 from cluster.job_folder import check_private
 from cluster.lost_ranks import RankLostError, failure_message, rank_ends
+from cluster.srun_executor import AllocationJob, step_state
 from tasks.errors import JobError
 
 
@@ -178,7 +179,12 @@ def _outcome(job: submitit.Job[Any]) -> Any:
 
 
 def _cancelled(job: submitit.Job[Any]) -> bool:
-    """Whether Slurm says the job was cancelled (scancel): its killed ranks are no loss."""
+    """Whether Slurm says the job (or the allocation's training step) was cancelled (scancel):
+    its killed ranks are no loss."""
+    if isinstance(job, AllocationJob):
+        # "CANCELLED by <uid>": a scancel. A step whose task died of SIGKILL (a lost rank) is
+        # recorded as plain "CANCELLED".
+        return step_state(job.job_id).startswith("CANCELLED by")
     return isinstance(job, submitit.SlurmJob) and job.state.startswith("CANCELLED")
 
 

@@ -94,7 +94,8 @@ def end_like(returncode: int) -> None:
     if returncode >= 0:
         os._exit(returncode)
     sig = -returncode
-    signal.signal(sig, signal.SIG_DFL)
+    if sig not in (signal.SIGKILL, signal.SIGSTOP):  # those two cannot be set (always default)
+        signal.signal(sig, signal.SIG_DFL)
     os.kill(os.getpid(), sig)
     os._exit(128 + sig)  # a signal this process may not die of (e.g. SIGSTOP)
 

@@ -84,9 +84,14 @@ def _is_zombie(pid: int) -> bool:
 
 
 def cancel(job: ActiveJob) -> None:
-    """Cancel one job: scancel on Slurm; SIGINT to a local job's controller (it kills ranks)."""
+    """Cancel one job: scancel on Slurm (the job, or an allocation's training step); SIGINT to a
+    local job's controller (it kills ranks)."""
     if job.executor == "slurm":
         subprocess.run(["scancel", job.job_id], check=False, capture_output=True, timeout=30)
+    elif job.executor == "allocation":
+        from cluster.srun_executor import cancel_step
+
+        cancel_step(job.job_id)
     elif _is_submitit_controller(job.job_id):
         with contextlib.suppress(ProcessLookupError):
             os.kill(int(job.job_id), signal.SIGINT)

@@ -21,9 +21,14 @@ Submit = Callable[[list[str]], submitit.Job[Any]]
 
 
 def can_exclude(cfg: ClusterConfig, excluded: set[str]) -> bool:
-    """Whether a Slurm job of cfg still fits on its partition's usable nodes without `excluded`."""
-    if cfg.executor != "slurm" or not excluded:
+    """Whether a Slurm job of cfg still fits on its partition's usable nodes without `excluded`
+    (for executor=allocation: on the nodes of the Slurm job the flow runs in)."""
+    if cfg.executor not in ("slurm", "allocation") or not excluded:
         return False
+    if cfg.executor == "allocation":
+        from cluster.srun_executor import allocation_nodes
+
+        return len(set(allocation_nodes()) - excluded) >= cfg.nodes
     from cluster.slurm_checks import read_nodes, read_partitions
 
     parts = read_partitions()

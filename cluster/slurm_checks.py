@@ -274,6 +274,11 @@ def _fits(node: Node, cpus: int, mem_mb: int, gpus: int) -> bool:
 
 
 def check_cluster(cfg: ClusterConfig) -> None:
-    """check_request for the Slurm executor; nothing to check for local or debug."""
+    """check_request for the Slurm executor; for allocation, that this process runs in a Slurm
+    job with the nodes asked for; nothing to check for local or debug."""
     if cfg.executor == "slurm":
         check_request(cfg)
+    if cfg.executor == "allocation":
+        from cluster.srun_executor import check_allocation
+
+        check_allocation(cfg)

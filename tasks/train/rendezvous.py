@@ -14,7 +14,9 @@ The other ranks wait for that file, check the port answers, connect, and check t
 store holds the file's nonce (a file left by an earlier attempt of a requeued job points to
 a dead or foreign store: they wait for rank 0's new one). Slurm's SLURM_RESTART_COUNT is in
 the name, so a requeued attempt never reads its predecessor's file; under the local executor
-(same job id after a requeue) the nonce check does that work.
+(same job id after a requeue) the nonce check does that work. Under the allocation executor
+(cluster.srun_executor) every step, a restart included, has a job id of its own, so two
+trainings in one Slurm allocation never share a file; there rank 0 publishes its own host name.
 """
 
 import json

@@ -1,8 +1,9 @@
 """The sbatch templates under deploy/slurm, submitted to the real single-node Slurm.
 
 - pipeline.sbatch runs a whole pipeline inside one allocation and logs to MLflow and Prefect;
-  on 2 nodes its dask workers are one srun step over both;
-  its early-warning signal stops the flow cleanly (runs KILLED).
+  on 2 nodes its dask workers and its training ranks are each one srun step over both;
+  its early-warning signal stops the flow cleanly (runs KILLED, no training rank left on
+  either node of a 2-node job).
 - prefect-worker.sbatch keeps a Prefect worker in a pool and requeues itself on its signal.
 - scrontab.example's entry, submitted as the very batch job scrontab would make of it.
 """
@@ -99,6 +100,14 @@ def _live_processes_with(arg: str) -> list[int]:
     return pids
 
 
+def _live_pid(pid: str) -> bool:
+    """Whether process `pid` is alive (not a zombie)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in "ZX"
+    except OSError:
+        return False
+
+
 # --- Prefect and MLflow ----------------------------------------------------------------------
 
 
@@ -193,19 +202,29 @@ def test_pipeline_template_spreads_dask_workers_over_a_two_node_allocation(
     assert f"dask workers (Slurm): job {job_id} on tfnode1, job {job_id} on tfnode2" in log, log
     steps = _slurm("sacct", "-n", "-P", "-o", "JobName,NodeList", "-j", job_id).split()
     assert any(s.startswith("trainflow-dask-") and s.endswith("|tfnode[1-2]") for s in steps)
+    # Training too: 2 nodes x 2 ranks as one step of this job, each rank's lines naming its node.
+    assert parent.data.params["cluster.executor"] == "allocation"
+    assert parent.data.params["cluster.nodes"] == "2"
+    assert any(s.startswith("trainflow-train-") and s.endswith("|tfnode[1-2]") for s in steps)
+    ranks = set(re.findall(r"\[rank(\d)@(tfnode\d)\] ", log))
+    assert ranks == {("0", "tfnode1"), ("1", "tfnode1"), ("2", "tfnode2"), ("3", "tfnode2")}, log
 
 
 def test_pipeline_template_signal_stops_the_flow_and_marks_runs_killed(
     tmp_path: Path, prefect_api: str
 ) -> None:
     workdir = tmp_path / "work"
+    # On 2 nodes: training is an srun step over both (cluster.executor=allocation), 1 rank each.
     argv = [
-        *(f"--chdir={REPO}", f"--output={tmp_path}/%j.out", str(TEMPLATES / "pipeline.sbatch")),
+        *(f"--chdir={REPO}", f"--output={tmp_path}/%j.out", "--nodes=2", "--ntasks=2"),
+        *("--cpus-per-task=2", str(TEMPLATES / "pipeline.sbatch")),
         *("--preset", "tiny", "--set", f"workdir={workdir}", "--set", "train.epochs=5000"),
+        *("--set", "cluster.ranks_per_node=1"),
     ]
     with submitted(argv, job_env(PREFECT_API_URL=prefect_api)) as job_id:
         out = tmp_path / f"{job_id}.out"
         wait_for(lambda: "epoch 1/5000" in _tail(out), 150, "the first training epoch")
+        ranks = [json.loads(p.read_text()) for p in workdir.rglob("*_rank.json")]
         # What --signal=B:TERM@120 makes Slurm send before the time limit.
         _slurm("scancel", "--signal=TERM", "--batch", job_id)
         state = wait_ended(job_id, out)
@@ -218,6 +237,10 @@ def test_pipeline_template_signal_stops_the_flow_and_marks_runs_killed(
     assert parent.info.status == "KILLED"
     assert kids["train"].info.status == "KILLED"
     assert kids["preprocess"].info.status == "FINISHED"
+    # The flow cancelled its training step: no rank, nor its guard, is left on either node.
+    assert sorted(r["slurm_node"] for r in ranks) == ["tfnode1", "tfnode2"], ranks
+    pids = [str(r[key]) for r in ranks for key in ("pid", "guard_pid")]
+    wait_for(lambda: not any(_live_pid(pid) for pid in pids), 20, "no rank left on any node")
 
 
 def test_pipeline_template_refuses_bad_arguments_before_any_work(tmp_path: Path) -> None:

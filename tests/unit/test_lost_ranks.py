@@ -87,6 +87,8 @@ def test_a_killed_rank_is_named_with_its_signal_node_and_log(tmp_path: Path) -> 
     assert "then rank(s) [0] failed" in message
     assert "----- rank 0 (node" in message
     assert not any(psutil.pid_exists(pid) and _alive(pid) for pid in ranks)
+    # The guard dies of the same signal, quietly: no traceback of its own in rank 1's log.
+    assert not [line for line in lines if line.startswith("[rank1] Traceback")], lines[-20:]
 
 
 def _alive(pid: int) -> bool:
