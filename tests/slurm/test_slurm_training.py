@@ -222,7 +222,7 @@ def test_two_ranks_train_through_slurm_and_the_run_gets_the_accounting(
     assert float(acct["elapsed_s"]) > 0 and float(acct["cpu_hours"]) > 0
     assert acct["requeues"] == 0 and acct["gpu_hours"] == 0 and acct["nodes"] == 2
     data = client.get_run(run_id).data
-    assert data.metrics["slurm_nodes"] == 2
+    assert data.metrics["slurm_nodes"] == 2 and data.tags["slurm_node_list"] == "tfnode[1-2]"
     assert data.tags["slurm_state"] == "COMPLETED" and data.tags["slurm_job_id"] == job.job_id
     assert data.metrics["slurm_cpu_hours"] == pytest.approx(
         2 * data.metrics["slurm_elapsed_s"] / 3600
