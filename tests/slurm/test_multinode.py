@@ -88,6 +88,10 @@ def test_two_nodes_by_one_rank_end_with_the_weights_of_one_node_by_two_ranks(
     assert _sacct(across.job_id, "State,NNodes,NodeList").strip() == "COMPLETED|2|tfnode[1-2]"
 
 
+def _squeue(job_id: str) -> str:
+    return subprocess.run(["squeue", "-h", "-j", job_id], capture_output=True, text=True).stdout
+
+
 def _rank_record(job: submitit.Job[object], task: int) -> dict[str, object]:
     path = job.paths.folder / f"{job.job_id}_{task}_rank.json"
     data = json.loads(path.read_text()) if path.exists() else {}
@@ -121,8 +125,7 @@ def test_a_rank_killed_on_the_second_node_is_named_and_ends_the_job(
     assert f"log: {job.paths.folder}/{job.job_id}_1_log.err" in head
     assert "----- rank 0 (node tfnode1) traceback -----" in str(failure.value)
     assert not [pid for pid in pids if _alive(pid)], "a rank process outlived the job"
-    squeue = subprocess.run(["squeue", "-h", "-j", job.job_id], capture_output=True, text=True)
-    assert not squeue.stdout.strip()
+    assert not _squeue(job.job_id).strip()
 
 
 def _alive(pid: int) -> bool:
@@ -227,10 +230,6 @@ def _gone(pids: set[int], guard_s: float = 120) -> list[int]:
     while any(map(_alive, pids)) and time.monotonic() < deadline:
         time.sleep(0.5)
     return [pid for pid in pids if _alive(pid)]
-
-
-def _squeue(job_id: str) -> str:
-    return subprocess.run(["squeue", "-h", "-j", job_id], capture_output=True, text=True).stdout
 
 
 def test_a_node_set_down_mid_epoch_restarts_the_job_away_from_it_to_the_same_weights(
