@@ -12,7 +12,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
@@ -195,8 +195,17 @@ class _DownAtTheGate:
     gone (Slurm's own requeued attempt too, if it started: it waits at the same gate), so the
     test does not depend on how soon Slurm kills them."""
 
-    def __init__(self, job_dir: Path, gate: Path, ranks: int, stack: ExitStack) -> None:
+    def __init__(
+        self,
+        job_dir: Path,
+        gate: Path,
+        ranks: int,
+        stack: ExitStack,
+        then: Callable[[str], None] = lambda node: None,
+    ) -> None:
         self.job_dir, self.gate, self.ranks, self.stack = job_dir, gate, ranks, stack
+        self.then = then
+        """Called with the node once it is DOWN."""
         self.lines: list[str] = []
         self.pids: set[int] = set()
         self.node = ""
@@ -221,6 +230,7 @@ class _DownAtTheGate:
         self.node = str(records[-1]["slurm_node"])
         self.stack.enter_context(_node_down(self.node))
         self.at = time.monotonic()
+        self.then(self.node)
 
 
 def _gone(pids: set[int], guard_s: float = 120) -> list[int]:
@@ -242,16 +252,20 @@ def test_a_node_set_down_mid_epoch_restarts_the_job_away_from_it_to_the_same_wei
     gate = tmp_path / "gate-3"
     monkeypatch.setattr("tasks.train.task.TrainingJob", lambda spec: GatedJob(spec, {3: gate}))
     cfg = ClusterConfig(executor="slurm", nodes=1, ranks_per_node=2, timeout_min=10)
+    plain: list[submitit.Job[object]] = []
+
+    def submit_plain(node: str) -> None:
+        """The uninterrupted run, meanwhile, on the node that was not set down."""
+        executor = make_executor(cfg, tmp_path / "p")
+        executor.update_parameters(exclude=node)
+        plain.append(executor.submit(TrainingJob(_spec(dataset, tmp_path / "plain", epochs=8))))
+
     warnings: list[str] = []
     with ExitStack() as stack:
-        down = _DownAtTheGate(tmp_path / "k", gate, 2, stack)
+        down = _DownAtTheGate(tmp_path / "k", gate, 2, stack, submit_plain)
         spec = _spec(dataset, tmp_path / "lost", epochs=8)
         ref = train_with_restarts(spec, cfg, tmp_path / "k", tmp_path, down, warnings.append)
-    # The uninterrupted run, on the node that was not set down.
-    plain_executor = make_executor(cfg, tmp_path / "p")
-    plain_executor.update_parameters(exclude=down.node)
-    plain = plain_executor.submit(TrainingJob(_spec(dataset, tmp_path / "plain", epochs=8)))
-    ref_plain = wait_for_job(plain, lambda line: None)
+    ref_plain = wait_for_job(plain[0], lambda line: None)
 
     assert down.node and isinstance(ref, CheckpointRef) and isinstance(ref_plain, CheckpointRef)
     assert (
