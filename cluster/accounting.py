@@ -16,7 +16,15 @@ import time
 from datetime import datetime
 
 # Allocation records (-X) of every attempt (--duplicates), machine-readable (-P, no header).
-_FIELDS = ("JobID", "State", "Submit", "ElapsedRaw", "AllocTRES", "ConsumedEnergyRaw")
+_FIELDS = (
+    "JobID",
+    "State",
+    "Submit",
+    "ElapsedRaw",
+    "AllocTRES",
+    "ConsumedEnergyRaw",
+    "NodeList",
+)
 _NOT_FINAL = {
     "PENDING",
     "RUNNING",
@@ -38,7 +46,8 @@ def job_accounting(
     """State, elapsed seconds, requeues, CPU/GPU hours (and energy if measured) of a job.
 
     Keys: job_id, state (e.g. COMPLETED, FAILED, CANCELLED, TIMEOUT), elapsed_s (all attempts),
-    requeues, nodes (of the last attempt), cpu_hours, gpu_hours (over all nodes), and
+    requeues, nodes and node_list (of the last attempt, in Slurm's form: ``tfnode[1-2]``),
+    cpu_hours, gpu_hours (over all nodes), and
     energy_j only when the cluster measures energy.
     Records reach sacct a little after the job ends: retried for up to `wait_s` until the
     last attempt shows a final state (then returned as it is). `submitted_after` (local time,
@@ -90,6 +99,7 @@ def summarize(job_id: str, records: list[dict[str, str]]) -> dict[str, float | s
         "elapsed_s": sum(elapsed),
         "requeues": float(len(records) - 1),
         "nodes": tres[-1].get("node", 0.0),
+        "node_list": records[-1].get("NodeList", "None assigned"),
         "cpu_hours": sum(t.get("cpu", 0.0) * s for t, s in zip(tres, elapsed, strict=True)) / 3600,
         "gpu_hours": sum(t.get("gres/gpu", 0.0) * s for t, s in zip(tres, elapsed, strict=True))
         / 3600,

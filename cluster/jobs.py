@@ -12,9 +12,11 @@ message names the lost rank, its node, how it ended and its log (cluster.lost_ra
 """
 
 import json
+import subprocess
 import time
 import traceback
 from collections.abc import Callable
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +25,8 @@ from submitit.core.utils import FailedJobError, UncompletedJobError
 from submitit.local.debug import DebugJob
 
 from cluster.job_folder import check_private
-from cluster.lost_ranks import RankLostError, failure_message, rank_ends
+from cluster.lost_ranks import RankLostError, failure_message, node_failure, rank_ends
+from cluster.node_events import node_failed
 from cluster.srun_executor import AllocationJob, step_state
 from tasks.errors import JobError
 
@@ -93,11 +96,58 @@ def _cancel_quietly(job: submitit.Job[Any]) -> None:
         print(f"could not cancel job {job.job_id}: {exc}", flush=True)
 
 
+NODE_CHECK_S = 10.0
+"""How often sacct is asked, while a Slurm job is followed, whether a node failure ended it. A
+node set DOWN (or lost) leaves no file behind, Slurm requeues the job at once, and submitit,
+which reads only the latest record and at most every min(600 s, half the job's age), would
+never see it end: with this, trainflow ends such a job within NODE_CHECK_S and a few seconds."""
+
+
+class _Ended:
+    """Whether every job has ended, by submitit or (Slurm) by a node failure."""
+
+    def __init__(self) -> None:
+        self._checked = time.monotonic()
+        # A minute of slack for the controller's clock: older jobs with these ids (a wiped dev
+        # cluster restarts ids at 1) were submitted before it.
+        self._since = datetime.now() - timedelta(minutes=1)
+        self.node_failed: set[str] = set()
+        """Ids of the jobs Slurm ended with NODE_FAIL."""
+
+    def __call__(self, jobs: list[submitit.Job[Any]]) -> bool:
+        slurm = [str(job.job_id) for job in jobs if isinstance(job, submitit.SlurmJob)]
+        if slurm and time.monotonic() - self._checked >= NODE_CHECK_S:
+            self._checked = time.monotonic()
+            self.node_failed |= node_failed(slurm, self._since)
+        return all(str(job.job_id) in self.node_failed or job.done() for job in jobs)
+
+
+def _cancel_and_wait(job: submitit.Job[Any], wait_s: float = 60.0) -> None:
+    """Cancel a Slurm job and wait until squeue no longer lists it: its processes have then
+    ended on every node (Slurm keeps a job COMPLETING until they have). Gives up silently after
+    `wait_s`, a guard against a controller that does not answer."""
+    _cancel_quietly(job)
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        cmd = ["squeue", "-h", "-j", str(job.job_id), "-o", "%T"]
+        try:
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            out = None
+        if out is not None and not out.stdout.strip():  # gone (or purged: "Invalid job id")
+            return
+        time.sleep(1.0)
+
+
 def _follow(
-    job: submitit.Job[Any], tails: list[LogTail], log: Callable[[str], None], poll_s: float
+    job: submitit.Job[Any],
+    tails: list[LogTail],
+    log: Callable[[str], None],
+    poll_s: float,
+    ended: _Ended,
 ) -> None:
     """Forward logs until the job has ended."""
-    while not job.done():
+    while not ended([job]):
         _forward(tails, log)
         time.sleep(poll_s)
     _forward(tails, log, final=True)
@@ -123,12 +173,13 @@ def wait_for_job(job: submitit.Job[Any], log: Callable[[str], None], poll_s: flo
     if isinstance(job, DebugJob):
         return _run_debug(job)
     tails = log_tails(job)
+    ended = _Ended()
     try:
-        _follow(job, tails, log, poll_s)
+        _follow(job, tails, log, poll_s, ended)
     except BaseException:
         _cancel_quietly(job)
         raise
-    outcome = _outcome(job)
+    outcome = _outcome(job, ended.node_failed)
     if isinstance(outcome, JobError):
         raise outcome
     return outcome
@@ -146,8 +197,9 @@ def wait_for_jobs(
     if debug:
         return [_debug_outcome(job) for job in debug]
     tails = [t for i, job in enumerate(jobs) for t in log_tails(job, f"{i} ")]
+    ended = _Ended()
     try:
-        while not all(job.done() for job in jobs):
+        while not ended(jobs):
             _forward(tails, log)
             time.sleep(poll_s)
         _forward(tails, log, final=True)
@@ -155,16 +207,20 @@ def wait_for_jobs(
         for job in jobs:
             _cancel_quietly(job)
         raise
-    return [_outcome(job) for job in jobs]
+    return [_outcome(job, ended.node_failed) for job in jobs]
 
 
-def _outcome(job: submitit.Job[Any]) -> Any:
+def _outcome(job: submitit.Job[Any], node_failed: set[str]) -> Any:
     """Task 0's result of an ended job, or the JobError it failed with: the lost rank named,
     tracebacks of the ranks that raised after it. JobError, before any pickle is loaded (loading
     one runs code), when the job folder or a result pickle is not private to this user."""
     check_private(job.paths.folder, [job.task(k).paths.result_pickle for k in range(job.num_tasks)])
     ends = rank_ends(job)
     message = failure_message(job, ends)
+    if message and (str(job.job_id) in node_failed or _node_failed(job)):
+        # Slurm requeued it (JobRequeue): its next attempt must not run beside a restart.
+        _cancel_and_wait(job)
+        return node_failure(job, ends)
     lost = sorted((e for e in ends if e.lost), key=lambda e: e.ended or float("inf"))
     if message and lost and not _cancelled(job):
         return RankLostError(message, lost)
@@ -186,6 +242,11 @@ def _cancelled(job: submitit.Job[Any]) -> bool:
         # recorded as plain "CANCELLED".
         return step_state(job.job_id).startswith("CANCELLED by")
     return isinstance(job, submitit.SlurmJob) and job.state.startswith("CANCELLED")
+
+
+def _node_failed(job: submitit.Job[Any]) -> bool:
+    """Whether submitit last saw the job in state NODE_FAIL (a node failed or was set DOWN)."""
+    return isinstance(job, submitit.SlurmJob) and job.state == "NODE_FAIL"
 
 
 def _debug_outcome(job: DebugJob[Any]) -> Any:

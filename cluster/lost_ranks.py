@@ -17,6 +17,8 @@ from typing import Any
 import submitit
 from submitit.core.utils import pickle_load
 
+from cluster.accounting import sacct_records
+from cluster.node_events import expand_nodes, node_events
 from tasks.errors import JobError
 
 
@@ -74,10 +76,14 @@ class RankLostError(JobError):
     """A job ended because a rank was lost (killed, or its node gone), not because one raised:
     the case cluster.restarts restarts."""
 
-    def __init__(self, message: str, lost: list[RankEnd] | None = None) -> None:
+    def __init__(
+        self, message: str, lost: list[RankEnd] | None = None, nodes: list[str] | None = None
+    ) -> None:
         super().__init__(message)
         self.lost = lost or []
         """The lost ranks, the first lost first."""
+        self.nodes = sorted(nodes if nodes is not None else {e.node for e in self.lost if e.node})
+        """The nodes lost (a restart avoids them): given, or those of the lost ranks."""
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
@@ -171,3 +177,27 @@ def failure_message(job: submitit.Job[Any], ends: list[RankEnd]) -> str | None:
         parts.append((end.traceback or "").rstrip())
     parts.append(f"logs: {job.paths.folder}")
     return "\n".join(parts)
+
+
+def node_failure(job: submitit.Job[Any], ends: list[RankEnd]) -> RankLostError:
+    """The error of a job Slurm ended with NODE_FAIL (a node set DOWN or gone): the nodes that
+    went down (cluster.node_events) lead, with their reason, then the ranks that ran there.
+
+    Without a recorded event the message names the job's nodes and no node is held lost, so
+    a restart may go anywhere.
+    """
+    failed = [r for r in sacct_records(str(job.job_id)) if r.get("State") == "NODE_FAIL"]
+    record = failed[-1] if failed else {}
+    nodes = expand_nodes(record.get("NodeList", ""))
+    events = node_events(nodes, record.get("Submit", "now-3600"))
+    down = sorted({event.node for event in events})
+    if down:
+        head = f"job {job.job_id} lost node {', '.join(down)}: Slurm ended it with NODE_FAIL ("
+        head += "; ".join(map(str, events)) + ")"
+    else:
+        head = f"job {job.job_id} lost one of its nodes ({', '.join(nodes) or '?'}): Slurm ended "
+        head += "it with NODE_FAIL (no node event recorded: which node is unknown)"
+    there = [end for end in ends if end.node in down]
+    if there:
+        head += f"; rank(s) {[e.task for e in there]} ran there, log: {there[0].log}"
+    return RankLostError(f"{head}\nlogs: {job.paths.folder}", there, down)

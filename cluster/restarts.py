@@ -59,9 +59,11 @@ def run_with_restarts(
             headline = str(err).splitlines()[0]
             if attempt == cfg.max_restarts:
                 raise RankLostError(
-                    f"{err}\nno restart left (cluster.max_restarts={cfg.max_restarts})", err.lost
+                    f"{err}\nno restart left (cluster.max_restarts={cfg.max_restarts})",
+                    err.lost,
+                    err.nodes,
                 ) from None
-            lost_nodes = {end.node for end in err.lost if end.node}
+            lost_nodes = set(err.nodes)
             if can_exclude(cfg, excluded | lost_nodes):
                 excluded |= lost_nodes
                 where = f"excluding node(s) {', '.join(sorted(excluded))}"

@@ -24,8 +24,7 @@ def record_lost_ranks(
     log(headline)
     if not (tracking_uri and run_id):
         return
-    nodes = sorted({end.node for end in err.lost if end.node})
-    tags = {f"lost_ranks.{attempt}": headline[:_MAX_TAG], "lost_nodes": ",".join(nodes)}
+    tags = {f"lost_ranks.{attempt}": headline[:_MAX_TAG], "lost_nodes": ",".join(err.nodes)}
     try:
         set_tags(MlflowClient(tracking_uri), run_id, tags)
     except Exception as exc:

@@ -20,9 +20,17 @@ def prefect_server() -> Iterator[None]:
         yield
 
 
-def test_sweep_is_one_slurm_job_array(tmp_path: Path) -> None:
-    # Preprocessing's dask workers are Slurm jobs too (cluster.dask.executor=slurm).
+def test_sweep_is_one_slurm_job_array_spread_over_both_nodes(tmp_path: Path) -> None:
+    """The array's two elements run on tfnode1 and tfnode2, as each train run's tags say.
+
+    Each element asks for 3 CPUs (cluster.cpus_per_task=3) and a dev node has 4, so one node
+    cannot hold both elements at once: queued together while both nodes are free, they start
+    on different nodes (a tiny element alone would fit twice on one node, and Slurm would
+    pack both there). Preprocessing's dask workers are Slurm jobs too
+    (cluster.dask.executor=slurm): 1 CPU each, so a worker still being cancelled leaves room.
+    """
     overrides = [f"workdir={tmp_path}", "cluster.executor=slurm", "cluster.ranks_per_node=1"]
+    overrides += ["cluster.cpus_per_task=3"]
     overrides += ["cluster.dask.executor=slurm", "cluster.dask.mem_gb=0.5"]
     summary = sweep(preset="tiny", overrides=overrides, grid={"train.lr": [1e-6, 5e-3]})
     worker_logs = sorted((tmp_path / "dask-workers").glob("trainflow-dask-*.err"))
@@ -47,10 +55,11 @@ def test_sweep_is_one_slurm_job_array(tmp_path: Path) -> None:
         "train[0]",
         "train[1]",
     ]
-    for run in kids:
-        if run.info.run_name.startswith("train["):
-            assert run.data.tags["slurm_state"] == "COMPLETED"
-            assert run.data.metrics["slurm_cpu_hours"] > 0
+    trains = [run for run in kids if run.info.run_name.startswith("train[")]
+    for run in trains:
+        assert run.data.tags["slurm_state"] == "COMPLETED"
+        assert run.data.metrics["slurm_cpu_hours"] > 0
+    assert sorted(run.data.tags["slurm_node_list"] for run in trains) == ["tfnode1", "tfnode2"]
 
 
 def test_impossible_slurm_request_fails_before_any_work(tmp_path: Path) -> None:
