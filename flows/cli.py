@@ -284,10 +284,12 @@ def exit_fast(code: int) -> NoReturn:
     the summary are done. Everything a normal exit does first still happens: other
     non-daemon threads are joined, atexit handlers run (Prefect's temporary server stops,
     logging flushes its handlers, temporary folders are removed), and stdout/stderr flush.
+    ``threading._shutdown`` is CPython's own step of a normal exit (private, stable since 3.4).
     """
-    for thread in threading.enumerate():
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
+    # What the interpreter's own exit runs first, in its order: threading's exit hooks (they
+    # stop idle ThreadPoolExecutor workers, which a plain join would wait on forever), the
+    # join of non-daemon threads, then atexit.
+    threading._shutdown()  # type: ignore[attr-defined]
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()

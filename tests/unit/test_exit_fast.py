@@ -14,12 +14,15 @@ def late():
     time.sleep(0.5)
     (out / "thread").write_text("joined")
 threading.Thread(target=late).start()
+from concurrent.futures import ThreadPoolExecutor
+pool = ThreadPoolExecutor(2)  # idle workers, never shut down: a normal exit stops them
+pool.submit(int).result()
 print("buffered line", end="")
 exit_fast(3)
 """
 
 
-def test_exit_fast_joins_threads_runs_atexit_flushes_and_keeps_the_code(tmp_path: Path) -> None:
+def test_exit_fast_stops_threads_and_pools_runs_atexit_and_keeps_the_code(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "-c", CODE, str(tmp_path)],
         capture_output=True,
