@@ -30,12 +30,13 @@ class NodeEvent:
 
 
 def expand_nodes(nodelist: str) -> list[str]:
-    """Slurm's compact node list (``tfnode[1-2]``) as names; [] for none."""
+    """Slurm's compact node list (``tfnode[1-2]``) as names, expanded by submitit's own parser
+    (no scontrol call); [] for none."""
+    from submitit.slurm.slurm import _parse_node_list
+
     if not nodelist or nodelist == "None assigned":
         return []
-    cmd = ["scontrol", "show", "hostnames", nodelist]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
-    return out.stdout.split() if out.returncode == 0 else [nodelist]
+    return list(_parse_node_list(nodelist))
 
 
 def node_events(nodes: list[str], since: str, wait_s: float = 10.0) -> list[NodeEvent]:

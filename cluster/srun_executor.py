@@ -31,6 +31,7 @@ from typing import Any
 from submitit.core import core, utils
 
 from cluster.config import ClusterConfig
+from cluster.node_events import expand_nodes
 from tasks.errors import ConfigError
 
 STEP_PREFIX = "trainflow-train-"
@@ -91,12 +92,8 @@ def cpus_per_node(value: str) -> int | None:
 
 
 def allocation_nodes() -> list[str]:
-    """The node names of this process's Slurm job (SLURM_JOB_NODELIST expanded, as submitit
-    expands it for its own rendezvous)."""
-    from submitit.slurm.slurm import _parse_node_list
-
-    nodelist = os.environ.get("SLURM_JOB_NODELIST", "")
-    return list(_parse_node_list(nodelist)) if nodelist else []
+    """The node names of this process's Slurm job (SLURM_JOB_NODELIST expanded)."""
+    return expand_nodes(os.environ.get("SLURM_JOB_NODELIST", ""))
 
 
 def step_ids(slurm_job: str, name: str) -> list[str]:

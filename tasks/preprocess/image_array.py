@@ -1,14 +1,16 @@
 """What every lazy (N, C, H, W) image source derives from its shape: ndim and len()."""
 
+from abc import ABC, abstractmethod
 
-class FourDimImages:
+
+class FourDimImages(ABC):
     """Base of the lazy image sources (sources.LazyImages): `ndim` and `len()` follow from
     the `shape` property a subclass defines, so numpy-style callers treat them like arrays."""
 
     @property
+    @abstractmethod
     def shape(self) -> tuple[int, ...]:
         """(N, C, H, W): defined by each subclass."""
-        raise NotImplementedError
 
     @property
     def ndim(self) -> int:

@@ -149,27 +149,35 @@ def pipeline_runs(workdir: Path) -> tuple[Run, dict[str, Run]]:
 # --- pipeline.sbatch -------------------------------------------------------------------------
 
 
-def test_pipeline_template_runs_a_whole_pipeline_in_one_allocation(
-    tmp_path: Path, prefect_api: str
-) -> None:
+def _completed_pipeline(
+    tmp_path: Path, prefect_api: str, *sbatch_options: str
+) -> tuple[str, Run, dict[str, Run], str]:
+    """Submit pipeline.sbatch (preset tiny) with these sbatch options, wait until it completes,
+    and check its parent and stage runs finished; returns (job id, parent, stages, job log)."""
     argv = [
-        *(f"--chdir={REPO}", f"--output={tmp_path}/%j.out", str(TEMPLATES / "pipeline.sbatch")),
-        *("--preset", "tiny", "--set", f"workdir={tmp_path}/work"),
+        *(f"--chdir={REPO}", f"--output={tmp_path}/%j.out", *sbatch_options),
+        *(str(TEMPLATES / "pipeline.sbatch"), "--preset", "tiny"),
+        *("--set", f"workdir={tmp_path}/work"),
     ]
     with submitted(argv, job_env(PREFECT_API_URL=prefect_api)) as job_id:
         out = tmp_path / f"{job_id}.out"
         assert wait_ended(job_id, out) == ("COMPLETED", "0:0"), _tail(out)
-
     parent, kids = pipeline_runs(tmp_path / "work")
     assert parent.info.status == "FINISHED"
-    assert parent.data.metrics["test_accuracy"] > 0.5
     assert sorted(kids) == ["evaluate", "preprocess", "train"]
     assert all(r.info.status == "FINISHED" for r in kids.values())
+    return job_id, parent, kids, out.read_text()
+
+
+def test_pipeline_template_runs_a_whole_pipeline_in_one_allocation(
+    tmp_path: Path, prefect_api: str
+) -> None:
+    _job_id, parent, _kids, log = _completed_pipeline(tmp_path, prefect_api)
+    assert parent.data.metrics["test_accuracy"] > 0.5
     # Training ran inside the allocation, each of the 2 ranks with half of its 4 CPUs.
     assert parent.data.params["cluster.executor"] == "local"
     assert parent.data.params["cluster.cpus_per_task"] == "2"
 
-    log = out.read_text()
     assert f"MLflow store    sqlite:///{tmp_path}/work/mlflow.db" in log
     assert "== trainflow summary ==" in log
     assert f"parent run id   {parent.info.run_id}" in log
@@ -183,20 +191,10 @@ def test_pipeline_template_runs_a_whole_pipeline_in_one_allocation(
 def test_pipeline_template_spreads_dask_workers_over_a_two_node_allocation(
     tmp_path: Path, prefect_api: str
 ) -> None:
-    argv = [
-        *(f"--chdir={REPO}", f"--output={tmp_path}/%j.out", "--nodes=2", "--ntasks=2"),
-        *("--cpus-per-task=2", str(TEMPLATES / "pipeline.sbatch")),
-        *("--preset", "tiny", "--set", f"workdir={tmp_path}/work"),
-    ]
-    with submitted(argv, job_env(PREFECT_API_URL=prefect_api)) as job_id:
-        out = tmp_path / f"{job_id}.out"
-        assert wait_ended(job_id, out) == ("COMPLETED", "0:0"), _tail(out)
-
-    parent, kids = pipeline_runs(tmp_path / "work")
-    assert parent.info.status == "FINISHED"
-    assert all(r.info.status == "FINISHED" for r in kids.values())
+    job_id, parent, _kids, log = _completed_pipeline(
+        tmp_path, prefect_api, "--nodes=2", "--ntasks=2", "--cpus-per-task=2"
+    )
     assert parent.data.params["cluster.dask.executor"] == "allocation"
-    log = out.read_text()
     assert "nodes 2" in log
     # Asked of each worker: one per node, both inside this job (a step, not a new job).
     assert f"dask workers (Slurm): job {job_id} on tfnode1, job {job_id} on tfnode2" in log, log
