@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from tasks.train.job import TrainingJob, TrainJobSpec
+from trainflow.tasks.train.job import TrainingJob, TrainJobSpec
 
 ROUNDS = 3
 
@@ -58,7 +58,7 @@ class TimedJob(TrainingJob):
 
         register_optimizer_step_post_hook(first_step)
         if not self.prewarm:
-            import tasks.train.job as job
+            import trainflow.tasks.train.job as job
 
             job.prewarm_rank = lambda: _Done()  # type: ignore[assignment,return-value]
         result = super().__call__()
@@ -69,10 +69,10 @@ class TimedJob(TrainingJob):
 
 
 def _dataset(root: Path) -> Any:
-    from cluster.config import DaskConfig
-    from cluster.dask import dask_client
-    from flows.config import build_config
-    from tasks.preprocess.run import run_preprocess
+    from trainflow.cluster.config import DaskConfig
+    from trainflow.cluster.dask import dask_client
+    from trainflow.flows.config import build_config
+    from trainflow.tasks.preprocess.run import run_preprocess
 
     cfg = build_config("tiny").preprocess
     with dask_client(DaskConfig(backend="cpu", n_workers=1)) as (client, backend):
@@ -80,9 +80,9 @@ def _dataset(root: Path) -> Any:
 
 
 def _one(dataset: Any, folder: Path, prewarm: bool) -> dict[str, float]:
-    from cluster.executor import make_executor
-    from cluster.jobs import wait_for_job
-    from flows.config import build_config
+    from trainflow.cluster.executor import make_executor
+    from trainflow.cluster.jobs import wait_for_job
+    from trainflow.flows.config import build_config
 
     cfg = build_config("tiny", ["train.epochs=1"])
     gpus = torch.cuda.device_count()

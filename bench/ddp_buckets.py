@@ -20,10 +20,10 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from tasks.train.config import TrainConfig
-from tasks.train.loop import make_optimizer
-from tasks.train.models import build_model, place_model
-from tasks.train.precision import resolve_precision
+from trainflow.tasks.train.config import TrainConfig
+from trainflow.tasks.train.loop import make_optimizer
+from trainflow.tasks.train.models import build_model, place_model
+from trainflow.tasks.train.precision import resolve_precision
 
 CAPS_MB = (1.0, 5.0, 25.0, 100.0)
 """Bucket caps tried (torch's default is 25)."""

@@ -71,11 +71,11 @@ def _group(limit: int) -> Path | None:
 
 def child(raw: Path, out: Path) -> None:
     """The stage itself (runs in the limited group)."""
-    from cluster.config import DaskConfig
-    from cluster.dask import dask_client
-    from tasks.preprocess.config import PreprocessConfig
-    from tasks.preprocess.run import run_preprocess
-    from tasks.preprocess.sources import fingerprint
+    from trainflow.cluster.config import DaskConfig
+    from trainflow.cluster.dask import dask_client
+    from trainflow.tasks.preprocess.config import PreprocessConfig
+    from trainflow.tasks.preprocess.run import run_preprocess
+    from trainflow.tasks.preprocess.sources import fingerprint
 
     cfg = PreprocessConfig(source="npz", path=raw, val_fraction=0.1, test_fraction=0.1)
     with dask_client(DaskConfig(backend="cpu", n_workers=1, memory_limit="0")) as (client, be):

@@ -30,8 +30,8 @@ import torch
 from torch import nn, optim
 from torch.utils.data import DataLoader, TensorDataset
 
-from tasks.preprocess.dataset import load_split
-from tasks.train.models import ReferenceCNN
+from trainflow.tasks.preprocess.dataset import load_split
+from trainflow.tasks.train.models import ReferenceCNN
 
 # All else is imported where used: the reference's process imports this module too.
 
@@ -130,10 +130,10 @@ def _run_reference(data_dir: Path) -> dict[str, Any]:
 
 def _make_dataset(root: Path) -> Any:
     """The demo's dataset, written by the preprocessing stage itself (CPU dask cluster)."""
-    from cluster.config import DaskConfig
-    from cluster.dask import dask_client
-    from flows.config import build_config
-    from tasks.preprocess.run import run_preprocess
+    from trainflow.cluster.config import DaskConfig
+    from trainflow.cluster.dask import dask_client
+    from trainflow.flows.config import build_config
+    from trainflow.tasks.preprocess.run import run_preprocess
 
     cfg = build_config("demo").preprocess
     with dask_client(DaskConfig(backend="cpu", n_workers=2)) as (client, backend):
@@ -142,7 +142,7 @@ def _make_dataset(root: Path) -> Any:
 
 def _trainflow_configs() -> tuple[Any, Any]:
     """The demo preset's train and cluster config; on GPUs one rank per visible GPU."""
-    from flows.config import build_config
+    from trainflow.flows.config import build_config
 
     cfg = build_config("demo")
     gpus = torch.cuda.device_count()
@@ -157,12 +157,12 @@ def _run_stage(dataset: Any, train: Any, cluster: Any, folder: Path) -> dict[str
     validation and checkpoints, result, the watcher's polling). epoch_s: the epochs'
     own times (training plus validation) from the run's history.
     """
-    from cluster.executor import make_executor
-    from cluster.jobs import wait_for_job
-    from tasks.evaluate import metrics
-    from tasks.evaluate.predict import confusion_streamed
-    from tasks.evaluate.run import load_model
-    from tasks.train.job import TrainingJob, TrainJobSpec
+    from trainflow.cluster.executor import make_executor
+    from trainflow.cluster.jobs import wait_for_job
+    from trainflow.tasks.evaluate import metrics
+    from trainflow.tasks.evaluate.predict import confusion_streamed
+    from trainflow.tasks.evaluate.run import load_model
+    from trainflow.tasks.train.job import TrainingJob, TrainJobSpec
 
     spec = TrainJobSpec(
         train=train, dataset=dataset, out_dir=folder / "out", cpus_per_task=cluster.cpus_per_task

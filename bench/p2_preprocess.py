@@ -28,11 +28,11 @@ from typing import Any
 import distributed
 import numpy as np
 
-from cluster.config import DaskConfig
-from cluster.dask import dask_client
-from tasks.preprocess.config import PreprocessConfig
-from tasks.preprocess.run import run_preprocess
-from tasks.preprocess.sources import fingerprint
+from trainflow.cluster.config import DaskConfig
+from trainflow.cluster.dask import dask_client
+from trainflow.tasks.preprocess.config import PreprocessConfig
+from trainflow.tasks.preprocess.run import run_preprocess
+from trainflow.tasks.preprocess.sources import fingerprint
 
 GIB = 1 << 30
 SHAPE = (3, 32, 32)

@@ -22,12 +22,12 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from cluster.config import DaskConfig
-from cluster.dask import dask_client
-from tasks.preprocess.config import PreprocessConfig
-from tasks.preprocess.run import run_preprocess
-from tasks.preprocess.sources import fingerprint
-from tasks.preprocess.worker_sources import FolderImages, list_folder
+from trainflow.cluster.config import DaskConfig
+from trainflow.cluster.dask import dask_client
+from trainflow.tasks.preprocess.config import PreprocessConfig
+from trainflow.tasks.preprocess.run import run_preprocess
+from trainflow.tasks.preprocess.sources import fingerprint
+from trainflow.tasks.preprocess.worker_sources import FolderImages, list_folder
 
 FILES = 20_000
 CLASSES = 10

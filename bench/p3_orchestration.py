@@ -17,18 +17,18 @@ from typing import Any
 
 from prefect.testing.utilities import prefect_test_harness
 
-from cluster.config import DaskConfig
-from cluster.dask import dask_client
-from flows.config import build_config
-from flows.pipeline import PipelineSummary, pipeline
-from tasks.evaluate import metrics
-from tasks.evaluate.predict import confusion_streamed
-from tasks.evaluate.run import load_model
-from tasks.hashing import sha256_file
-from tasks.preprocess.dataset import read_manifest
-from tasks.preprocess.run import run_preprocess
-from tasks.preprocess.task import dataset_key
-from tasks.train.ref import CheckpointRef
+from trainflow.cluster.config import DaskConfig
+from trainflow.cluster.dask import dask_client
+from trainflow.flows.config import build_config
+from trainflow.flows.pipeline import PipelineSummary, pipeline
+from trainflow.tasks.evaluate import metrics
+from trainflow.tasks.evaluate.predict import confusion_streamed
+from trainflow.tasks.evaluate.run import load_model
+from trainflow.tasks.hashing import sha256_file
+from trainflow.tasks.preprocess.dataset import read_manifest
+from trainflow.tasks.preprocess.run import run_preprocess
+from trainflow.tasks.preprocess.task import dataset_key
+from trainflow.tasks.train.ref import CheckpointRef
 
 # Demo epochs take ~0.3 s here: 240 of them are over 60 s of training compute.
 LONG_EPOCHS = 240

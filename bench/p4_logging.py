@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from bench.steps import timed_epochs, trainer_for
-from tasks.tracking.config import TrackingConfig
-from tasks.tracking.logger import MlflowLogger
-from tasks.tracking.pipeline_runs import PipelineRuns
-from tasks.train.config import TrainConfig
+from trainflow.tasks.tracking.config import TrackingConfig
+from trainflow.tasks.tracking.logger import MlflowLogger
+from trainflow.tasks.tracking.pipeline_runs import PipelineRuns
+from trainflow.tasks.train.config import TrainConfig
 
 PAIRS = 6
 

@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.steps import timed_epochs, trainer_for
-from tasks.train.checkpoint import save_checkpoint, training_state
-from tasks.train.config import TrainConfig
+from trainflow.tasks.train.checkpoint import save_checkpoint, training_state
+from trainflow.tasks.train.config import TrainConfig
 
 SAVES = 9
 

@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from tasks.train.config import TrainConfig
-from tasks.train.models import build_model
+from trainflow.tasks.train.config import TrainConfig
+from trainflow.tasks.train.models import build_model
 
 
 def _sync(device: torch.device) -> None:

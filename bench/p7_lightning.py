@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from bench.p1_training import TARGET, _make_dataset, _run_stage, _time_to_target, _trainflow_configs
-from tasks.preprocess.dataset import load_split
+from trainflow.tasks.preprocess.dataset import load_split
 
 PRECISION = {"bf16": "bf16-mixed", "fp16": "16-mixed", "fp32": "32-true"}
 """Lightning's name for each precision trainflow's policy may pick."""
@@ -39,7 +39,7 @@ PRECISION = {"bf16": "bf16-mixed", "fp16": "16-mixed", "fp32": "32-true"}
 
 def lightning_precision(device: torch.device) -> str:
     """The Lightning precision matching trainflow's `auto` policy on `device`."""
-    from tasks.train.precision import resolve_precision
+    from trainflow.tasks.train.precision import resolve_precision
 
     return PRECISION[resolve_precision("auto", device).name]
 
@@ -50,9 +50,9 @@ def _lightning_child(data_dir: Path, out: Path, launched: float) -> None:
     import torch.nn.functional as F
     from torch.utils.data import DataLoader, TensorDataset
 
-    from flows.config import build_config
-    from tasks.train.loop import cosine_lr
-    from tasks.train.models import build_model
+    from trainflow.flows.config import build_config
+    from trainflow.tasks.train.loop import cosine_lr
+    from trainflow.tasks.train.models import build_model
 
     demo = build_config("demo")
     train_cfg, cluster = demo.train, demo.cluster

@@ -67,7 +67,7 @@ def phases(lines: list[str], started: float, wall: float) -> dict[str, float]:
 
 
 def _trainflow(workdir: Path, env: dict[str, str]) -> dict[str, Any]:
-    argv = [sys.executable, "-m", "flows.cli", "run", "--preset", "tiny"]
+    argv = [sys.executable, "-m", "trainflow.flows.cli", "run", "--preset", "tiny"]
     started = time.time()
     out = subprocess.run(
         [*argv, "--set", f"workdir={workdir}"],
@@ -99,8 +99,8 @@ def _import_seconds() -> float:
 
 
 def _dask_seconds() -> float:
-    from cluster.config import DaskConfig
-    from cluster.dask import dask_client
+    from trainflow.cluster.config import DaskConfig
+    from trainflow.cluster.dask import dask_client
 
     def once() -> None:
         with dask_client(DaskConfig()):
@@ -114,9 +114,9 @@ def _export_seconds(folder: Path) -> float:
     import numpy as np
     from mlflow.tracking import MlflowClient
 
-    from flows.config import build_config
-    from tasks.evaluate.model_logging import log_model
-    from tasks.train.models import build_model
+    from trainflow.flows.config import build_config
+    from trainflow.tasks.evaluate.model_logging import log_model
+    from trainflow.tasks.train.models import build_model
 
     cfg = build_config("tiny", [])
     shape = (1, 16, 16)  # the synthetic source's images

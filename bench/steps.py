@@ -10,12 +10,12 @@ from contextlib import contextmanager
 
 import torch
 
-from tasks.train.config import TrainConfig
-from tasks.train.data import Split, rank_batches
-from tasks.train.distributed import distributed
-from tasks.train.loop import Trainer, make_optimizer, train_epoch
-from tasks.train.models import build_model
-from tasks.train.precision import resolve_precision
+from trainflow.tasks.train.config import TrainConfig
+from trainflow.tasks.train.data import Split, rank_batches
+from trainflow.tasks.train.distributed import distributed
+from trainflow.tasks.train.loop import Trainer, make_optimizer, train_epoch
+from trainflow.tasks.train.models import build_model
+from trainflow.tasks.train.precision import resolve_precision
 
 
 @contextmanager

@@ -17,8 +17,8 @@ import dask
 import distributed
 import numpy as np
 
-from cluster.config import DaskConfig
-from tasks.errors import ConfigError
+from trainflow.cluster.config import DaskConfig
+from trainflow.tasks.errors import ConfigError
 
 Backend = Literal["numpy", "cupy"]
 
@@ -45,13 +45,13 @@ def dask_client(
         stack.enter_context(quiet_dask_logs())  # first in, last out: covers the shutdown too
         backend: Backend
         if cfg.executor == "slurm":
-            from cluster.dask_slurm import slurm_client
+            from trainflow.cluster.dask_slurm import slurm_client
 
             folder = workdir or Path(tempfile.mkdtemp(prefix="trainflow-dask-"))
             jobs = stack.enter_context(slurm_client(cfg, folder, _MALLOC_ENV, workdir is not None))
             client, backend = jobs
         elif cfg.executor == "allocation":
-            from cluster.dask_srun import allocation_client
+            from trainflow.cluster.dask_srun import allocation_client
 
             folder = workdir or Path(tempfile.mkdtemp(prefix="trainflow-dask-"))
             client, backend = stack.enter_context(allocation_client(cfg, folder, _MALLOC_ENV))

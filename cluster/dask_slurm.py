@@ -27,10 +27,10 @@ from typing import Any, Literal
 
 import distributed
 
-from cluster import registry
-from cluster.config import DaskConfig
-from cluster.dask_slurm_checks import check_dask_workers, worker_mem_mb
-from tasks.errors import ConfigError, JobError
+from trainflow.cluster import registry
+from trainflow.cluster.config import DaskConfig
+from trainflow.cluster.dask_slurm_checks import check_dask_workers, worker_mem_mb
+from trainflow.tasks.errors import ConfigError, JobError
 
 Backend = Literal["numpy", "cupy"]
 log = logging.getLogger(__name__)

@@ -7,9 +7,9 @@ forever, so it is refused before anything is queued.
 
 import math
 
-from cluster.config import DaskConfig
-from cluster.slurm_checks import Node, Partition, read_nodes, read_partitions
-from tasks.errors import ConfigError
+from trainflow.cluster.config import DaskConfig
+from trainflow.cluster.slurm_checks import Node, Partition, read_nodes, read_partitions
+from trainflow.tasks.errors import ConfigError
 
 
 def check_dask_workers(cfg: DaskConfig) -> None:

@@ -20,10 +20,10 @@ from pathlib import Path
 
 import distributed
 
-from cluster.config import DaskConfig
-from cluster.dask_slurm import DEATH_TIMEOUT_S, Backend, scheduler_host
-from cluster.dask_slurm_checks import worker_mem_mb
-from tasks.errors import ConfigError, JobError
+from trainflow.cluster.config import DaskConfig
+from trainflow.cluster.dask_slurm import DEATH_TIMEOUT_S, Backend, scheduler_host
+from trainflow.cluster.dask_slurm_checks import worker_mem_mb
+from trainflow.tasks.errors import ConfigError, JobError
 
 log = logging.getLogger(__name__)
 STOP_WAIT_S = 30

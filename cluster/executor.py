@@ -10,9 +10,9 @@ from typing import Any
 import submitit
 from submitit.core.utils import DelayedSubmission
 
-from cluster.config import ClusterConfig
-from cluster.job_folder import prepare_job_folder, private_umask, seal_files
-from cluster.srun_executor import AllocationExecutor
+from trainflow.cluster.config import ClusterConfig
+from trainflow.cluster.job_folder import prepare_job_folder, private_umask, seal_files
+from trainflow.cluster.srun_executor import AllocationExecutor
 
 
 def make_executor(cfg: ClusterConfig, folder: Path) -> submitit.Executor:
@@ -47,7 +47,9 @@ def _guarded(command: str, python: str, peer_timeout_s: int) -> str:
     """`command` (a rank's command line) run under cluster.rank_guard, which records how the
     rank ended (exit code or signal) for cluster.lost_ranks and gives the rank its collective
     timeout. `python` is already quoted."""
-    return f"{python} -u -m cluster.rank_guard --peer-timeout-s {peer_timeout_s} {command}"
+    return (
+        f"{python} -u -m trainflow.cluster.rank_guard --peer-timeout-s {peer_timeout_s} {command}"
+    )
 
 
 def _privately(folder: Path, submit: Callable[[], list[submitit.Job[Any]]]) -> list[Any]:

@@ -24,11 +24,11 @@ import submitit
 from submitit.core.utils import FailedJobError, UncompletedJobError
 from submitit.local.debug import DebugJob
 
-from cluster.job_folder import check_private
-from cluster.lost_ranks import RankLostError, failure_message, node_failure, rank_ends
-from cluster.node_events import node_failed
-from cluster.srun_executor import AllocationJob, step_state
-from tasks.errors import JobError
+from trainflow.cluster.job_folder import check_private
+from trainflow.cluster.lost_ranks import RankLostError, failure_message, node_failure, rank_ends
+from trainflow.cluster.node_events import node_failed
+from trainflow.cluster.srun_executor import AllocationJob, step_state
+from trainflow.tasks.errors import JobError
 
 
 class LogTail:

@@ -17,9 +17,9 @@ from typing import Any
 import submitit
 from submitit.core.utils import pickle_load
 
-from cluster.accounting import sacct_records
-from cluster.node_events import expand_nodes, node_events
-from tasks.errors import JobError
+from trainflow.cluster.accounting import sacct_records
+from trainflow.cluster.node_events import expand_nodes, node_events
+from trainflow.tasks.errors import JobError
 
 
 @dataclass(frozen=True)

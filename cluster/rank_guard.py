@@ -4,7 +4,7 @@ A rank killed by a signal (kill -9, the OOM killer) writes no result: only its p
 how it ended, and neither submitit's local controller nor Slurm's srun keeps that where the
 flow can read it. The executors (cluster.executor) therefore start every rank as
 
-    python -m cluster.rank_guard --peer-timeout-s 60 <the rank's command ...>
+    python -m trainflow.cluster.rank_guard --peer-timeout-s 60 <the rank's command ...>
 
 which runs the command as its child and writes two small JSON files beside submitit's result
 pickle: ``<job id>_<task>_rank.json`` when the rank starts (node, pid) and
@@ -185,5 +185,7 @@ def main(command: list[str], peer_timeout_s: str) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) < 4 or sys.argv[1] != "--peer-timeout-s" or not sys.argv[2].isdigit():
-        sys.exit("usage: python -m cluster.rank_guard --peer-timeout-s S <command> [args...]")
+        sys.exit(
+            "usage: python -m trainflow.cluster.rank_guard --peer-timeout-s S <command> [args...]"
+        )
     main(sys.argv[3:], sys.argv[2])

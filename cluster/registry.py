@@ -89,7 +89,7 @@ def cancel(job: ActiveJob) -> None:
     if job.executor == "slurm":
         subprocess.run(["scancel", job.job_id], check=False, capture_output=True, timeout=30)
     elif job.executor == "allocation":
-        from cluster.srun_executor import cancel_step
+        from trainflow.cluster.srun_executor import cancel_step
 
         cancel_step(job.job_id)
     elif _is_submitit_controller(job.job_id):

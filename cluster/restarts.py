@@ -13,8 +13,8 @@ from typing import Any
 
 import submitit
 
-from cluster.config import ClusterConfig
-from cluster.lost_ranks import RankLostError
+from trainflow.cluster.config import ClusterConfig
+from trainflow.cluster.lost_ranks import RankLostError
 
 Submit = Callable[[list[str]], submitit.Job[Any]]
 """Submits the job excluding the given nodes and returns it."""
@@ -26,10 +26,10 @@ def can_exclude(cfg: ClusterConfig, excluded: set[str]) -> bool:
     if cfg.executor not in ("slurm", "allocation") or not excluded:
         return False
     if cfg.executor == "allocation":
-        from cluster.srun_executor import allocation_nodes
+        from trainflow.cluster.srun_executor import allocation_nodes
 
         return len(set(allocation_nodes()) - excluded) >= cfg.nodes
-    from cluster.slurm_checks import read_nodes, read_partitions
+    from trainflow.cluster.slurm_checks import read_nodes, read_partitions
 
     parts = read_partitions()
     part = next(p for p in parts if p.name == cfg.partition or (not cfg.partition and p.default))

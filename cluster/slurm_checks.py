@@ -16,9 +16,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from cluster.config import ClusterConfig
-from cluster.dev.slurm import slurm_conf
-from tasks.errors import ConfigError
+from trainflow.cluster.config import ClusterConfig
+from trainflow.cluster.dev.slurm import slurm_conf
+from trainflow.tasks.errors import ConfigError
 
 _NO_CLUSTER_FIX = (
     f"start a dev cluster with `trainflow cluster up` and export SLURM_CONF={slurm_conf()}, "
@@ -279,6 +279,6 @@ def check_cluster(cfg: ClusterConfig) -> None:
     if cfg.executor == "slurm":
         check_request(cfg)
     if cfg.executor == "allocation":
-        from cluster.srun_executor import check_allocation
+        from trainflow.cluster.srun_executor import check_allocation
 
         check_allocation(cfg)

@@ -30,9 +30,9 @@ from typing import Any
 
 from submitit.core import core, utils
 
-from cluster.config import ClusterConfig
-from cluster.node_events import expand_nodes
-from tasks.errors import ConfigError
+from trainflow.cluster.config import ClusterConfig
+from trainflow.cluster.node_events import expand_nodes
+from trainflow.tasks.errors import ConfigError
 
 STEP_PREFIX = "trainflow-train-"
 CANCEL_WAIT_S = 30

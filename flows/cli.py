@@ -12,10 +12,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
-from flows.config import PRESETS, PipelineConfig, build_config
-from flows.error_output import DEBUG_ENV, debug_enabled
-from flows.preflight import preflight
-from tasks.errors import ConfigError, TrainflowError
+from trainflow.flows.config import PRESETS, PipelineConfig, build_config
+from trainflow.flows.error_output import DEBUG_ENV, debug_enabled
+from trainflow.flows.preflight import preflight
+from trainflow.tasks.errors import ConfigError, TrainflowError
 
 _DEBUG_HELP = "show tracebacks of errors (also: TRAINFLOW_DEBUG=1)"
 
@@ -73,7 +73,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def _ui_command(cfg: PipelineConfig, port: int, host: str = "127.0.0.1") -> list[str]:
     """The `mlflow ui` command line serving the store (and artifacts) the pipeline's runs used."""
-    from tasks.tracking.runs import resolve_tracking_uri  # imports mlflow: ~2 s, not for errors
+    from trainflow.tasks.tracking.runs import (
+        resolve_tracking_uri,  # imports mlflow: ~2 s, not for errors
+    )
 
     uri = resolve_tracking_uri(cfg.tracking, cfg.workdir)
     argv = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri]
@@ -95,7 +97,7 @@ def _local_store_path(uri: str) -> Path | None:
 
 def _ui(cfg: PipelineConfig, host: str, port: int) -> int:
     """Serve the MLflow UI on the pipeline's store until Ctrl-C (or point at a running server)."""
-    from tasks.tracking.runs import resolve_tracking_uri
+    from trainflow.tasks.tracking.runs import resolve_tracking_uri
 
     uri = resolve_tracking_uri(cfg.tracking, cfg.workdir)
     if uri.startswith(("http://", "https://")):
@@ -134,7 +136,7 @@ def _check_port_free(host: str, port: int) -> None:
 
 
 def _print_summary(summary: object, cfg: PipelineConfig) -> None:
-    from flows.pipeline import PipelineSummary
+    from trainflow.flows.pipeline import PipelineSummary
 
     assert isinstance(summary, PipelineSummary)
     if summary.tracking_uri.startswith(("http://", "https://")):
@@ -161,7 +163,7 @@ def _print_summary(summary: object, cfg: PipelineConfig) -> None:
 
 
 def _cleanup(cfg: PipelineConfig) -> int:
-    from cluster.registry import cancel_orphans
+    from trainflow.cluster.registry import cancel_orphans
 
     orphans = cancel_orphans(cfg.workdir)
     for job in orphans:
@@ -172,13 +174,13 @@ def _cleanup(cfg: PipelineConfig) -> int:
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    from flows.config import build_sweep, parse_override
+    from trainflow.flows.config import build_sweep, parse_override
 
     grid = {".".join(path): value for path, value in map(parse_override, args.grid)}
     base, _ = build_sweep(args.preset, args.overrides, grid)  # fail fast, before Prefect
     preflight(base)
     _prepare_flow_process()
-    from flows.sweep import sweep
+    from trainflow.flows.sweep import sweep
 
     try:
         summary = sweep(preset=args.preset, overrides=args.overrides, grid=grid)
@@ -196,7 +198,7 @@ def _sweep(args: argparse.Namespace) -> int:
 
 def _refused(err: Exception) -> int:
     """Exit 2 with what to fix when a server refused our credentials; re-raise anything else."""
-    from flows.service_errors import explain_refusal
+    from trainflow.flows.service_errors import explain_refusal
 
     message = explain_refusal(err)
     if message is None:
@@ -221,11 +223,11 @@ def _run(args: argparse.Namespace) -> int:
     cfg = build_config(args.preset, args.overrides)  # fail fast, before Prefect starts
     preflight(cfg)
     _prepare_flow_process()
-    from flows.early_server import preload_tracking_store, start_temporary_server
+    from trainflow.flows.early_server import preload_tracking_store, start_temporary_server
 
     server_ready = start_temporary_server()  # boots while the pipeline's modules import
-    from flows.pipeline import pipeline
-    from tasks.tracking.runs import resolve_tracking_uri
+    from trainflow.flows.pipeline import pipeline
+    from trainflow.tasks.tracking.runs import resolve_tracking_uri
 
     preload_tracking_store(resolve_tracking_uri(cfg.tracking, cfg.workdir))
     try:
@@ -256,7 +258,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "sweep":
             return _sweep(args)
         if args.command == "cluster":
-            from cluster.dev.slurm import run as slurm
+            from trainflow.cluster.dev.slurm import run as slurm
 
             return slurm(args.action, nodes=args.nodes, fresh=args.fresh)
         if args.command == "cleanup":

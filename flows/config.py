@@ -14,13 +14,13 @@ from typing import Any
 
 from pydantic import Field, ValidationError
 
-from cluster.config import ClusterConfig
-from tasks.base import StrictModel
-from tasks.errors import ConfigError
-from tasks.evaluate.config import EvaluateConfig
-from tasks.preprocess.config import PreprocessConfig
-from tasks.tracking.config import TrackingConfig
-from tasks.train.config import TrainConfig
+from trainflow.cluster.config import ClusterConfig
+from trainflow.tasks.base import StrictModel
+from trainflow.tasks.errors import ConfigError
+from trainflow.tasks.evaluate.config import EvaluateConfig
+from trainflow.tasks.preprocess.config import PreprocessConfig
+from trainflow.tasks.tracking.config import TrackingConfig
+from trainflow.tasks.train.config import TrainConfig
 
 
 class PipelineConfig(StrictModel):

@@ -11,7 +11,7 @@ TRAINFLOW_DEBUG=1 (`trainflow --debug ...`) to see everything.
 import logging
 import os
 
-from tasks.errors import TrainflowError
+from trainflow.tasks.errors import TrainflowError
 
 DEBUG_ENV = "TRAINFLOW_DEBUG"
 _KEY_CHARS = 48  # enough of a message to recognise its echoes, short of any quoting

@@ -13,21 +13,21 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 from pydantic import BaseModel, ConfigDict
 
-from cluster.registry import cancel_orphans
-from flows.config import PipelineConfig, build_config, config_hash, flatten
-from flows.error_output import quiet_user_errors
-from flows.preflight import preflight
-from tasks.evaluate.run import EvalResult
-from tasks.evaluate.task import evaluate_task
-from tasks.preprocess.ref import DatasetRef
-from tasks.preprocess.task import preprocess
-from tasks.prewarm import EVALUATE_MODULES, prewarm_imports
-from tasks.tracking.pipeline_runs import PipelineRuns
-from tasks.tracking.report import run_link, summary_markdown
-from tasks.tracking.stage_logs import log_checkpoint, log_dataset
-from tasks.train.job import TrainJobSpec
-from tasks.train.ref import CheckpointRef
-from tasks.train.task import train_task
+from trainflow.cluster.registry import cancel_orphans
+from trainflow.flows.config import PipelineConfig, build_config, config_hash, flatten
+from trainflow.flows.error_output import quiet_user_errors
+from trainflow.flows.preflight import preflight
+from trainflow.tasks.evaluate.run import EvalResult
+from trainflow.tasks.evaluate.task import evaluate_task
+from trainflow.tasks.preprocess.ref import DatasetRef
+from trainflow.tasks.preprocess.task import preprocess
+from trainflow.tasks.prewarm import EVALUATE_MODULES, prewarm_imports
+from trainflow.tasks.tracking.pipeline_runs import PipelineRuns
+from trainflow.tasks.tracking.report import run_link, summary_markdown
+from trainflow.tasks.tracking.stage_logs import log_checkpoint, log_dataset
+from trainflow.tasks.train.job import TrainJobSpec
+from trainflow.tasks.train.ref import CheckpointRef
+from trainflow.tasks.train.task import train_task
 
 
 class PipelineSummary(BaseModel):

@@ -8,11 +8,11 @@ again first thing (a deployment run does not go through the command line).
 import os
 from pathlib import Path
 
-from cluster.dask_slurm_checks import check_dask_workers
-from cluster.slurm_checks import check_cluster
-from flows.config import PipelineConfig
-from tasks.errors import ConfigError
-from tasks.preprocess.preflight import preflight_source
+from trainflow.cluster.dask_slurm_checks import check_dask_workers
+from trainflow.cluster.slurm_checks import check_cluster
+from trainflow.flows.config import PipelineConfig
+from trainflow.tasks.errors import ConfigError
+from trainflow.tasks.preprocess.preflight import preflight_source
 
 
 def preflight(cfg: PipelineConfig) -> None:

@@ -7,9 +7,9 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 
-from flows.config import PipelineConfig, build_sweep, config_hash, flatten
-from flows.error_output import quiet_user_errors
-from flows.pipeline import (
+from trainflow.flows.config import PipelineConfig, build_sweep, config_hash, flatten
+from trainflow.flows.error_output import quiet_user_errors
+from trainflow.flows.pipeline import (
     PipelineSummary,
     evaluate_stage,
     preprocess_stage,
@@ -17,14 +17,14 @@ from flows.pipeline import (
     timed,
     train_spec,
 )
-from flows.preflight import preflight
-from tasks.errors import JobError
-from tasks.preprocess.ref import DatasetRef
-from tasks.tracking.pipeline_runs import PipelineRuns
-from tasks.tracking.stage_logs import log_checkpoint
-from tasks.train.ref import CheckpointRef
-from tasks.train.sweep import best_element
-from tasks.train.task import train_array_task
+from trainflow.flows.preflight import preflight
+from trainflow.tasks.errors import JobError
+from trainflow.tasks.preprocess.ref import DatasetRef
+from trainflow.tasks.tracking.pipeline_runs import PipelineRuns
+from trainflow.tasks.tracking.stage_logs import log_checkpoint
+from trainflow.tasks.train.ref import CheckpointRef
+from trainflow.tasks.train.sweep import best_element
+from trainflow.tasks.train.task import train_array_task
 
 
 class SweepSummary(PipelineSummary):

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from tasks.errors import TrainflowError
+from trainflow.tasks.errors import TrainflowError
 
 _FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
 # How the same error reads once it is text (a remote rank's traceback) or SQLite's wording.

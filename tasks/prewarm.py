@@ -11,8 +11,8 @@ import importlib
 import threading
 
 EVALUATE_MODULES = (
-    "tasks.evaluate.plots",
-    "tasks.evaluate.model_logging",
+    "trainflow.tasks.evaluate.plots",
+    "trainflow.tasks.evaluate.model_logging",
     "torch._dynamo",
     "torch.export",
     "torch.export._trace",  # what export() itself imports on its first call: ~1.4 s

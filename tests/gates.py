@@ -9,9 +9,9 @@ from pathlib import Path
 
 import cloudpickle
 
-from tasks.train.data import SplitData as Split
-from tasks.train.job import Progress, TrainingJob, TrainJobSpec
-from tasks.train.loop import Trainer
+from trainflow.tasks.train.data import SplitData as Split
+from trainflow.tasks.train.job import Progress, TrainingJob, TrainJobSpec
+from trainflow.tasks.train.loop import Trainer
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 

@@ -5,7 +5,7 @@ typed description of the cluster, so the layout (how many nodes, their ports, CP
 fake GPUs) is code that can be read and tested, not text assembled by sed. Stdlib only: the
 script runs this with whatever Python it finds, before any virtualenv exists.
 
-    python -m cluster.dev.slurm_config write --base DIR --port P --nodes N --hw "$(slurmd -C)"
+    python cluster/dev/slurm_config.py write --base DIR --port P --nodes N --hw "$(slurmd -C)"
 
 writes the files that changed under DIR/etc, prints `changed` or `unchanged`, then one line per
 node: `<name> <port>`. Why each setting is there: /work/shared/notes/slurm.md.

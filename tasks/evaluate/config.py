@@ -5,7 +5,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from tasks.base import StrictModel
+from trainflow.tasks.base import StrictModel
 
 # Stricter than MLflow (which also allows spaces and most punctuation): these names travel in
 # shell commands and in `models:/<name>@<alias>` URIs unquoted.

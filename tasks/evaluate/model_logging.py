@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from mlflow.models import infer_signature
 
-from tasks.tracking.runs import use_tracking_uri
+from trainflow.tasks.tracking.runs import use_tracking_uri
 
 
 @contextmanager

@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tasks.preprocess.dataset import split_shards
-from tasks.preprocess.ref import DatasetRef
-from tasks.train.streaming import ShardRows, StreamedSplit
+from trainflow.tasks.preprocess.dataset import split_shards
+from trainflow.tasks.preprocess.ref import DatasetRef
+from trainflow.tasks.train.streaming import ShardRows, StreamedSplit
 
 EXAMPLE_ROWS = 4
 """Normalised samples kept as the logged model's input example."""

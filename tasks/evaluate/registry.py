@@ -25,7 +25,7 @@ from mlflow.tracking import MlflowClient
 from mlflow.utils.mlflow_tags import MLFLOW_MODEL_VERSIONS
 from pydantic import BaseModel, ConfigDict
 
-from tasks.tracking.runs import use_tracking_uri
+from trainflow.tasks.tracking.runs import use_tracking_uri
 
 _MISSING = ("RESOURCE_DOES_NOT_EXIST", "NOT_FOUND")
 _EXISTS = ("RESOURCE_ALREADY_EXISTS", "ALREADY_EXISTS")

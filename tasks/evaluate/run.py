@@ -10,17 +10,17 @@ from mlflow.entities import Metric
 from mlflow.tracking import MlflowClient
 from pydantic import BaseModel, ConfigDict
 
-from tasks.errors import DataError
-from tasks.evaluate import metrics
-from tasks.evaluate.config import EvaluateConfig
-from tasks.evaluate.predict import confusion_streamed
-from tasks.evaluate.registry import RegistryResult, register_and_promote
-from tasks.hashing import sha256_file
-from tasks.preprocess.ref import DatasetRef
-from tasks.train.checkpoint import load_state
-from tasks.train.config import TrainConfig
-from tasks.train.models import build_model
-from tasks.train.ref import CheckpointRef
+from trainflow.tasks.errors import DataError
+from trainflow.tasks.evaluate import metrics
+from trainflow.tasks.evaluate.config import EvaluateConfig
+from trainflow.tasks.evaluate.predict import confusion_streamed
+from trainflow.tasks.evaluate.registry import RegistryResult, register_and_promote
+from trainflow.tasks.hashing import sha256_file
+from trainflow.tasks.preprocess.ref import DatasetRef
+from trainflow.tasks.train.checkpoint import load_state
+from trainflow.tasks.train.config import TrainConfig
+from trainflow.tasks.train.models import build_model
+from trainflow.tasks.train.ref import CheckpointRef
 
 
 class EvalResult(BaseModel):
@@ -67,7 +67,9 @@ def run_evaluate(
     flat = metrics.flat_metrics(cm, report)
     client = MlflowClient(tracking_uri)
     _log_results(client, run_id, cm, report, flat, dataset.classes, ckpt.history_path)
-    from tasks.evaluate.model_logging import log_model  # torch.export, MLflow's flavor: lazy
+    from trainflow.tasks.evaluate.model_logging import (
+        log_model,  # torch.export, MLflow's flavor: lazy
+    )
 
     uri = log_model(model, example, tracking_uri, run_id) if cfg.log_model else None
     registry = _register(client, cfg, uri, run_id, flat, version_tags) if uri else None
@@ -109,7 +111,7 @@ def _log_results(
     classes: list[str],
     history_path: Path,
 ) -> None:
-    from tasks.evaluate import plots  # matplotlib: imported when figures are drawn
+    from trainflow.tasks.evaluate import plots  # matplotlib: imported when figures are drawn
 
     ts = int(1000 * time.time())
     client.log_batch(run_id, metrics=[Metric(k, v, ts, 0) for k, v in flat.items()])

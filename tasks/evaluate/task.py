@@ -3,12 +3,12 @@
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from tasks.diskspace import disk_stage
-from tasks.evaluate.config import EvaluateConfig
-from tasks.evaluate.run import EvalResult, run_evaluate
-from tasks.preprocess.ref import DatasetRef
-from tasks.train.config import TrainConfig
-from tasks.train.ref import CheckpointRef
+from trainflow.tasks.diskspace import disk_stage
+from trainflow.tasks.evaluate.config import EvaluateConfig
+from trainflow.tasks.evaluate.run import EvalResult, run_evaluate
+from trainflow.tasks.preprocess.ref import DatasetRef
+from trainflow.tasks.train.config import TrainConfig
+from trainflow.tasks.train.ref import CheckpointRef
 
 
 @task(name="evaluate", cache_policy=NO_CACHE, persist_result=False)

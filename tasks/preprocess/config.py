@@ -5,7 +5,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from tasks.base import StrictModel
+from trainflow.tasks.base import StrictModel
 
 
 class PreprocessConfig(StrictModel):

@@ -14,9 +14,9 @@ from typing import Any, Literal
 
 import numpy as np
 
-from tasks.errors import DataError
-from tasks.hashing import sha256_file
-from tasks.preprocess.ref import DatasetRef
+from trainflow.tasks.errors import DataError
+from trainflow.tasks.hashing import sha256_file
+from trainflow.tasks.preprocess.ref import DatasetRef
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 2

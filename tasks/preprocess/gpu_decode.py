@@ -18,10 +18,10 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from tasks.preprocess.sources import _check_same_size
+from trainflow.tasks.preprocess.sources import _check_same_size
 
 if TYPE_CHECKING:
-    from tasks.preprocess.worker_sources import FolderImages
+    from trainflow.tasks.preprocess.worker_sources import FolderImages
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tasks.errors import DataError
+from trainflow.tasks.errors import DataError
 
 
 def read_npz(file: Path, want_classes: bool) -> tuple[np.ndarray, np.ndarray, list[str] | None]:

@@ -23,12 +23,12 @@ from typing import Any
 import distributed
 import numpy as np
 
-from tasks.errors import DataError
-from tasks.preprocess.image_array import FourDimImages
-from tasks.preprocess.npz import read_npz
-from tasks.preprocess.preflight import read_npz_header
-from tasks.preprocess.worker_sources import NpzPart, run_guarded
-from tasks.preprocess.writer import Shard
+from trainflow.tasks.errors import DataError
+from trainflow.tasks.preprocess.image_array import FourDimImages
+from trainflow.tasks.preprocess.npz import read_npz
+from trainflow.tasks.preprocess.preflight import read_npz_header
+from trainflow.tasks.preprocess.worker_sources import NpzPart, run_guarded
+from trainflow.tasks.preprocess.writer import Shard
 
 Gather = Callable[[distributed.Client, list[list[Any]]], list[list[Any]]]
 

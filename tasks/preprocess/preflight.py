@@ -16,10 +16,15 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from tasks.errors import DataError
-from tasks.preprocess.config import PreprocessConfig
-from tasks.preprocess.npz import _npz_labels
-from tasks.preprocess.sources import _check_same_size, _class_dirs, _class_images, _npz_files
+from trainflow.tasks.errors import DataError
+from trainflow.tasks.preprocess.config import PreprocessConfig
+from trainflow.tasks.preprocess.npz import _npz_labels
+from trainflow.tasks.preprocess.sources import (
+    _check_same_size,
+    _class_dirs,
+    _class_images,
+    _npz_files,
+)
 
 MIN_SAMPLES = 10  # as tasks/preprocess/validate.py: fewer cannot be split into train/val/test
 _ZIP_MAGIC = b"PK\x03\x04"

@@ -13,25 +13,25 @@ from typing import Any
 import distributed
 import numpy as np
 
-from tasks.errors import DataError
-from tasks.preprocess.config import PreprocessConfig
-from tasks.preprocess.dataset import (
+from trainflow.tasks.errors import DataError
+from trainflow.tasks.preprocess.config import PreprocessConfig
+from trainflow.tasks.preprocess.dataset import (
     FORMAT_VERSION,
     MANIFEST,
     SPLITS,
     dataset_dir,
     read_manifest,
 )
-from tasks.preprocess.npz_staging import (
+from trainflow.tasks.preprocess.npz_staging import (
     NpzFiles,
     check_float_values,
     probe_npz,
     stage_in_shard_order,
 )
-from tasks.preprocess.ref import DatasetRef
-from tasks.preprocess.sources import RawSource, _npz_files, load_source
-from tasks.preprocess.validate import validate_raw
-from tasks.preprocess.worker_sources import (
+from trainflow.tasks.preprocess.ref import DatasetRef
+from trainflow.tasks.preprocess.sources import RawSource, _npz_files, load_source
+from trainflow.tasks.preprocess.validate import validate_raw
+from trainflow.tasks.preprocess.worker_sources import (
     PROBE_FILES,
     Failure,
     FolderImages,
@@ -41,7 +41,7 @@ from tasks.preprocess.worker_sources import (
     probe_headers,
     run_guarded,
 )
-from tasks.preprocess.writer import ImageRows, Moments, Shard, stage, write_shards
+from trainflow.tasks.preprocess.writer import ImageRows, Moments, Shard, stage, write_shards
 
 __all__ = ["dataset_dir", "read_manifest", "run_preprocess", "split_indices"]
 

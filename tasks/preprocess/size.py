@@ -3,7 +3,7 @@
 import math
 from pathlib import Path
 
-from tasks.preprocess.config import PreprocessConfig
+from trainflow.tasks.preprocess.config import PreprocessConfig
 
 _MNIST = (5000, 1 * 28 * 28)
 

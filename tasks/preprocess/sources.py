@@ -15,10 +15,10 @@ from typing import Any, Protocol
 import numpy as np
 from PIL import Image
 
-from tasks.errors import DataError
-from tasks.preprocess.config import PreprocessConfig
-from tasks.preprocess.npz import read_npz
-from tasks.preprocess.synthetic import GENERATOR_VERSION, SyntheticImages
+from trainflow.tasks.errors import DataError
+from trainflow.tasks.preprocess.config import PreprocessConfig
+from trainflow.tasks.preprocess.npz import read_npz
+from trainflow.tasks.preprocess.synthetic import GENERATOR_VERSION, SyntheticImages
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
 _GRAY_MODES = ("1", "L", "LA", "I", "I;16", "F")

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from tasks.preprocess.image_array import FourDimImages
+from trainflow.tasks.preprocess.image_array import FourDimImages
 
 NOISE_STD = 0.5
 BANK_SIZE = 1 << 22

@@ -11,17 +11,17 @@ from typing import Any
 from prefect import get_run_logger, task
 from prefect.context import TaskRunContext
 
-from cluster.config import DaskConfig
-from cluster.dask import dask_client
-from cluster.dask_slurm import worker_placement
-from tasks.diskspace import disk_stage
-from tasks.errors import DataError
-from tasks.preprocess.config import PreprocessConfig
-from tasks.preprocess.dataset import dataset_dir, read_manifest
-from tasks.preprocess.ref import DatasetRef
-from tasks.preprocess.run import run_preprocess
-from tasks.preprocess.size import dataset_bytes
-from tasks.preprocess.sources import fingerprint
+from trainflow.cluster.config import DaskConfig
+from trainflow.cluster.dask import dask_client
+from trainflow.cluster.dask_slurm import worker_placement
+from trainflow.tasks.diskspace import disk_stage
+from trainflow.tasks.errors import DataError
+from trainflow.tasks.preprocess.config import PreprocessConfig
+from trainflow.tasks.preprocess.dataset import dataset_dir, read_manifest
+from trainflow.tasks.preprocess.ref import DatasetRef
+from trainflow.tasks.preprocess.run import run_preprocess
+from trainflow.tasks.preprocess.size import dataset_bytes
+from trainflow.tasks.preprocess.sources import fingerprint
 
 
 def dataset_key(cfg: PreprocessConfig) -> str:

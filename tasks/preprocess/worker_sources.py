@@ -24,9 +24,9 @@ from typing import Any, TypeVar
 import numpy as np
 from PIL import Image
 
-from tasks.errors import DataError
-from tasks.preprocess.image_array import FourDimImages
-from tasks.preprocess.sources import (
+from trainflow.tasks.errors import DataError
+from trainflow.tasks.preprocess.image_array import FourDimImages
+from trainflow.tasks.preprocess.sources import (
     _GRAY_MODES,
     _check_same_size,
     _class_dirs,
@@ -147,7 +147,7 @@ class FolderImages(FourDimImages):
         """
         names = [self.files[int(r)] for r in rows]
         if xp is not np:
-            from tasks.preprocess.gpu_decode import decode_files_gpu
+            from trainflow.tasks.preprocess.gpu_decode import decode_files_gpu
 
             return decode_files_gpu(names, self, xp)
         out = np.empty((len(names), self.channels, *self.size), np.uint8)

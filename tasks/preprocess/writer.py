@@ -22,7 +22,7 @@ from typing import Any, BinaryIO, Protocol
 
 import numpy as np
 
-from cluster.dask import array_module, to_numpy
+from trainflow.cluster.dask import array_module, to_numpy
 
 STD_FLOOR = 1e-6
 CPU_BLOCK_BYTES = 1 << 20

@@ -13,8 +13,8 @@ from pathlib import Path
 
 from mlflow.entities import Metric
 
-from tasks.errors import TrainflowError
-from tasks.tracking.sender import MetricSender
+from trainflow.tasks.errors import TrainflowError
+from trainflow.tasks.tracking.sender import MetricSender
 
 FILE_NAME = "unlogged_metrics.jsonl"
 """The backlog's file in a training run's out_dir."""

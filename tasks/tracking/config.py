@@ -1,6 +1,6 @@
 """Config of MLflow tracking."""
 
-from tasks.base import StrictModel
+from trainflow.tasks.base import StrictModel
 
 
 class TrackingConfig(StrictModel):

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Protocol
 
-from tasks.tracking.handed import save_handed
+from trainflow.tasks.tracking.handed import save_handed
 
 DRAIN_S = 30.0
 """How long the end of a job waits for the server to take the points still buffered."""
@@ -53,8 +53,8 @@ class MlflowLogger:
         # Imported here: mlflow costs ~1 s of start-up in every rank, and only rank 0 logs.
         from mlflow.entities import Metric
 
-        from tasks.tracking import backlog
-        from tasks.tracking.sender import MetricSender
+        from trainflow.tasks.tracking import backlog
+        from trainflow.tasks.tracking.sender import MetricSender
 
         self._metric, self._save = Metric, backlog.save
         self._uri = tracking_uri

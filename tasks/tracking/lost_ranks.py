@@ -4,8 +4,8 @@ from collections.abc import Callable
 
 from mlflow.tracking import MlflowClient
 
-from cluster.lost_ranks import RankLostError
-from tasks.tracking.runs import set_tags
+from trainflow.cluster.lost_ranks import RankLostError
+from trainflow.tasks.tracking.runs import set_tags
 
 # MLflow caps tag values at 5000 characters (8000 on newer servers): keep the headline only.
 _MAX_TAG = 1000

@@ -14,11 +14,11 @@ from pathlib import Path
 
 from mlflow.tracking import MlflowClient
 
-from tasks.diskspace import disk_stage
-from tasks.tracking import runs
-from tasks.tracking.config import TrackingConfig
-from tasks.tracking.reachability import limit_http_retries, reachable
-from tasks.tracking.store_lock import store_lock
+from trainflow.tasks.diskspace import disk_stage
+from trainflow.tasks.tracking import runs
+from trainflow.tasks.tracking.config import TrackingConfig
+from trainflow.tasks.tracking.reachability import limit_http_retries, reachable
+from trainflow.tasks.tracking.store_lock import store_lock
 
 
 def status_for(exc: BaseException) -> str:

@@ -1,8 +1,8 @@
 """The pipeline run's summary as Markdown, for the Prefect UI's artifact tab."""
 
-from tasks.evaluate.registry import RegistryResult
-from tasks.evaluate.run import EvalResult
-from tasks.preprocess.ref import DatasetRef
+from trainflow.tasks.evaluate.registry import RegistryResult
+from trainflow.tasks.evaluate.run import EvalResult
+from trainflow.tasks.preprocess.ref import DatasetRef
 
 
 def run_link(tracking_uri: str, experiment_id: str, run_id: str) -> str:

@@ -16,7 +16,7 @@ from mlflow.entities import Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
 from mlflow.tracking._tracking_service import utils as tracking_utils
 
-from tasks.tracking.config import TrackingConfig
+from trainflow.tasks.tracking.config import TrackingConfig
 
 # log_batch accepts at most 100 params per call.
 _MAX_PARAMS = 100

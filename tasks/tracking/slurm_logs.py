@@ -7,7 +7,7 @@ from datetime import datetime
 from mlflow.entities import Metric, RunTag
 from mlflow.tracking import MlflowClient
 
-from cluster.accounting import job_accounting
+from trainflow.cluster.accounting import job_accounting
 
 # Text values become tags (searchable in the UI), numbers metrics; both under one prefix.
 _PREFIX = "slurm_"

@@ -3,8 +3,8 @@
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
 
-from tasks.preprocess.ref import DatasetRef
-from tasks.train.ref import CheckpointRef
+from trainflow.tasks.preprocess.ref import DatasetRef
+from trainflow.tasks.train.ref import CheckpointRef
 
 
 def log_dataset(client: MlflowClient, run_id: str, ref: DatasetRef, cached: bool) -> None:

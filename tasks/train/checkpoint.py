@@ -20,8 +20,8 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from tasks.errors import DataError
-from tasks.hashing import sha256_file
+from trainflow.tasks.errors import DataError
+from trainflow.tasks.hashing import sha256_file
 
 _NAME = "epoch-{epoch:06d}.pt"
 _PATTERN = re.compile(r"^epoch-(\d{6})\.pt$")

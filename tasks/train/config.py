@@ -4,7 +4,7 @@ from typing import Literal, Self
 
 from pydantic import Field, model_validator
 
-from tasks.base import StrictModel
+from trainflow.tasks.base import StrictModel
 
 
 class TrainConfig(StrictModel):

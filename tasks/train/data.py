@@ -17,11 +17,11 @@ from typing import Literal, Protocol
 
 import torch
 
-from tasks.errors import ConfigError
-from tasks.preprocess.dataset import load_raw_split, read_manifest
-from tasks.train.normalise import Normaliser
-from tasks.train.prefetch import Batch, Prefetcher
-from tasks.train.streaming import ShardRows, StreamedSplit
+from trainflow.tasks.errors import ConfigError
+from trainflow.tasks.preprocess.dataset import load_raw_split, read_manifest
+from trainflow.tasks.train.normalise import Normaliser
+from trainflow.tasks.train.prefetch import Batch, Prefetcher
+from trainflow.tasks.train.streaming import ShardRows, StreamedSplit
 
 # auto placement keeps at most this share of the free GPU memory for the data; the rest is
 # for training.

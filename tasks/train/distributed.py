@@ -21,8 +21,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from tasks.errors import ConfigError
-from tasks.train.rendezvous import Layout, export_env, meet, submitit_layout
+from trainflow.tasks.errors import ConfigError
+from trainflow.tasks.train.rendezvous import Layout, export_env, meet, submitit_layout
 
 DEFAULT_TIMEOUT = timedelta(minutes=5)
 """How long a collective waits for a silent peer before the job fails instead of hanging,

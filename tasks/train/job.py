@@ -16,12 +16,12 @@ import submitit
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from tasks.errors import ConfigError
-from tasks.hashing import sha256_file
-from tasks.preprocess.ref import DatasetRef
-from tasks.tracking.handed import handed_through
-from tasks.tracking.logger import MetricLogger, make_logger
-from tasks.train.checkpoint import (
+from trainflow.tasks.errors import ConfigError
+from trainflow.tasks.hashing import sha256_file
+from trainflow.tasks.preprocess.ref import DatasetRef
+from trainflow.tasks.tracking.handed import handed_through
+from trainflow.tasks.tracking.logger import MetricLogger, make_logger
+from trainflow.tasks.train.checkpoint import (
     host_copy,
     restore_rng,
     resumable_checkpoint,
@@ -30,23 +30,28 @@ from tasks.train.checkpoint import (
     training_state,
     unwrap,
 )
-from tasks.train.config import TrainConfig
-from tasks.train.data import SplitData as Split
-from tasks.train.data import load_split_to, rank_batches, steps_per_epoch
-from tasks.train.distributed import DistContext, distributed, exit_fast_at_shutdown, wrap_ddp
-from tasks.train.early_signal import deliver_held_signal
-from tasks.train.loop import Trainer, evaluate_split, make_optimizer, train_epoch
-from tasks.train.models import (
+from trainflow.tasks.train.config import TrainConfig
+from trainflow.tasks.train.data import SplitData as Split
+from trainflow.tasks.train.data import load_split_to, rank_batches, steps_per_epoch
+from trainflow.tasks.train.distributed import (
+    DistContext,
+    distributed,
+    exit_fast_at_shutdown,
+    wrap_ddp,
+)
+from trainflow.tasks.train.early_signal import deliver_held_signal
+from trainflow.tasks.train.loop import Trainer, evaluate_split, make_optimizer, train_epoch
+from trainflow.tasks.train.models import (
     build_model,
     narrowest_conv,
     place_model,
     use_channels_last,
     uses_cuda_graphs,
 )
-from tasks.train.precision import PrecisionPolicy, resolve_precision
-from tasks.train.recorder import EpochRecorder
-from tasks.train.ref import CheckpointRef
-from tasks.train.warmup import prewarm_rank
+from trainflow.tasks.train.precision import PrecisionPolicy, resolve_precision
+from trainflow.tasks.train.recorder import EpochRecorder
+from trainflow.tasks.train.ref import CheckpointRef
+from trainflow.tasks.train.warmup import prewarm_rank
 
 _NOT_LOGGED = ("epoch", "step")
 # A run may resume with more epochs, on another device, precision or speed setting (memory

@@ -12,12 +12,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tasks.train.checkpoint import unwrap
-from tasks.train.config import TrainConfig
-from tasks.train.data import SplitData as Split
-from tasks.train.data import eval_batches
-from tasks.train.distributed import DistContext, all_reduce_sum
-from tasks.train.precision import PrecisionPolicy
+from trainflow.tasks.train.checkpoint import unwrap
+from trainflow.tasks.train.config import TrainConfig
+from trainflow.tasks.train.data import SplitData as Split
+from trainflow.tasks.train.data import eval_batches
+from trainflow.tasks.train.distributed import DistContext, all_reduce_sum
+from trainflow.tasks.train.precision import PrecisionPolicy
 
 # Devices with fused AdamW/SGD kernels in torch >= 2.4.
 _FUSED_DEVICES = {"cuda", "cpu"}

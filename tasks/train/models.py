@@ -4,8 +4,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tasks.errors import ConfigError
-from tasks.train.config import TrainConfig
+from trainflow.tasks.errors import ConfigError
+from trainflow.tasks.train.config import TrainConfig
 
 
 def _reference_feature_size(size: int) -> int:

@@ -6,7 +6,7 @@ tasks.preprocess.dataset.normaliser: the same values as NumPy readers give, on a
 
 import torch
 
-from tasks.preprocess.dataset import normaliser
+from trainflow.tasks.preprocess.dataset import normaliser
 
 
 class Normaliser:

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from tasks.errors import ConfigError
+from trainflow.tasks.errors import ConfigError
 
 
 @dataclass(frozen=True)

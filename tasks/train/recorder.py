@@ -22,7 +22,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from types import TracebackType
 
-from tasks.tracking.logger import MetricLogger
+from trainflow.tasks.tracking.logger import MetricLogger
 
 _DRAIN_ON_ERROR_S = 5.0
 """A failing job gives the tracking server this long to take its last points."""

@@ -21,10 +21,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tasks.preprocess.dataset import Split as SplitName
-from tasks.preprocess.dataset import load_manifest, open_npy, split_shards
-from tasks.train.normalise import Normaliser
-from tasks.train.prefetch import Batch, Prefetcher
+from trainflow.tasks.preprocess.dataset import Split as SplitName
+from trainflow.tasks.preprocess.dataset import load_manifest, open_npy, split_shards
+from trainflow.tasks.train.normalise import Normaliser
+from trainflow.tasks.train.prefetch import Batch, Prefetcher
 
 
 class _ShardFile:

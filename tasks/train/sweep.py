@@ -4,8 +4,8 @@ from typing import Any
 
 import submitit
 
-from tasks.train.job import TrainingJob, TrainJobSpec
-from tasks.train.ref import CheckpointRef
+from trainflow.tasks.train.job import TrainingJob, TrainJobSpec
+from trainflow.tasks.train.ref import CheckpointRef
 
 
 class ArrayTrainingJob(submitit.helpers.Checkpointable):

@@ -9,22 +9,22 @@ import submitit
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from cluster import registry
-from cluster.config import ClusterConfig
-from cluster.executor import make_executor
-from cluster.jobs import wait_for_job, wait_for_jobs
-from cluster.lost_ranks import RankLostError
-from cluster.restarts import run_with_restarts
-from cluster.slurm_checks import check_cluster
-from tasks.diskspace import disk_stage
-from tasks.errors import JobError
-from tasks.tracking import backlog
-from tasks.tracking.lost_ranks import record_lost_ranks
-from tasks.tracking.slurm_logs import record_job_accounting
-from tasks.train.job import TrainingJob, TrainJobSpec
-from tasks.train.models import build_model
-from tasks.train.ref import CheckpointRef
-from tasks.train.sweep import ArrayTrainingJob
+from trainflow.cluster import registry
+from trainflow.cluster.config import ClusterConfig
+from trainflow.cluster.executor import make_executor
+from trainflow.cluster.jobs import wait_for_job, wait_for_jobs
+from trainflow.cluster.lost_ranks import RankLostError
+from trainflow.cluster.restarts import run_with_restarts
+from trainflow.cluster.slurm_checks import check_cluster
+from trainflow.tasks.diskspace import disk_stage
+from trainflow.tasks.errors import JobError
+from trainflow.tasks.tracking import backlog
+from trainflow.tasks.tracking.lost_ranks import record_lost_ranks
+from trainflow.tasks.tracking.slurm_logs import record_job_accounting
+from trainflow.tasks.train.job import TrainingJob, TrainJobSpec
+from trainflow.tasks.train.models import build_model
+from trainflow.tasks.train.ref import CheckpointRef
+from trainflow.tasks.train.sweep import ArrayTrainingJob
 
 
 @task(name="train", cache_policy=NO_CACHE, persist_result=False)

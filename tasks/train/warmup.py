@@ -13,7 +13,7 @@ name 'Run' from partially initialized module 'mlflow.entities'").
 
 import threading
 
-from tasks.prewarm import prewarm_imports
+from trainflow.tasks.prewarm import prewarm_imports
 
 DYNAMO = "torch._dynamo"
 

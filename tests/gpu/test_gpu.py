@@ -8,21 +8,21 @@ import numpy as np
 import pytest
 import torch
 
-from cluster.config import ClusterConfig, DaskConfig
-from cluster.dask import dask_client
-from cluster.executor import make_executor
-from cluster.jobs import wait_for_job
-from tasks.preprocess.config import PreprocessConfig
-from tasks.preprocess.dataset import load_split
-from tasks.preprocess.ref import DatasetRef
-from tasks.preprocess.run import run_preprocess
-from tasks.train.config import TrainConfig
-from tasks.train.data import Split, rank_batches
-from tasks.train.job import TrainingJob, TrainJobSpec
-from tasks.train.models import build_model
-from tasks.train.precision import resolve_precision
-from tasks.train.ref import CheckpointRef
 from tests.unit.datasets import write_dataset
+from trainflow.cluster.config import ClusterConfig, DaskConfig
+from trainflow.cluster.dask import dask_client
+from trainflow.cluster.executor import make_executor
+from trainflow.cluster.jobs import wait_for_job
+from trainflow.tasks.preprocess.config import PreprocessConfig
+from trainflow.tasks.preprocess.dataset import load_split
+from trainflow.tasks.preprocess.ref import DatasetRef
+from trainflow.tasks.preprocess.run import run_preprocess
+from trainflow.tasks.train.config import TrainConfig
+from trainflow.tasks.train.data import Split, rank_batches
+from trainflow.tasks.train.job import TrainingJob, TrainJobSpec
+from trainflow.tasks.train.models import build_model
+from trainflow.tasks.train.precision import resolve_precision
+from trainflow.tasks.train.ref import CheckpointRef
 
 pytestmark = [
     pytest.mark.gpu,

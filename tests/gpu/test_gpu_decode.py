@@ -8,7 +8,7 @@ import pytest
 import torch
 from PIL import Image
 
-from tasks.preprocess.worker_sources import FolderImages
+from trainflow.tasks.preprocess.worker_sources import FolderImages
 
 pytestmark = [
     pytest.mark.gpu,

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from cluster.config import DaskConfig
-from cluster.dask import dask_client
-from tasks.tracking.runs import use_tracking_uri
 from tests.unit.test_model_logging import log_reference_cnn
+from trainflow.cluster.config import DaskConfig
+from trainflow.cluster.dask import dask_client
+from trainflow.tasks.tracking.runs import use_tracking_uri
 
 pytestmark = [
     pytest.mark.gpu,

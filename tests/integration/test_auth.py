@@ -228,7 +228,7 @@ def _run_pipeline(servers: Servers, workdir: Path, **credentials: str) -> tuple[
     for name in ("PREFECT_API_AUTH_STRING", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
         if name not in credentials:
             env.pop(name, None)
-    argv = [sys.executable, "-m", "flows.cli", "run", "--preset", "tiny"]
+    argv = [sys.executable, "-m", "trainflow.flows.cli", "run", "--preset", "tiny"]
     out = subprocess.run(
         [*argv, "--set", f"workdir={workdir}", "--set", f"tracking.experiment={workdir.name}"],
         env=env,

@@ -15,15 +15,15 @@ import pytest
 from mlflow.tracking import MlflowClient
 from PIL import Image
 
-from tasks.tracking.config import TrackingConfig
-from tasks.tracking.pipeline_runs import PipelineRuns
 from tests.services import background, free_port, get_json, http_status, service_env, wait_for
+from trainflow.tasks.tracking.config import TrackingConfig
+from trainflow.tasks.tracking.pipeline_runs import PipelineRuns
 
 pytestmark = pytest.mark.integration
 
 
 def _trainflow(*args: str) -> list[str]:
-    return [sys.executable, "-m", "flows.cli", *args]
+    return [sys.executable, "-m", "trainflow.flows.cli", *args]
 
 
 def test_config_error_exits_2_before_any_work(tmp_path: Path) -> None:

@@ -21,8 +21,8 @@ import pytest
 from mlflow.entities import Run
 from mlflow.tracking import MlflowClient
 
-from cluster import registry
 from tests.services import free_port, get_json, service_env, wait_for
+from trainflow.cluster import registry
 
 pytestmark = pytest.mark.integration
 

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.integration
 
 
 def _run(*overrides: str, debug: bool = False) -> subprocess.CompletedProcess[str]:
-    argv = [sys.executable, "-m", "flows.cli", *(["--debug"] if debug else []), "run"]
+    argv = [sys.executable, "-m", "trainflow.flows.cli", *(["--debug"] if debug else []), "run"]
     argv += ["--preset", "tiny"]
     for item in overrides:
         argv += ["--set", item]

@@ -17,9 +17,9 @@ import pytest
 from mlflow.tracking import MlflowClient
 from PIL import Image
 
-from flows.pipeline import PipelineSummary, pipeline
 from tests.browser import Page, chromium, install_chromium
 from tests.services import background, free_port, http_status, service_env, wait_for
+from trainflow.flows.pipeline import PipelineSummary, pipeline
 
 pytestmark = pytest.mark.integration
 
@@ -73,7 +73,16 @@ def served(tmp_path_factory: pytest.TempPathFactory, chromium_binary: Path) -> I
     )
     evaluate = next(r for r in children if r.info.run_name == "evaluate")
     port = free_port()
-    argv = [sys.executable, "-m", "flows.cli", "ui", "--port", str(port), "--set", overrides[0]]
+    argv = [
+        sys.executable,
+        "-m",
+        "trainflow.flows.cli",
+        "ui",
+        "--port",
+        str(port),
+        "--set",
+        overrides[0],
+    ]
     ui_env = {k: v for k, v in service_env().items() if k != "MLFLOW_TRACKING_URI"}
     with background(argv, folder / "ui.log", ui_env):
         url = f"http://127.0.0.1:{port}"

@@ -9,9 +9,9 @@ from mlflow.tracking import MlflowClient
 from prefect.artifacts import Artifact
 from prefect.client.schemas.objects import Artifact as ArtifactResponse
 
-from flows.config import build_config, config_hash
-from flows.pipeline import PipelineSummary, pipeline
-from tasks.tracking.runs import use_tracking_uri
+from trainflow.flows.config import build_config, config_hash
+from trainflow.flows.pipeline import PipelineSummary, pipeline
+from trainflow.tasks.tracking.runs import use_tracking_uri
 
 pytestmark = pytest.mark.integration
 

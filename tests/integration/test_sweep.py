@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from flows.sweep import sweep
+from trainflow.flows.sweep import sweep
 
 pytestmark = pytest.mark.integration
 

@@ -20,17 +20,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cluster import registry
-from cluster.config import ClusterConfig
-from cluster.executor import make_executor
-from cluster.jobs import wait_for_job
-from cluster.srun_executor import STEP_PREFIX, AllocationJob, step_ids
-from tasks.errors import JobError
-from tasks.preprocess.ref import DatasetRef
-from tasks.train.config import TrainConfig
-from tasks.train.job import TrainingJob, TrainJobSpec
-from tasks.train.task import train_with_restarts
 from tests.unit.datasets import write_dataset
+from trainflow.cluster import registry
+from trainflow.cluster.config import ClusterConfig
+from trainflow.cluster.executor import make_executor
+from trainflow.cluster.jobs import wait_for_job
+from trainflow.cluster.srun_executor import STEP_PREFIX, AllocationJob, step_ids
+from trainflow.tasks.errors import JobError
+from trainflow.tasks.preprocess.ref import DatasetRef
+from trainflow.tasks.train.config import TrainConfig
+from trainflow.tasks.train.job import TrainingJob, TrainJobSpec
+from trainflow.tasks.train.task import train_with_restarts
 
 
 def _spec(dataset: DatasetRef, out: Path, epochs: int) -> TrainJobSpec:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.dev.slurm import can_start, is_up, run, slurm_conf
+from trainflow.cluster.dev.slurm import can_start, is_up, run, slurm_conf
 
 HERE = Path(__file__).parent
 NODES = 2

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from cluster import registry
 from tests.services import background, get_json, prefect_server, service_env, wait_for
+from trainflow.cluster import registry
 
 _LONG = [
     *("--preset", "tiny", "--set", "cluster.executor=slurm", "--set", "train.epochs=5000"),
@@ -74,7 +74,7 @@ def _statuses(workdir: Path) -> dict[str, str]:
 def _long_run(workdir: Path, new_session: bool = False) -> subprocess.Popen[bytes]:
     """`trainflow run` of a long Slurm training in the background."""
     return subprocess.Popen(
-        [sys.executable, "-m", "flows.cli", "run", *_LONG, "--set", f"workdir={workdir}"],
+        [sys.executable, "-m", "trainflow.flows.cli", "run", *_LONG, "--set", f"workdir={workdir}"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         env=service_env(),
@@ -108,7 +108,7 @@ def test_killed_flow_process_leaves_a_job_that_cleanup_cancels(tmp_path: Path) -
         proc.wait()
     assert _in_squeue(job_id)  # the orphan
     out = subprocess.run(
-        [sys.executable, "-m", "flows.cli", "cleanup", "--set", f"workdir={tmp_path}"],
+        [sys.executable, "-m", "trainflow.flows.cli", "cleanup", "--set", f"workdir={tmp_path}"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -132,7 +132,7 @@ def test_cancelling_the_prefect_flow_run_cancels_the_slurm_job(
     serve = [
         sys.executable,
         "-c",
-        "from flows.pipeline import pipeline; pipeline.serve(name='cancel-test')",
+        "from trainflow.flows.pipeline import pipeline; pipeline.serve(name='cancel-test')",
     ]
     with background(serve, tmp_path / "serve.log", env):
         overrides = json.dumps(

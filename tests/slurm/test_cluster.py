@@ -14,7 +14,7 @@ import pytest
 import submitit
 from submitit.core.utils import FailedJobError, UncompletedJobError
 
-from cluster.dev.slurm import run
+from trainflow.cluster.dev.slurm import run
 
 # Each test is bounded: a broken cluster must fail them, never hang them.
 pytestmark = pytest.mark.timeout(90)
@@ -132,7 +132,7 @@ def test_scancel_makes_result_raise_cancelled(submitit_folder: Path) -> None:
 
 def test_trainflow_cluster_status_command() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "flows.cli", "cluster", "status"],
+        [sys.executable, "-m", "trainflow.flows.cli", "cluster", "status"],
         capture_output=True,
         text=True,
         timeout=120,

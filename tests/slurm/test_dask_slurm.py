@@ -19,15 +19,15 @@ from pathlib import Path
 
 import pytest
 
-from cluster import registry
-from cluster.config import DaskConfig
-from cluster.dask import dask_client
-from cluster.slurm_checks import read_nodes
-from tasks.errors import ConfigError, JobError
-from tasks.preprocess.config import PreprocessConfig
-from tasks.preprocess.run import run_preprocess
-from tasks.preprocess.sources import fingerprint
 from tests.services import background, get_json, prefect_server, service_env, wait_for
+from trainflow.cluster import registry
+from trainflow.cluster.config import DaskConfig
+from trainflow.cluster.dask import dask_client
+from trainflow.cluster.slurm_checks import read_nodes
+from trainflow.tasks.errors import ConfigError, JobError
+from trainflow.tasks.preprocess.config import PreprocessConfig
+from trainflow.tasks.preprocess.run import run_preprocess
+from trainflow.tasks.preprocess.sources import fingerprint
 
 REPO = Path(__file__).resolve().parents[2]
 _SMALL = {"executor": "slurm", "mem_gb": 0.5, "timeout_min": 10, "start_timeout_s": 180}
@@ -78,7 +78,7 @@ def test_a_worker_no_node_can_hold_fails_before_queueing(tmp_path: Path) -> None
         pass
     _no_worker_jobs_left()
     # The command line refuses it in preflight, before Prefect or any server starts.
-    cli = [sys.executable, "-m", "flows.cli", "run", "--preset", "tiny"]
+    cli = [sys.executable, "-m", "trainflow.flows.cli", "run", "--preset", "tiny"]
     sets = ["cluster.dask.executor=slurm", "cluster.dask.mem_gb=100000", f"workdir={tmp_path}"]
     out = subprocess.run(
         [*cli, *(a for s in sets for a in ("--set", s))],
@@ -128,9 +128,9 @@ def test_workers_that_do_not_start_say_why_and_are_cancelled(tmp_path: Path) -> 
 _HOLD = """
 import sys, time
 from pathlib import Path
-from cluster import registry
-from cluster.config import DaskConfig
-from cluster.dask import dask_client
+from trainflow.cluster import registry
+from trainflow.cluster.config import DaskConfig
+from trainflow.cluster.dask import dask_client
 cfg = DaskConfig(executor="slurm", n_workers=2, mem_gb=0.5, timeout_min=10, start_timeout_s=180)
 with dask_client(cfg, Path(sys.argv[1])) as (client, _):
     print("ready", flush=True)
@@ -179,7 +179,7 @@ def test_cancelling_the_prefect_flow_run_cancels_the_worker_jobs(tmp_path: Path)
     """A served pipeline whose worker job pends (BeginTime) until the flow run is cancelled."""
     with prefect_server(tmp_path) as api:
         env = service_env(PREFECT_API_URL=api, PREFECT_HOME=str(tmp_path / "prefect-home"))
-        serve = "from flows.pipeline import pipeline; pipeline.serve(name='dask-cancel')"
+        serve = "from trainflow.flows.pipeline import pipeline; pipeline.serve(name='dask-cancel')"
         with background([sys.executable, "-c", serve], tmp_path / "serve.log", env, REPO):
             overrides = [
                 "cluster.dask.executor=slurm",

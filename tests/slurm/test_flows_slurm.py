@@ -9,9 +9,9 @@ import pytest
 from mlflow.tracking import MlflowClient
 from prefect.testing.utilities import prefect_test_harness
 
-from flows.pipeline import pipeline
-from flows.sweep import sweep
-from tasks.errors import ConfigError, JobError
+from trainflow.flows.pipeline import pipeline
+from trainflow.flows.sweep import sweep
+from trainflow.tasks.errors import ConfigError, JobError
 
 
 @pytest.fixture(scope="module", autouse=True)

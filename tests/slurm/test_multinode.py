@@ -22,18 +22,18 @@ import pytest
 import submitit
 import torch
 
-from cluster.config import ClusterConfig
-from cluster.executor import make_executor
-from cluster.jobs import wait_for_job
-from cluster.lost_ranks import RankLostError
-from tasks.errors import JobError
-from tasks.preprocess.ref import DatasetRef
-from tasks.train.config import TrainConfig
-from tasks.train.job import TrainingJob, TrainJobSpec
-from tasks.train.ref import CheckpointRef
-from tasks.train.task import train_with_restarts
 from tests.gates import GatedJob
 from tests.unit.datasets import write_dataset
+from trainflow.cluster.config import ClusterConfig
+from trainflow.cluster.executor import make_executor
+from trainflow.cluster.jobs import wait_for_job
+from trainflow.cluster.lost_ranks import RankLostError
+from trainflow.tasks.errors import JobError
+from trainflow.tasks.preprocess.ref import DatasetRef
+from trainflow.tasks.train.config import TrainConfig
+from trainflow.tasks.train.job import TrainingJob, TrainJobSpec
+from trainflow.tasks.train.ref import CheckpointRef
+from trainflow.tasks.train.task import train_with_restarts
 
 pytestmark = pytest.mark.timeout(300)
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -250,7 +250,9 @@ def test_a_node_set_down_mid_epoch_restarts_the_job_away_from_it_to_the_same_wei
     the requeued job (it would run beside the restart), names the node from slurmdbd's node
     event, and restarts from the epoch-2 checkpoint excluding that node."""
     gate = tmp_path / "gate-3"
-    monkeypatch.setattr("tasks.train.task.TrainingJob", lambda spec: GatedJob(spec, {3: gate}))
+    monkeypatch.setattr(
+        "trainflow.tasks.train.task.TrainingJob", lambda spec: GatedJob(spec, {3: gate})
+    )
     cfg = ClusterConfig(executor="slurm", nodes=1, ranks_per_node=2, timeout_min=10)
     plain: list[submitit.Job[object]] = []
 
@@ -288,7 +290,9 @@ def test_a_node_set_down_with_no_restart_left_fails_the_job_naming_it(
     dataset: DatasetRef, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     gate = tmp_path / "gate-3"
-    monkeypatch.setattr("tasks.train.task.TrainingJob", lambda spec: GatedJob(spec, {3: gate}))
+    monkeypatch.setattr(
+        "trainflow.tasks.train.task.TrainingJob", lambda spec: GatedJob(spec, {3: gate})
+    )
     cfg = ClusterConfig(executor="slurm", nodes=2, ranks_per_node=1, timeout_min=10, max_restarts=0)
     warnings: list[str] = []
     with ExitStack() as stack, pytest.raises(RankLostError) as failure:

@@ -16,17 +16,17 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from cluster.config import ClusterConfig
-from cluster.executor import make_executor
-from cluster.jobs import wait_for_job
-from tasks.tracking.config import TrackingConfig
-from tasks.tracking.pipeline_runs import PipelineRuns
-from tasks.train.checkpoint import latest_checkpoint, load_state
-from tasks.train.config import TrainConfig
-from tasks.train.job import TrainingJob, TrainJobSpec
-from tasks.train.ref import CheckpointRef
 from tests.gates import GatedJob
 from tests.unit.datasets import write_dataset
+from trainflow.cluster.config import ClusterConfig
+from trainflow.cluster.executor import make_executor
+from trainflow.cluster.jobs import wait_for_job
+from trainflow.tasks.tracking.config import TrackingConfig
+from trainflow.tasks.tracking.pipeline_runs import PipelineRuns
+from trainflow.tasks.train.checkpoint import latest_checkpoint, load_state
+from trainflow.tasks.train.config import TrainConfig
+from trainflow.tasks.train.job import TrainingJob, TrainJobSpec
+from trainflow.tasks.train.ref import CheckpointRef
 
 EPOCHS = 8
 _NOT_COMPARED = {"samples_per_s", "epoch_time_s"}

@@ -19,25 +19,25 @@ import cloudpickle
 import pytest
 from mlflow.tracking import MlflowClient
 
-from cluster.config import ClusterConfig
-from cluster.executor import make_executor
-from cluster.jobs import NODE_CHECK_S, wait_for_job
-from cluster.slurm_checks import (
+from tests.unit.datasets import write_dataset
+from tests.unit.test_train_job import FailingRank1  # shipped by value, like this module
+from trainflow.cluster.config import ClusterConfig
+from trainflow.cluster.executor import make_executor
+from trainflow.cluster.jobs import NODE_CHECK_S, wait_for_job
+from trainflow.cluster.slurm_checks import (
     Partition,
     check_against,
     check_request,
     read_nodes,
     read_partitions,
 )
-from tasks.errors import ConfigError, JobError
-from tasks.preprocess.ref import DatasetRef
-from tasks.tracking.slurm_logs import record_job_accounting
-from tasks.train.config import TrainConfig
-from tasks.train.distributed import _export_submitit_env
-from tasks.train.job import TrainingJob, TrainJobSpec
-from tasks.train.ref import CheckpointRef
-from tests.unit.datasets import write_dataset
-from tests.unit.test_train_job import FailingRank1  # shipped by value, like this module
+from trainflow.tasks.errors import ConfigError, JobError
+from trainflow.tasks.preprocess.ref import DatasetRef
+from trainflow.tasks.tracking.slurm_logs import record_job_accounting
+from trainflow.tasks.train.config import TrainConfig
+from trainflow.tasks.train.distributed import _export_submitit_env
+from trainflow.tasks.train.job import TrainingJob, TrainJobSpec
+from trainflow.tasks.train.ref import CheckpointRef
 
 pytestmark = pytest.mark.timeout(180)
 # The job processes cannot import this test module: ship its classes and functions by value.

@@ -6,8 +6,8 @@ import distributed
 import pytest
 import torch
 
-from cluster.config import DaskConfig
-from cluster.dask import Backend, dask_client
+from trainflow.cluster.config import DaskConfig
+from trainflow.cluster.dask import Backend, dask_client
 
 
 @pytest.fixture(scope="module")

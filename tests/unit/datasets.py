@@ -5,9 +5,9 @@ from pathlib import Path
 
 import numpy as np
 
-from tasks.hashing import sha256_file
-from tasks.preprocess.dataset import read_manifest
-from tasks.preprocess.ref import DatasetRef
+from trainflow.tasks.hashing import sha256_file
+from trainflow.tasks.preprocess.dataset import read_manifest
+from trainflow.tasks.preprocess.ref import DatasetRef
 
 
 def write_dataset(root: Path, n_train: int = 256, n_val: int = 64, seed: int = 0) -> DatasetRef:

@@ -6,8 +6,12 @@ from pathlib import Path
 
 import submitit
 
-import tasks.train  # noqa: F401  (what unpickling a training job imports first)
-from tasks.train.early_signal import _in_submitit_task, deliver_held_signal, preemption_signal
+import trainflow.tasks.train  # noqa: F401  (what unpickling a training job imports first)
+from trainflow.tasks.train.early_signal import (
+    _in_submitit_task,
+    deliver_held_signal,
+    preemption_signal,
+)
 
 _MARK = Path(os.environ.get("TRAINFLOW_TEST_MARK", "/nonexistent/mark"))
 

@@ -7,14 +7,14 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from cluster.config import ClusterConfig
-from cluster.executor import make_executor
-from cluster.restarts import can_exclude
-from cluster.slurm_checks import check_cluster
-from cluster.srun_executor import STEP_PREFIX, AllocationExecutor, cpus_per_node
-from flows.config import PipelineConfig
-from flows.preflight import preflight
-from tasks.errors import ConfigError
+from trainflow.cluster.config import ClusterConfig
+from trainflow.cluster.executor import make_executor
+from trainflow.cluster.restarts import can_exclude
+from trainflow.cluster.slurm_checks import check_cluster
+from trainflow.cluster.srun_executor import STEP_PREFIX, AllocationExecutor, cpus_per_node
+from trainflow.flows.config import PipelineConfig
+from trainflow.flows.preflight import preflight
+from trainflow.tasks.errors import ConfigError
 
 OUTSIDE = r"^cluster.executor=allocation .* runs in none \(no SLURM_JOB_ID\): run it in an "
 
@@ -71,7 +71,7 @@ def test_the_step_runs_every_rank_guarded_over_the_nodes_asked_for(
     assert isinstance(executor, AllocationExecutor)
     executor.update_parameters(exclude="tfnode9")
     command = executor._submitit_command_str
-    assert "-m cluster.rank_guard --peer-timeout-s 60 " in command
+    assert "-m trainflow.cluster.rank_guard --peer-timeout-s 60 " in command
     argv = executor.srun_argv(command, "41-abcd")
     assert argv[:2] == ["srun", f"--job-name={STEP_PREFIX}41-abcd"]
     for option in ("--overlap", "--nodes=2", "--ntasks=4", "--ntasks-per-node=2"):

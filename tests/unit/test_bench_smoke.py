@@ -21,7 +21,7 @@ def test_helpers() -> None:
 
 def test_lightning_trains_in_the_precision_trainflow_picks() -> None:
     from bench.p7_lightning import PRECISION, lightning_precision
-    from tasks.train.precision import resolve_precision
+    from trainflow.tasks.train.precision import resolve_precision
 
     cpu = torch.device("cpu")
     assert lightning_precision(cpu) == PRECISION[resolve_precision("auto", cpu).name]

@@ -11,10 +11,11 @@ import torch
 from mlflow.tracking import MlflowClient
 from torch import nn
 
-from tasks.errors import ConfigError, DataError
-from tasks.hashing import sha256_file
-from tasks.preprocess.ref import DatasetRef
-from tasks.train.checkpoint import (
+from tests.unit.datasets import write_dataset
+from trainflow.tasks.errors import ConfigError, DataError
+from trainflow.tasks.hashing import sha256_file
+from trainflow.tasks.preprocess.ref import DatasetRef
+from trainflow.tasks.train.checkpoint import (
     atomic_save,
     latest_checkpoint,
     load_state,
@@ -24,11 +25,10 @@ from tasks.train.checkpoint import (
     save_checkpoint,
     training_state,
 )
-from tasks.train.config import TrainConfig
-from tasks.train.data import SplitData as Split
-from tasks.train.job import Progress, TrainingJob, TrainJobSpec
-from tasks.train.loop import Trainer
-from tests.unit.datasets import write_dataset
+from trainflow.tasks.train.config import TrainConfig
+from trainflow.tasks.train.data import SplitData as Split
+from trainflow.tasks.train.job import Progress, TrainingJob, TrainJobSpec
+from trainflow.tasks.train.loop import Trainer
 
 
 @pytest.fixture(autouse=True)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from flows.config import (
+from trainflow.flows.config import (
     GPU_BATCH,
     PRESETS,
     PipelineConfig,
@@ -14,7 +14,7 @@ from flows.config import (
     parse_override,
     scaled_lr,
 )
-from tasks.errors import ConfigError
+from trainflow.tasks.errors import ConfigError
 
 
 @pytest.mark.parametrize("preset", list(PRESETS))

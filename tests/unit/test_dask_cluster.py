@@ -7,9 +7,9 @@ import distributed
 import numpy as np
 import pytest
 
-from cluster.config import DaskConfig
-from cluster.dask import array_module, dask_client, to_numpy
-from tasks.errors import ConfigError
+from trainflow.cluster.config import DaskConfig
+from trainflow.cluster.dask import array_module, dask_client, to_numpy
+from trainflow.tasks.errors import ConfigError
 
 
 def _gpu_usable() -> bool:

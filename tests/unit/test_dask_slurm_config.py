@@ -6,13 +6,13 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from cluster.config import DaskConfig
-from cluster.dask import dask_client
-from cluster.dask_slurm import cluster_options, import_slurm_cluster, slurm_time
-from cluster.dask_slurm_checks import check_workers_against
-from cluster.dask_srun import srun_argv
-from cluster.slurm_checks import Node, Partition
-from tasks.errors import ConfigError
+from trainflow.cluster.config import DaskConfig
+from trainflow.cluster.dask import dask_client
+from trainflow.cluster.dask_slurm import cluster_options, import_slurm_cluster, slurm_time
+from trainflow.cluster.dask_slurm_checks import check_workers_against
+from trainflow.cluster.dask_srun import srun_argv
+from trainflow.cluster.slurm_checks import Node, Partition
+from trainflow.tasks.errors import ConfigError
 
 _PARTS = [
     Partition("cpu", True, 2, None, 60, None, None),

@@ -13,16 +13,16 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from cluster.config import ClusterConfig
-from cluster.executor import make_executor
-from cluster.jobs import wait_for_job
-from tasks.diskspace import DiskFullError, disk_stage
-from tasks.tracking.config import TrackingConfig
-from tasks.tracking.pipeline_runs import PipelineRuns
-from tasks.train.config import TrainConfig
-from tasks.train.job import TrainingJob, TrainJobSpec
 from tests.services import wait_for
 from tests.unit.datasets import write_dataset
+from trainflow.cluster.config import ClusterConfig
+from trainflow.cluster.executor import make_executor
+from trainflow.cluster.jobs import wait_for_job
+from trainflow.tasks.diskspace import DiskFullError, disk_stage
+from trainflow.tasks.tracking.config import TrackingConfig
+from trainflow.tasks.tracking.pipeline_runs import PipelineRuns
+from trainflow.tasks.train.config import TrainConfig
+from trainflow.tasks.train.job import TrainingJob, TrainJobSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -72,8 +72,8 @@ def test_a_full_disk_in_a_training_rank_is_one_line(small_disk: Path, tmp_path: 
 _START = """
 import sys, time
 from pathlib import Path
-from tasks.tracking.config import TrackingConfig
-from tasks.tracking.pipeline_runs import PipelineRuns
+from trainflow.tasks.tracking.config import TrackingConfig
+from trainflow.tasks.tracking.pipeline_runs import PipelineRuns
 go = Path(sys.argv[2])
 Path(sys.argv[3]).touch()  # ready: MLflow imported
 while not go.exists():

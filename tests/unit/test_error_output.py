@@ -6,8 +6,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from flows.error_output import UserErrorEcho, quiet_user_errors
-from tasks.errors import DataError
+from trainflow.flows.error_output import UserErrorEcho, quiet_user_errors
+from trainflow.tasks.errors import DataError
 
 
 @pytest.fixture

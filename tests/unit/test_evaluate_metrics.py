@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from tasks.evaluate import metrics, plots
+from trainflow.tasks.evaluate import metrics, plots
 
 
 def test_confusion_matrix_counts() -> None:

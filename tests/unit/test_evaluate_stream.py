@@ -8,14 +8,14 @@ import numpy as np
 import pytest
 import torch
 
-from tasks.errors import DataError
-from tasks.evaluate import metrics
-from tasks.evaluate.predict import confusion_streamed
-from tasks.hashing import sha256_file
-from tasks.preprocess.dataset import load_split, read_manifest
-from tasks.preprocess.ref import DatasetRef
-from tasks.train.config import TrainConfig
-from tasks.train.models import build_model
+from trainflow.tasks.errors import DataError
+from trainflow.tasks.evaluate import metrics
+from trainflow.tasks.evaluate.predict import confusion_streamed
+from trainflow.tasks.hashing import sha256_file
+from trainflow.tasks.preprocess.dataset import load_split, read_manifest
+from trainflow.tasks.preprocess.ref import DatasetRef
+from trainflow.tasks.train.config import TrainConfig
+from trainflow.tasks.train.models import build_model
 
 SHAPE = (3, 12, 12)
 TEST_SHARDS = (300, 300, 171)  # batches of 128 straddle the shards' ends

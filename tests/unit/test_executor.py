@@ -11,8 +11,8 @@ _SUBMITTER = textwrap.dedent(
     from pathlib import Path
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # what `cmd &` in a script gives a process
-    from cluster.config import ClusterConfig
-    from cluster.executor import make_executor
+    from trainflow.cluster.config import ClusterConfig
+    from trainflow.cluster.executor import make_executor
 
     ex = make_executor(ClusterConfig(executor="local", ranks_per_node=1), Path(sys.argv[1]))
     job = ex.submit(time.sleep, 600)

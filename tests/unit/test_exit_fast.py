@@ -7,7 +7,7 @@ from pathlib import Path
 CODE = """
 import atexit, sys, threading, time
 from pathlib import Path
-from flows.cli import exit_fast
+from trainflow.flows.cli import exit_fast
 out = Path(sys.argv[1])
 atexit.register(lambda: (out / "atexit").write_text("ran"))
 def late():
@@ -40,4 +40,4 @@ def test_the_trainflow_command_is_the_fast_exit_entry() -> None:
     import tomllib
 
     pyproject = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
-    assert pyproject["project"]["scripts"]["trainflow"] == "flows.cli:entry"
+    assert pyproject["project"]["scripts"]["trainflow"] == "trainflow.flows.cli:entry"

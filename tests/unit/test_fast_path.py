@@ -10,22 +10,22 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from tasks.train.config import TrainConfig
-from tasks.train.data import (
+from tests.services import free_port
+from tests.unit.datasets import write_dataset, write_rgb_dataset
+from trainflow.tasks.train.config import TrainConfig
+from trainflow.tasks.train.data import (
     Split,
     load_split_to,
 )
-from tasks.train.distributed import DistContext, wrap_ddp
-from tasks.train.job import TrainingJob, TrainJobSpec
-from tasks.train.loop import make_optimizer
-from tasks.train.models import (
+from trainflow.tasks.train.distributed import DistContext, wrap_ddp
+from trainflow.tasks.train.job import TrainingJob, TrainJobSpec
+from trainflow.tasks.train.loop import make_optimizer
+from trainflow.tasks.train.models import (
     ReferenceCNN,
     build_model,
     place_model,
     use_channels_last,
 )
-from tests.services import free_port
-from tests.unit.datasets import write_dataset, write_rgb_dataset
 
 CPU = torch.device("cpu")
 NHWC = torch.channels_last
@@ -152,7 +152,7 @@ def test_a_run_resumes_after_its_speed_settings_changed(
 _EXIT_SCRIPT = """
 import atexit, sys, types
 import submitit
-from tasks.train import distributed
+from trainflow.tasks.train import distributed
 atexit.register(print, "normal teardown ran")
 env = types.SimpleNamespace(cluster=sys.argv[1])
 submitit.JobEnvironment = lambda: env

@@ -21,10 +21,10 @@ from pathlib import Path
 import pytest
 import submitit
 
-from cluster.config import ClusterConfig
-from cluster.executor import make_executor
-from cluster.jobs import wait_for_job
-from tasks.errors import JobError
+from trainflow.cluster.config import ClusterConfig
+from trainflow.cluster.executor import make_executor
+from trainflow.cluster.jobs import wait_for_job
+from trainflow.tasks.errors import JobError
 
 PEER = "trainflow-peer"
 

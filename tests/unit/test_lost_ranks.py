@@ -18,11 +18,11 @@ import submitit
 import torch
 import torch.distributed as dist
 
-from cluster.config import ClusterConfig
-from cluster.executor import make_executor
-from cluster.jobs import wait_for_job
-from tasks.errors import JobError
-from tasks.train.distributed import distributed
+from trainflow.cluster.config import ClusterConfig
+from trainflow.cluster.executor import make_executor
+from trainflow.cluster.jobs import wait_for_job
+from trainflow.tasks.errors import JobError
+from trainflow.tasks.train.distributed import distributed
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -114,7 +114,7 @@ def test_a_rank_that_raises_is_named_with_its_traceback_node_and_log(tmp_path: P
 
 
 def _peer_timeout() -> float:
-    from tasks.train.distributed import peer_timeout
+    from trainflow.tasks.train.distributed import peer_timeout
 
     return peer_timeout().total_seconds()
 

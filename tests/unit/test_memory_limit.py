@@ -137,7 +137,7 @@ def _run_args(raw: Path, work: Path) -> list[str]:
         "cluster.dask.n_workers": 1,
     }
     flags = [arg for key, value in sets.items() for arg in ("--set", f"{key}={value}")]
-    return [sys.executable, "-m", "flows.cli", "run", *flags]
+    return [sys.executable, "-m", "trainflow.flows.cli", "run", *flags]
 
 
 def test_whole_pipeline_on_data_3x_the_memory_limit(limited_group: Path, folder: Path) -> None:

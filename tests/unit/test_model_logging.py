@@ -11,10 +11,10 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from tasks.evaluate.model_logging import log_model
-from tasks.tracking.runs import use_tracking_uri
-from tasks.train.config import TrainConfig
-from tasks.train.models import build_model
+from trainflow.tasks.evaluate.model_logging import log_model
+from trainflow.tasks.tracking.runs import use_tracking_uri
+from trainflow.tasks.train.config import TrainConfig
+from trainflow.tasks.train.models import build_model
 
 
 @pytest.mark.parametrize("before", [None, "sqlite:///elsewhere.db"])
@@ -101,7 +101,7 @@ def test_model_logging_does_not_import_lightning_and_leaves_it_importable() -> N
     import sys
 
     code = (
-        "import sys, tasks.evaluate.model_logging as m, mlflow.pytorch\n"
+        "import sys, trainflow.tasks.evaluate.model_logging as m, mlflow.pytorch\n"
         "print('pytorch_lightning' in sys.modules, 'lightning_fabric' in sys.modules)\n"
         "import importlib.util\n"
         "if importlib.util.find_spec('pytorch_lightning'):\n"

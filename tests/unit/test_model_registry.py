@@ -9,16 +9,16 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from tasks.evaluate.model_logging import log_model
-from tasks.evaluate.registry import (
+from tests.services import mlflow_server
+from trainflow.tasks.evaluate.model_logging import log_model
+from trainflow.tasks.evaluate.registry import (
     Champion,
     RegistryResult,
     promote,
     read_champion,
     register_and_promote,
 )
-from tasks.tracking.runs import use_tracking_uri
-from tests.services import mlflow_server
+from trainflow.tasks.tracking.runs import use_tracking_uri
 
 TAGS = {"dataset_hash": "d" * 64, "git_commit": "abc123", "config_hash": "c" * 64}
 METRIC = "test_accuracy"

@@ -4,9 +4,9 @@ import pytest
 import torch
 from torch import nn
 
-from tasks.errors import ConfigError
-from tasks.train.config import TrainConfig
-from tasks.train.models import BasicBlock, ReferenceCNN, ResNet, build_model
+from trainflow.tasks.errors import ConfigError
+from trainflow.tasks.train.config import TrainConfig
+from trainflow.tasks.train.models import BasicBlock, ReferenceCNN, ResNet, build_model
 
 
 def test_reference_cnn_on_cifar_size_is_the_founding_net() -> None:

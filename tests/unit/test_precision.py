@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-import tasks.train.precision as precision
-from tasks.errors import ConfigError
-from tasks.train.precision import PrecisionPolicy, resolve_precision
+import trainflow.tasks.train.precision as precision
+from trainflow.tasks.errors import ConfigError
+from trainflow.tasks.train.precision import PrecisionPolicy, resolve_precision
 
 CPU = torch.device("cpu")
 needs_cpu_bf16 = pytest.mark.skipif(

@@ -8,11 +8,12 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from tasks.errors import ConfigError
-from tasks.preprocess.ref import DatasetRef
-from tasks.train.checkpoint import latest_checkpoint, load_state
-from tasks.train.config import TrainConfig
-from tasks.train.data import (
+from tests.unit.datasets import write_dataset, write_rgb_dataset
+from trainflow.tasks.errors import ConfigError
+from trainflow.tasks.preprocess.ref import DatasetRef
+from trainflow.tasks.train.checkpoint import latest_checkpoint, load_state
+from trainflow.tasks.train.config import TrainConfig
+from trainflow.tasks.train.data import (
     Placement,
     Split,
     load_split_to,
@@ -20,15 +21,14 @@ from tasks.train.data import (
     rank_batches,
     steps_per_epoch,
 )
-from tasks.train.job import Progress, TrainingJob, TrainJobSpec
-from tasks.train.loop import Trainer
-from tasks.train.models import (
+from trainflow.tasks.train.job import Progress, TrainingJob, TrainJobSpec
+from trainflow.tasks.train.loop import Trainer
+from trainflow.tasks.train.models import (
     build_model,
     place_model,
     uses_cuda_graphs,
 )
-from tasks.train.prefetch import Prefetcher
-from tests.unit.datasets import write_dataset, write_rgb_dataset
+from trainflow.tasks.train.prefetch import Prefetcher
 
 CPU = torch.device("cpu")
 NHWC = torch.channels_last

@@ -8,14 +8,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cluster.slurm_checks import unreachable_hint
-from flows.preflight import check_workdir
-from tasks.errors import ConfigError, DataError
-from tasks.preprocess.config import PreprocessConfig
-from tasks.preprocess.preflight import preflight_source
-from tasks.preprocess.sources import load_raw
-from tasks.preprocess.validate import validate_raw
 from tests.unit.test_preprocess_sources import _folder, _npz, _save_image
+from trainflow.cluster.slurm_checks import unreachable_hint
+from trainflow.flows.preflight import check_workdir
+from trainflow.tasks.errors import ConfigError, DataError
+from trainflow.tasks.preprocess.config import PreprocessConfig
+from trainflow.tasks.preprocess.preflight import preflight_source
+from trainflow.tasks.preprocess.sources import load_raw
+from trainflow.tasks.preprocess.validate import validate_raw
 
 Build = Callable[[Path], PreprocessConfig]
 

@@ -7,13 +7,13 @@ import distributed
 import numpy as np
 import pytest
 
-from tasks.errors import DataError
-from tasks.preprocess import run as run_module
-from tasks.preprocess.config import PreprocessConfig
-from tasks.preprocess.dataset import dataset_dir, load_split, read_manifest
-from tasks.preprocess.ref import DatasetRef
-from tasks.preprocess.run import run_preprocess, split_indices
-from tasks.preprocess.sources import fingerprint, load_raw
+from trainflow.tasks.errors import DataError
+from trainflow.tasks.preprocess import run as run_module
+from trainflow.tasks.preprocess.config import PreprocessConfig
+from trainflow.tasks.preprocess.dataset import dataset_dir, load_split, read_manifest
+from trainflow.tasks.preprocess.ref import DatasetRef
+from trainflow.tasks.preprocess.run import run_preprocess, split_indices
+from trainflow.tasks.preprocess.sources import fingerprint, load_raw
 
 Cluster = tuple[distributed.Client, str]
 

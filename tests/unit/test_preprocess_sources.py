@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tasks.errors import DataError
-from tasks.preprocess.config import PreprocessConfig
-from tasks.preprocess.sources import RawData, fingerprint, load_raw
-from tasks.preprocess.validate import validate_raw
+from trainflow.tasks.errors import DataError
+from trainflow.tasks.preprocess.config import PreprocessConfig
+from trainflow.tasks.preprocess.sources import RawData, fingerprint, load_raw
+from trainflow.tasks.preprocess.validate import validate_raw
 
 
 def _save_image(file: Path, mode: str, size: tuple[int, int] = (12, 10), seed: int = 0) -> None:

@@ -5,9 +5,9 @@ import threading
 
 import pytest
 
-from flows.early_server import start_temporary_server
-from tasks.prewarm import EVALUATE_MODULES, prewarm_imports
-from tasks.train.warmup import DYNAMO, prewarm_rank
+from trainflow.flows.early_server import start_temporary_server
+from trainflow.tasks.prewarm import EVALUATE_MODULES, prewarm_imports
+from trainflow.tasks.train.warmup import DYNAMO, prewarm_rank
 
 
 def test_prewarm_imports_modules_on_a_thread() -> None:
@@ -49,7 +49,7 @@ def test_no_early_server_when_a_prefect_api_is_configured() -> None:
 
 
 def test_the_database_store_is_preloaded_only_for_database_uris() -> None:
-    from flows.early_server import preload_tracking_store
+    from trainflow.flows.early_server import preload_tracking_store
 
     name = "mlflow.store.tracking.sqlalchemy_store"
     if name not in sys.modules:  # an earlier test may have needed it already

@@ -7,7 +7,7 @@ import textwrap
 import time
 from pathlib import Path
 
-from cluster import registry
+from trainflow.cluster import registry
 
 
 def test_records_of_a_live_watcher_are_kept(tmp_path: Path) -> None:
@@ -23,7 +23,7 @@ _WATCHER = textwrap.dedent(
     import sys, time
     from pathlib import Path
     import submitit
-    from cluster import registry
+    from trainflow.cluster import registry
 
     work = Path(sys.argv[1])
     ex = submitit.LocalExecutor(work / "jobs")

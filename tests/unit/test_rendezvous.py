@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from tasks.train.rendezvous import Layout, RendezvousError, meet
+from trainflow.tasks.train.rendezvous import Layout, RendezvousError, meet
 
 TIMEOUT = timedelta(seconds=20)
 

@@ -15,14 +15,14 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from cluster.config import ClusterConfig
-from cluster.lost_ranks import RankLostError
-from tasks.preprocess.ref import DatasetRef
-from tasks.train.config import TrainConfig
-from tasks.train.job import TrainJobSpec
-from tasks.train.ref import CheckpointRef
-from tasks.train.task import train_with_restarts
 from tests.unit.datasets import write_dataset
+from trainflow.cluster.config import ClusterConfig
+from trainflow.cluster.lost_ranks import RankLostError
+from trainflow.tasks.preprocess.ref import DatasetRef
+from trainflow.tasks.train.config import TrainConfig
+from trainflow.tasks.train.job import TrainJobSpec
+from trainflow.tasks.train.ref import CheckpointRef
+from trainflow.tasks.train.task import train_with_restarts
 
 pytestmark = pytest.mark.timeout(240)
 EPOCHS = 60  # ~0.1 s each here: the kill after epoch 2 must land long before the end

@@ -2,7 +2,13 @@
 
 from pathlib import Path
 
-from cluster.dev.slurm_config import HOSTS_MARK, DevCluster, main, slurm_conf, with_hosts_line
+from trainflow.cluster.dev.slurm_config import (
+    HOSTS_MARK,
+    DevCluster,
+    main,
+    slurm_conf,
+    with_hosts_line,
+)
 
 
 def _cluster(nodes: int) -> DevCluster:

@@ -10,15 +10,15 @@ import numpy as np
 import pytest
 import torch
 
-from tasks.hashing import sha256_file
-from tasks.preprocess.dataset import read_manifest
-from tasks.preprocess.ref import DatasetRef
-from tasks.train.checkpoint import latest_checkpoint, load_state
-from tasks.train.config import TrainConfig
-from tasks.train.data import Split, load_split_to, rank_batches
-from tasks.train.job import TrainingJob, TrainJobSpec
-from tasks.train.streaming import StreamedSplit
 from tests.unit.test_checkpoint import CrashAfterFirstEpoch
+from trainflow.tasks.hashing import sha256_file
+from trainflow.tasks.preprocess.dataset import read_manifest
+from trainflow.tasks.preprocess.ref import DatasetRef
+from trainflow.tasks.train.checkpoint import latest_checkpoint, load_state
+from trainflow.tasks.train.config import TrainConfig
+from trainflow.tasks.train.data import Split, load_split_to, rank_batches
+from trainflow.tasks.train.job import TrainingJob, TrainJobSpec
+from trainflow.tasks.train.streaming import StreamedSplit
 
 CPU = torch.device("cpu")
 ROOT = Path(__file__).resolve().parents[2]
@@ -112,7 +112,7 @@ def test_a_resumed_streamed_run_equals_an_uninterrupted_one(tmp_path: Path) -> N
 _PEAK_RSS = """
 import re, sys, torch
 from pathlib import Path
-from tasks.train.data import load_split_to, rank_batches, eval_batches
+from trainflow.tasks.train.data import load_split_to, rank_batches, eval_batches
 path, placement = Path(sys.argv[1]), sys.argv[2]
 cpu = torch.device("cpu")
 train = load_split_to(path, "train", cpu, placement=placement)

@@ -5,10 +5,10 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from tasks.tracking.config import TrackingConfig
-from tasks.tracking.logger import MlflowLogger, NullLogger, make_logger
-from tasks.tracking.pipeline_runs import PipelineRuns
-from tasks.tracking.runs import resolve_tracking_uri
+from trainflow.tasks.tracking.config import TrackingConfig
+from trainflow.tasks.tracking.logger import MlflowLogger, NullLogger, make_logger
+from trainflow.tasks.tracking.pipeline_runs import PipelineRuns
+from trainflow.tasks.tracking.runs import resolve_tracking_uri
 
 
 def _runs(tmp_path: Path) -> PipelineRuns:

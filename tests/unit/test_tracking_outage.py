@@ -17,24 +17,24 @@ import submitit
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
-from cluster.config import ClusterConfig
-from cluster.executor import make_executor
-from cluster.jobs import wait_for_job
-from flows.service_errors import explain_refusal
-from tasks.preprocess.ref import DatasetRef
-from tasks.tracking import backlog
-from tasks.tracking.backlog import TrackingUnavailable
-from tasks.tracking.config import TrackingConfig
-from tasks.tracking.logger import MlflowLogger
-from tasks.tracking.pipeline_runs import PipelineRuns
-from tasks.tracking.sender import MetricSender
-from tasks.train.checkpoint import latest_checkpoint
-from tasks.train.config import TrainConfig
-from tasks.train.job import TrainJobSpec
-from tasks.train.ref import CheckpointRef
 from tests.gates import GatedJob
 from tests.services import free_port, mlflow_server, wait_for
 from tests.unit.datasets import write_dataset
+from trainflow.cluster.config import ClusterConfig
+from trainflow.cluster.executor import make_executor
+from trainflow.cluster.jobs import wait_for_job
+from trainflow.flows.service_errors import explain_refusal
+from trainflow.tasks.preprocess.ref import DatasetRef
+from trainflow.tasks.tracking import backlog
+from trainflow.tasks.tracking.backlog import TrackingUnavailable
+from trainflow.tasks.tracking.config import TrackingConfig
+from trainflow.tasks.tracking.logger import MlflowLogger
+from trainflow.tasks.tracking.pipeline_runs import PipelineRuns
+from trainflow.tasks.tracking.sender import MetricSender
+from trainflow.tasks.train.checkpoint import latest_checkpoint
+from trainflow.tasks.train.config import TrainConfig
+from trainflow.tasks.train.job import TrainJobSpec
+from trainflow.tasks.train.ref import CheckpointRef
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 

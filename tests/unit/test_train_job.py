@@ -18,23 +18,23 @@ import pytest
 import submitit
 import torch
 
-from cluster.config import ClusterConfig
-from cluster.executor import make_executor
-from cluster.jobs import wait_for_job
-from tasks.errors import ConfigError, JobError
-from tasks.hashing import sha256_file
-from tasks.preprocess.ref import DatasetRef
-from tasks.train.checkpoint import host_copy, latest_checkpoint, training_state
-from tasks.train.config import TrainConfig
-from tasks.train.data import Split, SplitData, eval_batches, rank_batches
-from tasks.train.distributed import distributed
-from tasks.train.job import Progress, TrainingJob, TrainJobSpec
-from tasks.train.loop import Trainer, cosine_lr
-from tasks.train.models import ReferenceCNN
-from tasks.train.precision import cpu_supports_bf16
-from tasks.train.recorder import EpochRecorder
-from tasks.train.ref import CheckpointRef
 from tests.unit.datasets import write_dataset
+from trainflow.cluster.config import ClusterConfig
+from trainflow.cluster.executor import make_executor
+from trainflow.cluster.jobs import wait_for_job
+from trainflow.tasks.errors import ConfigError, JobError
+from trainflow.tasks.hashing import sha256_file
+from trainflow.tasks.preprocess.ref import DatasetRef
+from trainflow.tasks.train.checkpoint import host_copy, latest_checkpoint, training_state
+from trainflow.tasks.train.config import TrainConfig
+from trainflow.tasks.train.data import Split, SplitData, eval_batches, rank_batches
+from trainflow.tasks.train.distributed import distributed
+from trainflow.tasks.train.job import Progress, TrainingJob, TrainJobSpec
+from trainflow.tasks.train.loop import Trainer, cosine_lr
+from trainflow.tasks.train.models import ReferenceCNN
+from trainflow.tasks.train.precision import cpu_supports_bf16
+from trainflow.tasks.train.recorder import EpochRecorder
+from trainflow.tasks.train.ref import CheckpointRef
 
 # The job processes cannot import this test module: ship its classes and functions by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])

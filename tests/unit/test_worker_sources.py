@@ -9,18 +9,18 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tasks.errors import DataError
-from tasks.preprocess.config import PreprocessConfig
-from tasks.preprocess.dataset import (
+from trainflow.tasks.errors import DataError
+from trainflow.tasks.preprocess.config import PreprocessConfig
+from trainflow.tasks.preprocess.dataset import (
     FORMAT_VERSION,
     dataset_dir,
     load_raw_split,
     load_split,
     read_manifest,
 )
-from tasks.preprocess.ref import DatasetRef
-from tasks.preprocess.run import run_preprocess, split_indices
-from tasks.preprocess.sources import fingerprint, load_raw
+from trainflow.tasks.preprocess.ref import DatasetRef
+from trainflow.tasks.preprocess.run import run_preprocess, split_indices
+from trainflow.tasks.preprocess.sources import fingerprint, load_raw
 
 Cluster = tuple[distributed.Client, str]
 

@@ -1,0 +1,10 @@
+"""trainflow: workflow-orchestrated HPC training (Prefect flows, dask preprocessing, submitit/Slurm
+training, MLflow tracking).
+
+Installed, trainflow's code lives under this name only: `trainflow.flows`, `trainflow.tasks` and
+`trainflow.cluster` (pyproject.toml maps them onto the repo's top-level folders), so a user
+project's own `tasks.py` or `cluster/` never shadows it. The links beside this file let tools
+that read the tree (mypy, ruff, editors) see the same names.
+"""
+
+__version__ = "0.1.0"
