@@ -115,8 +115,18 @@ def _outcome(result: Path) -> str | None:
     return str(outcome)
 
 
-def _wait(child: subprocess.Popen[bytes], result: Path) -> tuple[int, bool]:
-    """The child's exit code, and whether it had to be killed after delivering its result.
+def _written_since(result: Path, since: float) -> bool:
+    """Whether `result` was written at or after `since` (a requeued attempt finds the result
+    file of the attempt before it, e.g. a non-zero rank's error when Slurm stopped it)."""
+    try:
+        return result.stat().st_mtime >= since
+    except OSError:
+        return False
+
+
+def _wait(child: subprocess.Popen[bytes], result: Path, since: float) -> tuple[int, bool]:
+    """The child's exit code, and whether it had to be killed after delivering its result
+    (a result file older than `since`, the rank's start, is an earlier attempt's).
 
     A rank whose result is written but which does not exit within HUNG_AFTER_RESULT_S is stuck
     in teardown (e.g. a process group destructor deadlocked on the GIL): its work is done,
@@ -131,7 +141,7 @@ def _wait(child: subprocess.Popen[bytes], result: Path) -> tuple[int, bool]:
         except InterruptedError:
             continue
         if written_at is None:
-            written_at = time.monotonic() if result.exists() else None
+            written_at = time.monotonic() if _written_since(result, since) else None
             continue
         if time.monotonic() - written_at < HUNG_AFTER_RESULT_S:
             continue
@@ -156,9 +166,9 @@ def main(command: list[str], peer_timeout_s: str) -> None:
     before = oom_kills()
     # The variable tasks.train.distributed.peer_timeout() reads (not imported: torch is heavy).
     env = {**os.environ, "TRAINFLOW_PEER_TIMEOUT_S": peer_timeout_s}
+    started = time.time()
     child = subprocess.Popen(command, preexec_fn=_die_with_parent, env=env)
     _pass_on(child)
-    started = time.time()
     where = {
         "task": task,
         "node": node,
@@ -167,7 +177,7 @@ def main(command: list[str], peer_timeout_s: str) -> None:
         "guard_pid": os.getpid(),
     }
     _write_json(folder / f"{job_id}_{task}_rank.json", where | {"started": started})
-    returncode, hung = _wait(child, folder / f"{job_id}_{task}_result.pkl")
+    returncode, hung = _wait(child, folder / f"{job_id}_{task}_result.pkl", started)
     after = oom_kills()
     ended = {
         "returncode": returncode,

@@ -3,6 +3,7 @@
 so a user project with its own `tasks.py` and `cluster/` runs a whole pipeline."""
 
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -66,12 +67,19 @@ def test_editable_install_beside_a_user_project_with_its_own_tasks_and_cluster(
 def test_a_wheel_install_holds_trainflow_only(tmp_path: Path) -> None:
     """`pip install .` (here uv, with no dependencies: they come from this venv's site-packages,
     which holds no trainflow folder of its own, only the editable install's finder)."""
-    venv = tmp_path / "venv"
+    venv, source = tmp_path / "venv", tmp_path / "source"
     uv = Path(sys.executable).with_name("uv")
+    # Built from a copy: setuptools writes build/ and *.egg-info beside the sources.
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(ROOT / name, source / name)
+    for name in ("trainflow", *MAPPED):
+        skip = shutil.ignore_patterns("__pycache__")
+        shutil.copytree(ROOT / name, source / name, symlinks=True, ignore=skip)
     subprocess.run([uv, "venv", "-q", venv], check=True, timeout=120)
     python = venv / "bin" / "python"
     subprocess.run(
-        [uv, "pip", "install", "-q", "--python", python, "--no-deps", ROOT],
+        [uv, "pip", "install", "-q", "--python", python, "--no-deps", source],
         check=True,
         timeout=300,
         cwd=tmp_path,

@@ -146,3 +146,21 @@ def test_a_rank_stuck_after_writing_its_result_is_ended_by_its_guard(
     ended = json.loads((job.paths.folder / f"{job.job_id}_0_exit.json").read_text())
     assert ended["hung_after_result"] is True and ended["returncode"] == 0
     assert "has not exited (stuck in teardown): killing it" in job.paths.stderr.read_text()
+
+
+def test_a_result_left_by_an_earlier_attempt_does_not_end_a_requeued_rank(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A requeued job's ranks find the result files of the attempt before (rank 1's error when
+    Slurm stopped it): the guard must not take one for the live rank's and kill it."""
+    import subprocess
+
+    from trainflow.cluster import rank_guard
+
+    monkeypatch.setattr(rank_guard, "HUNG_AFTER_RESULT_S", 0.5)
+    stale = tmp_path / "37_1_result.pkl"
+    submitit.core.utils.cloudpickle_dump(("error", "Traceback: stopped by the requeue"), stale)
+    os.utime(stale, (time.time() - 60, time.time() - 60))
+    started = time.time()
+    child = subprocess.Popen(["sleep", "3"])
+    assert rank_guard._wait(child, stale, started) == (0, False)
