@@ -69,14 +69,15 @@ def pipeline(
 
 def run_pipeline(cfg: PipelineConfig) -> PipelineSummary:
     """The pipeline body for an already validated config (must run inside a flow)."""
-    preflight(cfg)  # bad paths, files, Slurm requests: fail before any server or cluster
+    model = preflight(cfg)  # bad paths, files, models, Slurm: fail before any server or cluster
+    get_run_logger().info(model.line())
     runs = PipelineRuns(cfg.tracking, cfg.workdir, cfg.name)
     run_dir = (cfg.workdir / "runs" / runs.parent_id).resolve()
     t: dict[str, float] = {}
     with runs.parent(flatten(cfg)):
         runs.tag(runs.parent_id, {"config_hash": config_hash(cfg)})
         dataset, cached = preprocess_stage(runs, cfg, t)
-        with runs.stage("train", flatten(cfg.train)) as run_id, timed(t, "train"):
+        with runs.stage("train", flatten(cfg.train) | model.params()) as run_id, timed(t, "train"):
             spec = train_spec(cfg, dataset, run_dir, runs.tracking_uri, run_id)
             # Imported while the job runs; joined before MLflow is used again: two threads
             # importing parts of one package with import cycles can see it half initialised.

@@ -65,10 +65,12 @@ def resolve(ref: str, *, setting: str, group: str, builtins: Mapping[str, str]) 
 
 def call(resolved: Resolved, what: str, *args: Any, **kwargs: Any) -> Any:
     """resolved.obj(*args, **kwargs); an exception raised in it becomes one PluginError line
-    naming `what` (e.g. "the model factory 'my_models:build'"), the user's file and line."""
+    naming `what` (e.g. "the model factory 'my_models:build'"), the user's file and line.
+    A ConfigError (trainflow's own one-line refusal, e.g. a built-in model refusing the data)
+    passes unchanged."""
     try:
         return resolved.obj(*args, **kwargs)
-    except PluginError:
+    except ConfigError:
         raise
     except Exception as exc:
         raise PluginError(

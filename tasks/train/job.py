@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from trainflow.tasks.errors import ConfigError
 from trainflow.tasks.hashing import sha256_file
-from trainflow.tasks.preprocess.ref import DatasetRef
+from trainflow.tasks.preprocess.ref import DatasetRef, dataset_spec
 from trainflow.tasks.tracking.handed import handed_through
 from trainflow.tasks.tracking.logger import MetricLogger, make_logger
 from trainflow.tasks.train.checkpoint import (
@@ -41,8 +41,8 @@ from trainflow.tasks.train.distributed import (
 )
 from trainflow.tasks.train.early_signal import deliver_held_signal
 from trainflow.tasks.train.loop import Trainer, evaluate_split, make_optimizer, train_epoch
+from trainflow.tasks.train.model_plugins import build_model
 from trainflow.tasks.train.models import (
-    build_model,
     narrowest_conv,
     place_model,
     use_channels_last,
@@ -118,12 +118,13 @@ class TrainingJob(submitit.helpers.Checkpointable):
             torch.manual_seed(cfg.seed)
             random.seed(cfg.seed)
             policy = resolve_precision(cfg.precision, dist.device)
-            nhwc = use_channels_last(cfg.channels_last, dist.device, narrowest_conv(cfg))
+            model = build_model(cfg, dataset_spec(spec.dataset))  # after the seed: same weights
+            nhwc = use_channels_last(cfg.channels_last, dist.device, narrowest_conv(model))
             train, val = self._load("train", dist, nhwc), self._load("val", dist, nhwc)
             if dist.is_main:
                 self._announce(dist, policy, nhwc, train)
             warm.join()  # the model, optimizer and DDP import torch internals on this thread
-            trainer = self._trainer(dist, policy, len(train))
+            trainer = self._trainer(model, dist, policy, len(train))
             progress = self._resume(trainer)
             logger = recorder.closing(
                 make_logger(spec.tracking_uri, spec.run_id, dist.rank, spec.out_dir)
@@ -173,9 +174,11 @@ class TrainingJob(submitit.helpers.Checkpointable):
                 flush=True,
             )
 
-    def _trainer(self, dist: DistContext, policy: PrecisionPolicy, n_train: int) -> Trainer:
-        cfg, ref = self.spec.train, self.spec.dataset
-        model = place_model(build_model(cfg, ref.shape, len(ref.classes)), cfg, dist.device)
+    def _trainer(
+        self, built: torch.nn.Module, dist: DistContext, policy: PrecisionPolicy, n_train: int
+    ) -> Trainer:
+        cfg = self.spec.train
+        model = place_model(built, cfg, dist.device)
         optimizer = make_optimizer(cfg, model)
         model = wrap_ddp(model, dist, cfg.ddp_bucket_cap_mb)
         steps = steps_per_epoch(n_train, cfg.batch_size, dist.world_size, cfg.cuda_graphs)
