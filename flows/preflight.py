@@ -11,6 +11,7 @@ from pathlib import Path
 
 from trainflow.cluster.dask_slurm_checks import check_dask_workers
 from trainflow.cluster.slurm_checks import check_cluster
+from trainflow.cluster.snapshot import plan_snapshot
 from trainflow.flows.config import PipelineConfig
 from trainflow.tasks.errors import ConfigError
 from trainflow.tasks.preprocess.preflight import probe_spec
@@ -22,9 +23,15 @@ def preflight(cfg: PipelineConfig) -> ModelReport:
     the model check found (built on the meta device: nothing allocated)."""
     check_workdir(cfg.workdir)
     model = check_model(cfg.train, probe_spec(cfg.preprocess))
+    plan_snapshot(user_modules(model))  # a code folder too big to snapshot
     check_cluster(cfg.cluster)  # a Slurm request that can never run, or no Slurm to reach
     check_dask_workers(cfg.cluster.dask)  # the same for dask worker jobs
     return model
+
+
+def user_modules(model: ModelReport) -> list[str]:
+    """The modules of the user's plug-ins whose code the run snapshots (cluster.snapshot)."""
+    return [model.module]
 
 
 def check_workdir(workdir: Path) -> None:

@@ -7,6 +7,7 @@ the reference, their file and the fix; the traceback stays out of the user's way
 """
 
 import importlib
+import os
 import sys
 import traceback
 from collections.abc import Mapping
@@ -101,6 +102,14 @@ def user_frame(exc: BaseException, file: str) -> str:
     return file
 
 
+def _search_working_folder() -> None:
+    """Let `trainflow run` started in a project folder import that folder's modules, as
+    `python -m` would; searched last, so it never shadows an installed package."""
+    cwd = os.getcwd()
+    if "" not in sys.path and cwd not in sys.path:
+        sys.path.append(cwd)
+
+
 def _entry_point(name: str, setting: str, group: str) -> str | None:
     found = [ep for ep in entry_points(group=group) if ep.name == name]
     if len(found) > 1:
@@ -113,6 +122,7 @@ def _entry_point(name: str, setting: str, group: str) -> str | None:
 
 
 def _import(module_name: str, setting: str, ref: str) -> Any:
+    _search_working_folder()
     try:
         return importlib.import_module(module_name)
     except ModuleNotFoundError as exc:

@@ -16,6 +16,7 @@ import submitit
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from trainflow.cluster.snapshot import code_first
 from trainflow.tasks.errors import ConfigError
 from trainflow.tasks.hashing import sha256_file
 from trainflow.tasks.preprocess.ref import DatasetRef, dataset_spec
@@ -86,6 +87,9 @@ class TrainJobSpec(BaseModel):
     """MLflow tracking URI; with run_id, rank 0 logs per-epoch metrics there."""
     run_id: str | None = None
     """MLflow run to log into (created by the flow, continued on resume)."""
+    code: list[Path] = []
+    """Folders of the run's snapshot of the user's code (cluster.snapshot): every rank of
+    every attempt puts them first on sys.path before it builds the model."""
 
 
 @dataclass
@@ -112,6 +116,7 @@ class TrainingJob(submitit.helpers.Checkpointable):
         """Set up, resume if a checkpoint exists, train the remaining epochs, clean up."""
         deliver_held_signal()  # a requeue signal that came during start-up: requeue now
         spec, cfg = self.spec, self.spec.train
+        code_first(spec.code)  # the user's code as submitted, not as the files hold it now
         warm = prewarm_rank()  # torch._dynamo, imported in the waits (rendezvous, data loading)
         torch.set_num_threads(spec.cpus_per_task)
         with distributed(cfg.device) as dist, EpochRecorder() as recorder:

@@ -56,6 +56,11 @@ class ModelReport:
     parameter_bytes: int
     """Bytes of the parameters in their dtypes."""
 
+    @property
+    def module(self) -> str:
+        """The factory's module (what the run's code snapshot starts from)."""
+        return self.target.partition(":")[0]
+
     def params(self) -> dict[str, str]:
         """MLflow params of the train run."""
         return {
