@@ -20,9 +20,11 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
+from trainflow.tasks.spec import image_classification
 from trainflow.tasks.train.config import TrainConfig
 from trainflow.tasks.train.loop import make_optimizer
-from trainflow.tasks.train.models import build_model, place_model
+from trainflow.tasks.train.model_plugins import build_model
+from trainflow.tasks.train.models import place_model
 from trainflow.tasks.train.precision import resolve_precision
 
 CAPS_MB = (1.0, 5.0, 25.0, 100.0)
@@ -67,7 +69,9 @@ def _rank(rank: int, port: int, steps: int, out: Any) -> None:
         for model_name, cap, static in _settings():
             cfg = TrainConfig(model=model_name, device="cpu")
             torch.manual_seed(0)
-            model = place_model(build_model(cfg, (1, 28, 28), 10), cfg, torch.device("cpu"))
+            model = place_model(
+                build_model(cfg, image_classification((1, 28, 28), 10)), cfg, torch.device("cpu")
+            )
             opt = make_optimizer(cfg, model)
             ddp = DistributedDataParallel(
                 model, gradient_as_bucket_view=True, bucket_cap_mb=cap, static_graph=static

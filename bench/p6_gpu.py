@@ -15,8 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
+from trainflow.tasks.spec import image_classification
 from trainflow.tasks.train.config import TrainConfig
-from trainflow.tasks.train.models import build_model
+from trainflow.tasks.train.model_plugins import build_model
 
 
 def _sync(device: torch.device) -> None:
@@ -44,7 +45,9 @@ def model_rate(
     device: torch.device, width: int, size: int, batch: int, steps: int = 10
 ) -> tuple[float, float]:
     """(FLOP/s, FLOPs per step) of bf16-autocast training steps of the residual net."""
-    model = build_model(TrainConfig(model="resnet", width=width), (3, size, size), 10).to(device)
+    model = build_model(
+        TrainConfig(model="resnet", width=width), image_classification((3, size, size), 10)
+    ).to(device)
     model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]  # stubs lack it
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x = torch.randn(batch, 3, size, size, device=device).to(memory_format=torch.channels_last)

@@ -51,8 +51,9 @@ def _lightning_child(data_dir: Path, out: Path, launched: float) -> None:
     from torch.utils.data import DataLoader, TensorDataset
 
     from trainflow.flows.config import build_config
+    from trainflow.tasks.spec import image_classification
     from trainflow.tasks.train.loop import cosine_lr
-    from trainflow.tasks.train.models import build_model
+    from trainflow.tasks.train.model_plugins import build_model
 
     demo = build_config("demo")
     train_cfg, cluster = demo.train, demo.cluster
@@ -68,7 +69,9 @@ def _lightning_child(data_dir: Path, out: Path, launched: float) -> None:
     class Classifier(L.LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            self.model = build_model(train_cfg, tuple(x.shape[1:]), int(y.max()) + 1)
+            self.model = build_model(
+                train_cfg, image_classification(tuple(x.shape[1:]), int(y.max()) + 1)
+            )
 
         def training_step(self, batch: Any, _: int) -> torch.Tensor:
             images, labels = batch

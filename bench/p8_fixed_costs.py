@@ -116,11 +116,12 @@ def _export_seconds(folder: Path) -> float:
 
     from trainflow.flows.config import build_config
     from trainflow.tasks.evaluate.model_logging import log_model
-    from trainflow.tasks.train.models import build_model
+    from trainflow.tasks.spec import image_classification
+    from trainflow.tasks.train.model_plugins import build_model
 
     cfg = build_config("tiny", [])
     shape = (1, 16, 16)  # the synthetic source's images
-    model = build_model(cfg.train, shape, cfg.preprocess.synthetic_classes)
+    model = build_model(cfg.train, image_classification(shape, cfg.preprocess.synthetic_classes))
     uri = f"sqlite:///{folder}/export.db"
     client = MlflowClient(uri)
     exp = client.create_experiment("p8", artifact_location=(folder / "art").as_uri())

@@ -10,11 +10,12 @@ from contextlib import contextmanager
 
 import torch
 
+from trainflow.tasks.spec import image_classification
 from trainflow.tasks.train.config import TrainConfig
 from trainflow.tasks.train.data import Split, rank_batches
 from trainflow.tasks.train.distributed import distributed
 from trainflow.tasks.train.loop import Trainer, make_optimizer, train_epoch
-from trainflow.tasks.train.models import build_model
+from trainflow.tasks.train.model_plugins import build_model
 from trainflow.tasks.train.precision import resolve_precision
 
 
@@ -22,7 +23,7 @@ from trainflow.tasks.train.precision import resolve_precision
 def trainer_for(cfg: TrainConfig, samples: int = 4096) -> Iterator[tuple[Trainer, Split]]:
     """A world-of-one Trainer for `cfg` on random 1x28x28 data with 10 classes."""
     with distributed("auto") as dist:
-        model = build_model(cfg, (1, 28, 28), 10).to(dist.device)
+        model = build_model(cfg, image_classification((1, 28, 28), 10)).to(dist.device)
         trainer = Trainer(
             model,
             make_optimizer(cfg, model),

@@ -221,7 +221,7 @@ def _prepare_flow_process() -> None:
 
 def _run(args: argparse.Namespace) -> int:
     cfg = build_config(args.preset, args.overrides)  # fail fast, before Prefect starts
-    preflight(cfg)
+    print(preflight(cfg).line(), flush=True)
     _prepare_flow_process()
     from trainflow.flows.early_server import preload_tracking_store, start_temporary_server
 

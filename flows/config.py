@@ -177,7 +177,9 @@ def flatten(cfg: StrictModel, prefix: str = "") -> dict[str, str]:
 
 
 def _flatten_into(out: dict[str, str], key: str, value: Any) -> None:
-    if isinstance(value, dict):
+    if value == {}:  # no keys (train.model_args of a factory called without arguments)
+        out[key] = "{}"
+    elif isinstance(value, dict):
         for k, v in value.items():
             _flatten_into(out, f"{key}.{k}", v)
     else:

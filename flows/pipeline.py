@@ -14,9 +14,10 @@ from prefect.artifacts import create_markdown_artifact
 from pydantic import BaseModel, ConfigDict
 
 from trainflow.cluster.registry import cancel_orphans
+from trainflow.cluster.snapshot import CodeSnapshot, snapshot_for_jobs
 from trainflow.flows.config import PipelineConfig, build_config, config_hash, flatten
 from trainflow.flows.error_output import quiet_user_errors
-from trainflow.flows.preflight import preflight
+from trainflow.flows.preflight import preflight, user_modules
 from trainflow.tasks.evaluate.run import EvalResult
 from trainflow.tasks.evaluate.task import evaluate_task
 from trainflow.tasks.preprocess.ref import DatasetRef
@@ -69,15 +70,20 @@ def pipeline(
 
 def run_pipeline(cfg: PipelineConfig) -> PipelineSummary:
     """The pipeline body for an already validated config (must run inside a flow)."""
-    preflight(cfg)  # bad paths, files, Slurm requests: fail before any server or cluster
+    model = preflight(cfg)  # bad paths, files, models, Slurm: fail before any server or cluster
+    get_run_logger().info(model.line())
     runs = PipelineRuns(cfg.tracking, cfg.workdir, cfg.name)
     run_dir = (cfg.workdir / "runs" / runs.parent_id).resolve()
     t: dict[str, float] = {}
     with runs.parent(flatten(cfg)):
         runs.tag(runs.parent_id, {"config_hash": config_hash(cfg)})
-        dataset, cached = preprocess_stage(runs, cfg, t)
-        with runs.stage("train", flatten(cfg.train)) as run_id, timed(t, "train"):
-            spec = train_spec(cfg, dataset, run_dir, runs.tracking_uri, run_id)
+        code = snapshot_code(runs, user_modules(model), run_dir / "jobs")
+        paths = code.paths if code else []
+        dataset, cached = preprocess_stage(runs, cfg, t, paths)
+        with runs.stage("train", flatten(cfg.train) | model.params()) as run_id, timed(t, "train"):
+            if code:
+                runs.tag(run_id, {"code_snapshot": code.sha256})
+            spec = train_spec(cfg, dataset, run_dir, runs.tracking_uri, run_id, paths)
             # Imported while the job runs; joined before MLflow is used again: two threads
             # importing parts of one package with import cycles can see it half initialised.
             warm = prewarm_imports(EVALUATE_MODULES)
@@ -88,11 +94,28 @@ def run_pipeline(cfg: PipelineConfig) -> PipelineSummary:
     return summarize(runs, dataset, cached, result, t)
 
 
+def snapshot_code(runs: PipelineRuns, modules: list[str], job_dir: Path) -> CodeSnapshot | None:
+    """Snapshot the user's code into the run's job folder, where ranks, workers and requeued
+    attempts import it from; its hash tags the parent run, its files are the artifact code/."""
+    code = snapshot_for_jobs(modules, job_dir)
+    if code is not None:
+        runs.tag(runs.parent_id, {"code_snapshot": code.sha256})
+        runs.client.log_artifacts(runs.parent_id, str(code.folder), "code")
+        get_run_logger().info("code snapshot %s in %s", code.sha256[:16], code.folder)
+    return code
+
+
 def train_spec(
-    cfg: PipelineConfig, dataset: DatasetRef, out_dir: Path, tracking_uri: str, run_id: str
+    cfg: PipelineConfig,
+    dataset: DatasetRef,
+    out_dir: Path,
+    tracking_uri: str,
+    run_id: str,
+    code: list[Path] | None = None,
 ) -> TrainJobSpec:
-    """The training job's inputs for one config."""
+    """The training job's inputs for one config (`code`: the snapshot's folders)."""
     return TrainJobSpec(
+        code=code or [],
         train=cfg.train,
         dataset=dataset,
         out_dir=out_dir,
@@ -103,7 +126,7 @@ def train_spec(
 
 
 def preprocess_stage(
-    runs: PipelineRuns, cfg: PipelineConfig, t: dict[str, float]
+    runs: PipelineRuns, cfg: PipelineConfig, t: dict[str, float], code: list[Path] | None = None
 ) -> tuple[DatasetRef, bool]:
     """The preprocess child run: dataset (cached on content) and whether the cache served it."""
     get_run_logger().info("MLflow parent run %s in %s", runs.parent_id, runs.tracking_uri)
@@ -111,7 +134,9 @@ def preprocess_stage(
     if orphans:
         get_run_logger().warning("cancelled orphaned jobs of dead flow runs: %s", orphans)
     with runs.stage("preprocess", flatten(cfg.preprocess)) as run_id, timed(t, "preprocess"):
-        dataset, cached = preprocess(cfg.preprocess, cfg.cluster.dask, cfg.workdir / "datasets")
+        dataset, cached = preprocess(
+            cfg.preprocess, cfg.cluster.dask, cfg.workdir / "datasets", code
+        )
         log_dataset(runs.client, run_id, dataset, cached)
     runs.tag(runs.parent_id, {"dataset_hash": dataset.content_hash})
     return dataset, cached

@@ -1,8 +1,9 @@
 """Every check that needs no server, cluster or job: run before any of them starts.
 
 `trainflow run` and `trainflow sweep` call this right after building the config, so a wrong path,
-a malformed file list or an unreachable Slurm reports in about a second, alone; the flows call it
-again first thing (a deployment run does not go through the command line).
+a malformed file list, a model plug-in that does not import, build or fit the data, or an
+unreachable Slurm reports in about a second, alone; the flows call it again first thing (a
+deployment run does not go through the command line).
 """
 
 import os
@@ -10,17 +11,27 @@ from pathlib import Path
 
 from trainflow.cluster.dask_slurm_checks import check_dask_workers
 from trainflow.cluster.slurm_checks import check_cluster
+from trainflow.cluster.snapshot import plan_snapshot
 from trainflow.flows.config import PipelineConfig
 from trainflow.tasks.errors import ConfigError
-from trainflow.tasks.preprocess.preflight import preflight_source
+from trainflow.tasks.preprocess.preflight import probe_spec
+from trainflow.tasks.train.model_plugins import ModelReport, check_model
 
 
-def preflight(cfg: PipelineConfig) -> None:
-    """ConfigError or DataError (what is wrong and the fix) before any expensive work."""
+def preflight(cfg: PipelineConfig) -> ModelReport:
+    """ConfigError or DataError (what is wrong and the fix) before any expensive work; what
+    the model check found (built on the meta device: nothing allocated)."""
     check_workdir(cfg.workdir)
-    preflight_source(cfg.preprocess)
+    model = check_model(cfg.train, probe_spec(cfg.preprocess))
+    plan_snapshot(user_modules(model))  # a code folder too big to snapshot
     check_cluster(cfg.cluster)  # a Slurm request that can never run, or no Slurm to reach
     check_dask_workers(cfg.cluster.dask)  # the same for dask worker jobs
+    return model
+
+
+def user_modules(model: ModelReport) -> list[str]:
+    """The modules of the user's plug-ins whose code the run snapshots (cluster.snapshot)."""
+    return [model.module]
 
 
 def check_workdir(workdir: Path) -> None:

@@ -3,6 +3,7 @@ evaluated. MLflow: a parent run, a preprocess run, one train run per element, an
 """
 
 import json
+from pathlib import Path
 from typing import Any
 
 from prefect import flow, get_run_logger
@@ -13,15 +14,17 @@ from trainflow.flows.pipeline import (
     PipelineSummary,
     evaluate_stage,
     preprocess_stage,
+    snapshot_code,
     summarize,
     timed,
     train_spec,
 )
-from trainflow.flows.preflight import preflight
+from trainflow.flows.preflight import preflight, user_modules
 from trainflow.tasks.errors import JobError
 from trainflow.tasks.preprocess.ref import DatasetRef
 from trainflow.tasks.tracking.pipeline_runs import PipelineRuns
 from trainflow.tasks.tracking.stage_logs import log_checkpoint
+from trainflow.tasks.train.model_plugins import resolve_factory
 from trainflow.tasks.train.ref import CheckpointRef
 from trainflow.tasks.train.sweep import best_element
 from trainflow.tasks.train.task import train_array_task
@@ -52,14 +55,18 @@ def run_sweep(
     base: PipelineConfig, elements: list[tuple[dict[str, Any], PipelineConfig]]
 ) -> SweepSummary:
     """The sweep body for validated configs (must run inside a flow)."""
-    preflight(base)
+    modules = user_modules(preflight(base))
+    modules += [resolve_factory(cfg.train).target.partition(":")[0] for _, cfg in elements]
     runs = PipelineRuns(base.tracking, base.workdir, f"{base.name}-sweep")
     grid_text = json.dumps([e for e, _ in elements])
     t: dict[str, float] = {}
     with runs.parent({**flatten(base), "sweep.grid": grid_text[:6000]}):
-        dataset, cached = preprocess_stage(runs, base, t)
+        run_dir = (base.workdir / "runs" / runs.parent_id).resolve()
+        code = snapshot_code(runs, modules, run_dir / "jobs")
+        paths = code.paths if code else []
+        dataset, cached = preprocess_stage(runs, base, t, paths)
         with timed(t, "train"):
-            outcomes = _train_elements(runs, base, elements, dataset)
+            outcomes = _train_elements(runs, base, elements, dataset, paths)
         best = best_element(outcomes)
         best_ckpt = outcomes[best]
         assert isinstance(best_ckpt, CheckpointRef)
@@ -82,6 +89,7 @@ def _train_elements(
     base: PipelineConfig,
     elements: list[tuple[dict[str, Any], PipelineConfig]],
     dataset: DatasetRef,
+    code: list[Path],
 ) -> list[CheckpointRef | str]:
     """One train child run per element, all trained as one job array; runs closed per outcome."""
     run_dir = (base.workdir / "runs" / runs.parent_id).resolve()
@@ -90,7 +98,7 @@ def _train_elements(
         for i, (e, cfg) in enumerate(elements)
     ]
     specs = [
-        train_spec(cfg, dataset, run_dir / f"element-{i}", runs.tracking_uri, run_id)
+        train_spec(cfg, dataset, run_dir / f"element-{i}", runs.tracking_uri, run_id, code)
         for i, ((_, cfg), run_id) in enumerate(zip(elements, run_ids, strict=True))
     ]
     try:

@@ -7,6 +7,7 @@ the reference, their file and the fix; the traceback stays out of the user's way
 """
 
 import importlib
+import os
 import sys
 import traceback
 from collections.abc import Mapping
@@ -65,10 +66,12 @@ def resolve(ref: str, *, setting: str, group: str, builtins: Mapping[str, str]) 
 
 def call(resolved: Resolved, what: str, *args: Any, **kwargs: Any) -> Any:
     """resolved.obj(*args, **kwargs); an exception raised in it becomes one PluginError line
-    naming `what` (e.g. "the model factory 'my_models:build'"), the user's file and line."""
+    naming `what` (e.g. "the model factory 'my_models:build'"), the user's file and line.
+    A ConfigError (trainflow's own one-line refusal, e.g. a built-in model refusing the data)
+    passes unchanged."""
     try:
         return resolved.obj(*args, **kwargs)
-    except PluginError:
+    except ConfigError:
         raise
     except Exception as exc:
         raise PluginError(
@@ -99,6 +102,14 @@ def user_frame(exc: BaseException, file: str) -> str:
     return file
 
 
+def _search_working_folder() -> None:
+    """Let `trainflow run` started in a project folder import that folder's modules, as
+    `python -m` would; searched last, so it never shadows an installed package."""
+    cwd = os.getcwd()
+    if "" not in sys.path and cwd not in sys.path:
+        sys.path.append(cwd)
+
+
 def _entry_point(name: str, setting: str, group: str) -> str | None:
     found = [ep for ep in entry_points(group=group) if ep.name == name]
     if len(found) > 1:
@@ -111,6 +122,7 @@ def _entry_point(name: str, setting: str, group: str) -> str | None:
 
 
 def _import(module_name: str, setting: str, ref: str) -> Any:
+    _search_working_folder()
     try:
         return importlib.import_module(module_name)
     except ModuleNotFoundError as exc:

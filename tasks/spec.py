@@ -41,3 +41,14 @@ class DataSpec:
         if self.objective == "sequence":
             return (batch, *self.target_shape, int(self.num_classes or 0))
         return (batch, *self.target_shape)
+
+
+def image_classification(shape: tuple[int, ...], num_classes: int) -> DataSpec:
+    """The DataSpec of float images of `shape` (C, H, W) in `num_classes` classes."""
+    return DataSpec(
+        sample_shape=tuple(shape),
+        sample_dtype="float32",
+        objective="classification",
+        num_classes=num_classes,
+        target_shape=(),
+    )

@@ -16,10 +16,10 @@ from trainflow.tasks.evaluate.config import EvaluateConfig
 from trainflow.tasks.evaluate.predict import confusion_streamed
 from trainflow.tasks.evaluate.registry import RegistryResult, register_and_promote
 from trainflow.tasks.hashing import sha256_file
-from trainflow.tasks.preprocess.ref import DatasetRef
+from trainflow.tasks.preprocess.ref import DatasetRef, dataset_spec
 from trainflow.tasks.train.checkpoint import load_state
 from trainflow.tasks.train.config import TrainConfig
-from trainflow.tasks.train.models import build_model
+from trainflow.tasks.train.model_plugins import build_model
 from trainflow.tasks.train.ref import CheckpointRef
 
 
@@ -42,7 +42,7 @@ def load_model(ckpt: CheckpointRef, train: TrainConfig, dataset: DatasetRef) -> 
     """Rebuild the model and load the best weights safely (hash checked, weights only)."""
     if sha256_file(ckpt.path) != ckpt.sha256:
         raise DataError(f"checkpoint {ckpt.path} does not match its recorded sha256")
-    model = build_model(train, dataset.shape, len(dataset.classes))
+    model = build_model(train, dataset_spec(dataset))
     model.load_state_dict(load_state(ckpt.path)["model"])
     return model.eval()
 

@@ -20,11 +20,13 @@ from trainflow.tasks.errors import DataError
 from trainflow.tasks.preprocess.config import PreprocessConfig
 from trainflow.tasks.preprocess.npz import _npz_labels
 from trainflow.tasks.preprocess.sources import (
+    _GRAY_MODES,
     _check_same_size,
     _class_dirs,
     _class_images,
     _npz_files,
 )
+from trainflow.tasks.spec import DataSpec, image_classification
 
 MIN_SAMPLES = 10  # as tasks/preprocess/validate.py: fewer cannot be split into train/val/test
 _ZIP_MAGIC = b"PK\x03\x04"
@@ -43,12 +45,27 @@ class ArrayHeader:
     dtype: np.dtype
 
 
+MNIST_SHAPE = (1, 28, 28)
+"""The bundled MNIST's image shape (and it has 10 classes): known without parsing it."""
+
+
 def preflight_source(cfg: PreprocessConfig) -> None:
     """DataError naming the file and the fix when cfg's raw data is unusable on its face."""
+    probe_spec(cfg)
+
+
+def probe_spec(cfg: PreprocessConfig) -> DataSpec:
+    """What the model will be told about cfg's data, from the headers preflight_source checks
+    (no pixel read); DataError naming the file and the fix when the data is unusable."""
     if cfg.source == "folder":
-        _check_folder(_required_path(cfg), cfg.image_size)
+        shape, classes = _check_folder(_required_path(cfg), cfg.image_size)
     elif cfg.source == "npz":
-        _check_npz_files(_required_path(cfg))
+        shape, classes = _check_npz_files(_required_path(cfg))
+    elif cfg.source == "mnist":
+        shape, classes = MNIST_SHAPE, 10
+    else:
+        shape, classes = cfg.synthetic_shape, cfg.synthetic_classes
+    return image_classification(shape, classes)
 
 
 def _required_path(cfg: PreprocessConfig) -> Path:
@@ -62,42 +79,50 @@ def _required_path(cfg: PreprocessConfig) -> Path:
 # --- folder ---------------------------------------------------------------------------------
 
 
-def _check_folder(root: Path, image_size: tuple[int, int] | None) -> None:
-    """Class folders with images whose headers say they are images of one size."""
+def _check_folder(root: Path, image_size: tuple[int, int] | None) -> tuple[tuple[int, ...], int]:
+    """Class folders with images whose headers say they are images of one size; the (C, H, W)
+    the stage will make of them and the number of classes."""
     classes = _class_dirs(root)
     first: tuple[Path, tuple[int, ...]] | None = None
     count = 0
+    colour = False
     for class_dir in classes:
         files = _class_images(class_dir)
         for file in files:
-            size = _image_size(file)
+            size, gray = _image_size(file)
+            colour = colour or not gray
             first = first or (file, size)
             if image_size is None:
                 _check_same_size(file, size, first)
         count += len(files)
     _check_count(count, str(root))  # in the stage's order: counts, then classes
     _check_classes([c.name for c in classes], str(root))
+    height, width = image_size or (first[1] if first else (0, 0))
+    return (3 if colour else 1, height, width), len(classes)
 
 
-def _image_size(file: Path) -> tuple[int, int]:
-    """(height, width) from the image's header; DataError for empty or non-image files."""
+def _image_size(file: Path) -> tuple[tuple[int, int], bool]:
+    """(height, width) from the image's header and whether the stage reads it as grayscale;
+    DataError for empty or non-image files."""
     if file.stat().st_size == 0:
         raise DataError(f"image file {str(file)!r} is empty (0 bytes): remove or replace it")
     try:
         with Image.open(file) as img:  # lazy: reads the header, decodes nothing
             width, height = img.size
+            gray = img.mode in _GRAY_MODES
     except (OSError, SyntaxError, ValueError, UnidentifiedImageError) as exc:
         raise DataError(
             f"cannot read image {str(file)!r} (corrupt or not an image): {exc}"
         ) from exc
-    return height, width
+    return (height, width), gray
 
 
 # --- npz ------------------------------------------------------------------------------------
 
 
-def _check_npz_files(path: Path) -> None:
-    """Every .npz file: an archive of numeric 'images' and integer 'labels' that agree."""
+def _check_npz_files(path: Path) -> tuple[tuple[int, ...], int]:
+    """Every .npz file: an archive of numeric 'images' and integer 'labels' that agree; their
+    (C, H, W) and the number of classes."""
     files = _npz_files(path)
     first_shape: tuple[Path, tuple[int, ...]] | None = None
     classes: list[str] | None = None
@@ -127,6 +152,7 @@ def _check_npz_files(path: Path) -> None:
     empty = [names[i] for i in np.flatnonzero(counts == 0)]
     if empty:
         raise DataError(f"{path}: classes without any sample: {empty[:10]}")
+    return first_shape[1] if first_shape else (), len(names)
 
 
 @dataclass(frozen=True)

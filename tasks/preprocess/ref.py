@@ -4,6 +4,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
+from trainflow.tasks.spec import DataSpec
+
 
 class DatasetRef(BaseModel):
     """A written dataset: folder of shards plus manifest.json, and the facts stages need."""
@@ -26,3 +28,14 @@ class DatasetRef(BaseModel):
     """Per-channel standard deviation of the raw train split."""
     cache_key: str
     """Fingerprint of the raw data plus the preprocessing config."""
+
+
+def dataset_spec(ref: DatasetRef) -> DataSpec:
+    """What a model factory is told about a written dataset (ranks, evaluation)."""
+    return DataSpec(
+        sample_shape=tuple(ref.shape),
+        sample_dtype="float32",
+        objective="classification",
+        num_classes=len(ref.classes),
+        target_shape=(),
+    )

@@ -14,6 +14,7 @@ from prefect.context import TaskRunContext
 from trainflow.cluster.config import DaskConfig
 from trainflow.cluster.dask import dask_client
 from trainflow.cluster.dask_slurm import worker_placement
+from trainflow.cluster.dask_snapshot import register_snapshot
 from trainflow.tasks.diskspace import disk_stage
 from trainflow.tasks.errors import DataError
 from trainflow.tasks.preprocess.config import PreprocessConfig
@@ -47,11 +48,17 @@ def _dataset_ready(out_root: Path, key: str) -> bool:
 
 @task(name="preprocess", cache_key_fn=_cache_key, persist_result=True)
 def preprocess_task(
-    cfg: PreprocessConfig, dask: DaskConfig, out_root: Path, cache_key: str
+    cfg: PreprocessConfig,
+    dask: DaskConfig,
+    out_root: Path,
+    cache_key: str,
+    code: list[Path] | None = None,
 ) -> DatasetRef:
-    """Validate, split, normalise and shard the raw data on a dask cluster."""
+    """Validate, split, normalise and shard the raw data on a dask cluster (whose workers
+    import the user's code from the run's snapshot folders `code` first)."""
     log = get_run_logger()
     with dask_client(dask, out_root.parent) as (client, backend):  # out_root: workdir/datasets
+        register_snapshot(client, code or [])
         log.info(
             "preprocessing source=%s on dask (%s backend, %s)",
             cfg.source,
@@ -72,7 +79,9 @@ def preprocess_task(
     return ref
 
 
-def preprocess(cfg: PreprocessConfig, dask: DaskConfig, out_root: Path) -> tuple[DatasetRef, bool]:
+def preprocess(
+    cfg: PreprocessConfig, dask: DaskConfig, out_root: Path, code: list[Path] | None = None
+) -> tuple[DatasetRef, bool]:
     """Run the cached task; returns the dataset and whether the cache served it.
 
     A cached result is only reused while its dataset folder still holds a valid manifest:
@@ -81,5 +90,5 @@ def preprocess(cfg: PreprocessConfig, dask: DaskConfig, out_root: Path) -> tuple
     key = dataset_key(cfg)
     task_ = preprocess_task.with_options(refresh_cache=not _dataset_ready(out_root, key))
     with disk_stage("preprocess", out_root, dataset_bytes(cfg)):
-        state = task_(cfg, dask, out_root, key, return_state=True)
+        state = task_(cfg, dask, out_root, key, code, return_state=True)
         return state.result(), state.name == "Cached"

@@ -1,8 +1,8 @@
 """Config of the training stage: model, optimisation, precision, checkpointing, speed."""
 
-from typing import Literal, Self
+from typing import Any, Literal, Self
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from trainflow.tasks.base import StrictModel
 
@@ -10,10 +10,16 @@ from trainflow.tasks.base import StrictModel
 class TrainConfig(StrictModel):
     """What to train and how."""
 
-    model: Literal["reference_cnn", "resnet"] = "reference_cnn"
-    """reference_cnn: the founding material's CNN; resnet: a small residual net."""
-    width: int = Field(32, ge=4, le=1024)
-    """Base channel width of the resnet (ignored by reference_cnn)."""
+    model: str = Field("reference_cnn", min_length=1)
+    """The model factory: a built-in (reference_cnn: the founding material's CNN; resnet: a
+    small residual net), an import path 'package.module:factory', or a name an installed
+    package registers under the entry-point group 'trainflow.models'
+    (trainflow.tasks.train.model_plugins)."""
+    model_args: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of the factory, a JSON object: --set train.model_args='{"depth":4}'."""
+    width: int | None = Field(None, ge=4, le=1024)
+    """Shorthand of model_args.width, passed to factories that take a `width` argument (the
+    resnet's base channel width, 32 when unset; reference_cnn takes none)."""
     epochs: int = Field(8, ge=1, le=10_000)
     """Passes over the training split."""
     batch_size: int = Field(64, ge=1, le=65_536)
@@ -62,6 +68,23 @@ class TrainConfig(StrictModel):
     fit in one or two buckets at any cap from 1 MiB (DDP's first bucket is always 1 MiB), and
     2 gloo ranks on CPU showed no difference between 1, 5, 25 and 100 beyond the noise. Tune
     it for wide resnets on GPUs (width 256: 169 MiB of gradients, 7 buckets at 25)."""
+
+    @field_validator("model_args")
+    @classmethod
+    def _json_object(cls, value: dict[str, Any]) -> dict[str, Any]:
+        bad = [k for k in value if not k.isidentifier()]
+        if bad:
+            raise ValueError(f"model_args keys must be Python identifiers (keyword names): {bad}")
+        return value
+
+    @model_validator(mode="after")
+    def _width_is_a_model_arg(self) -> Self:
+        if self.width is not None and self.model_args.get("width", self.width) != self.width:
+            raise ValueError(
+                f"train.width={self.width} and train.model_args.width="
+                f"{self.model_args['width']} disagree: set one of them"
+            )
+        return self
 
     @model_validator(mode="after")
     def _cuda_graphs_need_a_gpu(self) -> Self:

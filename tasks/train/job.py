@@ -16,9 +16,10 @@ import submitit
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from trainflow.cluster.snapshot import code_first
 from trainflow.tasks.errors import ConfigError
 from trainflow.tasks.hashing import sha256_file
-from trainflow.tasks.preprocess.ref import DatasetRef
+from trainflow.tasks.preprocess.ref import DatasetRef, dataset_spec
 from trainflow.tasks.tracking.handed import handed_through
 from trainflow.tasks.tracking.logger import MetricLogger, make_logger
 from trainflow.tasks.train.checkpoint import (
@@ -41,8 +42,8 @@ from trainflow.tasks.train.distributed import (
 )
 from trainflow.tasks.train.early_signal import deliver_held_signal
 from trainflow.tasks.train.loop import Trainer, evaluate_split, make_optimizer, train_epoch
+from trainflow.tasks.train.model_plugins import build_model
 from trainflow.tasks.train.models import (
-    build_model,
     narrowest_conv,
     place_model,
     use_channels_last,
@@ -86,6 +87,9 @@ class TrainJobSpec(BaseModel):
     """MLflow tracking URI; with run_id, rank 0 logs per-epoch metrics there."""
     run_id: str | None = None
     """MLflow run to log into (created by the flow, continued on resume)."""
+    code: list[Path] = []
+    """Folders of the run's snapshot of the user's code (cluster.snapshot): every rank of
+    every attempt puts them first on sys.path before it builds the model."""
 
 
 @dataclass
@@ -112,18 +116,20 @@ class TrainingJob(submitit.helpers.Checkpointable):
         """Set up, resume if a checkpoint exists, train the remaining epochs, clean up."""
         deliver_held_signal()  # a requeue signal that came during start-up: requeue now
         spec, cfg = self.spec, self.spec.train
+        code_first(spec.code)  # the user's code as submitted, not as the files hold it now
         warm = prewarm_rank()  # torch._dynamo, imported in the waits (rendezvous, data loading)
         torch.set_num_threads(spec.cpus_per_task)
         with distributed(cfg.device) as dist, EpochRecorder() as recorder:
             torch.manual_seed(cfg.seed)
             random.seed(cfg.seed)
             policy = resolve_precision(cfg.precision, dist.device)
-            nhwc = use_channels_last(cfg.channels_last, dist.device, narrowest_conv(cfg))
+            model = build_model(cfg, dataset_spec(spec.dataset))  # after the seed: same weights
+            nhwc = use_channels_last(cfg.channels_last, dist.device, narrowest_conv(model))
             train, val = self._load("train", dist, nhwc), self._load("val", dist, nhwc)
             if dist.is_main:
                 self._announce(dist, policy, nhwc, train)
             warm.join()  # the model, optimizer and DDP import torch internals on this thread
-            trainer = self._trainer(dist, policy, len(train))
+            trainer = self._trainer(model, dist, policy, len(train))
             progress = self._resume(trainer)
             logger = recorder.closing(
                 make_logger(spec.tracking_uri, spec.run_id, dist.rank, spec.out_dir)
@@ -173,9 +179,11 @@ class TrainingJob(submitit.helpers.Checkpointable):
                 flush=True,
             )
 
-    def _trainer(self, dist: DistContext, policy: PrecisionPolicy, n_train: int) -> Trainer:
-        cfg, ref = self.spec.train, self.spec.dataset
-        model = place_model(build_model(cfg, ref.shape, len(ref.classes)), cfg, dist.device)
+    def _trainer(
+        self, built: torch.nn.Module, dist: DistContext, policy: PrecisionPolicy, n_train: int
+    ) -> Trainer:
+        cfg = self.spec.train
+        model = place_model(built, cfg, dist.device)
         optimizer = make_optimizer(cfg, model)
         model = wrap_ddp(model, dist, cfg.ddp_bucket_cap_mb)
         steps = steps_per_epoch(n_train, cfg.batch_size, dist.world_size, cfg.cuda_graphs)

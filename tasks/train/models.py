@@ -1,10 +1,16 @@
-"""The networks training can build: the founding material's CNN and a small ResNet."""
+"""The built-in networks (the founding material's CNN and a small ResNet), their factories, and
+how any built model is placed on its device (memory format, compilation).
+
+The factories `reference_cnn` and `resnet` are registered in tasks.train.model_plugins and
+built through the same resolver as a user's factory.
+"""
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from trainflow.tasks.errors import ConfigError
+from trainflow.tasks.spec import DataSpec
 from trainflow.tasks.train.config import TrainConfig
 
 
@@ -95,12 +101,27 @@ class ResNet(nn.Module):
         return self.fc(torch.flatten(self.pool(x), 1))
 
 
-def build_model(cfg: TrainConfig, shape: tuple[int, int, int], num_classes: int) -> nn.Module:
-    """The network cfg.model names, sized for images of `shape` (C, H, W)."""
-    channels, height, width = shape
-    if cfg.model == "reference_cnn":
-        return ReferenceCNN(channels, num_classes, height, width)
-    return ResNet(channels, num_classes, cfg.width)
+def reference_cnn(spec: DataSpec) -> nn.Module:
+    """Factory of the built-in `reference_cnn`: ReferenceCNN sized for spec's images."""
+    channels, height, width = _image_classes(spec, "reference_cnn")
+    return ReferenceCNN(channels, int(spec.num_classes or 0), height, width)
+
+
+def resnet(spec: DataSpec, width: int = 32) -> nn.Module:
+    """Factory of the built-in `resnet`: ResNet of base width `width` for spec's images."""
+    channels, _, _ = _image_classes(spec, "resnet")
+    return ResNet(channels, int(spec.num_classes or 0), width)
+
+
+def _image_classes(spec: DataSpec, name: str) -> tuple[int, int, int]:
+    """(C, H, W) of spec's samples; ConfigError unless spec is image classification."""
+    if spec.objective != "classification" or len(spec.sample_shape) != 3:
+        raise ConfigError(
+            f"train.model={name} classifies images (C, H, W), but the data are {spec.objective} "
+            f"of samples shaped {spec.sample_shape}: choose a model for this data (train.model)"
+        )
+    channels, height, width = spec.sample_shape
+    return channels, height, width
 
 
 NHWC_MIN_CHANNELS_CPU = 8
@@ -109,9 +130,11 @@ NHWC_MIN_CHANNELS_CPU = 8
 3x32x32 input) where NCHW takes a second (torch 2.13.0+cpu); width 8 is fine."""
 
 
-def narrowest_conv(cfg: TrainConfig) -> int:
-    """The fewest output channels of any convolution of cfg.model (ReferenceCNN: 16)."""
-    return 16 if cfg.model == "reference_cnn" else cfg.width
+def narrowest_conv(model: nn.Module) -> int:
+    """The fewest output channels of any 2-D convolution of `model` (ReferenceCNN: 16); 0 when
+    it has none (channels_last has nothing to speed up)."""
+    widths = [m.out_channels for m in model.modules() if isinstance(m, nn.Conv2d)]
+    return min(widths, default=0)
 
 
 def use_channels_last(pref: str, device: torch.device, narrowest: int | None = None) -> bool:
@@ -120,9 +143,12 @@ def use_channels_last(pref: str, device: torch.device, narrowest: int | None = N
     auto: on CUDA (tensor-core convolutions want NHWC) and on CPUs with oneDNN, whose NHWC
     kernels avoid reordering each activation (reference CNN, batch 64, bf16: 6.3k -> 13.7k
     samples/s on one core), unless the model's narrowest convolution (`narrowest`) has fewer
-    than NHWC_MIN_CHANNELS_CPU channels.
+    than NHWC_MIN_CHANNELS_CPU channels, and never for a model without 2-D convolutions
+    (`narrowest` 0).
     """
     if pref == "auto":
+        if narrowest == 0:
+            return False
         if device.type == "cuda":
             return True
         narrow = narrowest is not None and narrowest < NHWC_MIN_CHANNELS_CPU
@@ -148,8 +174,9 @@ def place_model(model: nn.Module, cfg: TrainConfig, device: torch.device) -> nn.
     graph cannot be recorded. dynamic=False: one static graph per batch shape (the train
     batches all have one shape when CUDA graphs are on; see rank_batches' drop_last).
     """
+    narrowest = narrowest_conv(model)
     model = model.to(device)
-    if use_channels_last(cfg.channels_last, device, narrowest_conv(cfg)):
+    if use_channels_last(cfg.channels_last, device, narrowest):
         # Converts the 4-D conv weights only. torch's stubs lack the memory_format overload.
         model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
     if device.type == "cuda":

@@ -18,11 +18,12 @@ from trainflow.cluster.restarts import run_with_restarts
 from trainflow.cluster.slurm_checks import check_cluster
 from trainflow.tasks.diskspace import disk_stage
 from trainflow.tasks.errors import JobError
+from trainflow.tasks.preprocess.ref import dataset_spec
 from trainflow.tasks.tracking import backlog
 from trainflow.tasks.tracking.lost_ranks import record_lost_ranks
 from trainflow.tasks.tracking.slurm_logs import record_job_accounting
 from trainflow.tasks.train.job import TrainingJob, TrainJobSpec
-from trainflow.tasks.train.models import build_model
+from trainflow.tasks.train.model_plugins import check_model
 from trainflow.tasks.train.ref import CheckpointRef
 from trainflow.tasks.train.sweep import ArrayTrainingJob
 
@@ -37,10 +38,11 @@ def train_task(
     process dies, `trainflow cleanup` (or the next run) can still cancel it.
     """
     logger = get_run_logger()
-    # Model/data mismatches (e.g. images too small) fail here, before anything is queued.
-    model = build_model(spec.train, spec.dataset.shape, len(spec.dataset.classes))
+    # Model/data mismatches (e.g. images too small) fail here, before anything is queued;
+    # built on the meta device: nothing allocated on the flow's host.
+    params = check_model(spec.train, dataset_spec(spec.dataset)).parameters
     # A checkpoint holds weights and two Adam moments; two of them and best.pt may coexist.
-    need = 4 * sum(p.numel() for p in model.parameters()) * 7
+    need = 4 * params * 7
     check_cluster(cluster)
     with disk_stage("train", spec.out_dir, need):
         ref = train_with_restarts(
@@ -60,7 +62,7 @@ def train_array_task(
     """Train every spec as one job array; per element its checkpoint or its error text."""
     logger = get_run_logger()
     for spec in specs:
-        build_model(spec.train, spec.dataset.shape, len(spec.dataset.classes))
+        check_model(spec.train, dataset_spec(spec.dataset))
     check_cluster(cluster)
     executor = make_executor(cluster, job_dir)
     jobs = executor.map_array(ArrayTrainingJob(), specs)

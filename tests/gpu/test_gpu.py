@@ -17,10 +17,11 @@ from trainflow.tasks.preprocess.config import PreprocessConfig
 from trainflow.tasks.preprocess.dataset import load_split
 from trainflow.tasks.preprocess.ref import DatasetRef
 from trainflow.tasks.preprocess.run import run_preprocess
+from trainflow.tasks.spec import image_classification
 from trainflow.tasks.train.config import TrainConfig
 from trainflow.tasks.train.data import Split, rank_batches
 from trainflow.tasks.train.job import TrainingJob, TrainJobSpec
-from trainflow.tasks.train.models import build_model
+from trainflow.tasks.train.model_plugins import build_model
 from trainflow.tasks.train.precision import resolve_precision
 from trainflow.tasks.train.ref import CheckpointRef
 
@@ -49,7 +50,7 @@ def test_precision_policies_train_a_step_on_cuda(precision: str) -> None:
     if precision == "auto":
         expected = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
         assert policy.name == expected
-    model = build_model(TrainConfig(), (1, 16, 16), 4).to(device)
+    model = build_model(TrainConfig(), image_classification((1, 16, 16), 4)).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = policy.make_scaler()
     x = torch.randn(8, 1, 16, 16, device=device)

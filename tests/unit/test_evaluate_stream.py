@@ -14,8 +14,9 @@ from trainflow.tasks.evaluate.predict import confusion_streamed
 from trainflow.tasks.hashing import sha256_file
 from trainflow.tasks.preprocess.dataset import load_split, read_manifest
 from trainflow.tasks.preprocess.ref import DatasetRef
+from trainflow.tasks.spec import image_classification
 from trainflow.tasks.train.config import TrainConfig
-from trainflow.tasks.train.models import build_model
+from trainflow.tasks.train.model_plugins import build_model
 
 SHAPE = (3, 12, 12)
 TEST_SHARDS = (300, 300, 171)  # batches of 128 straddle the shards' ends
@@ -68,7 +69,9 @@ def _in_memory(model: torch.nn.Module, ref: DatasetRef, batch: int) -> tuple[np.
 def test_streamed_evaluation_gives_the_in_memory_metrics(tmp_path: Path, dtype: str) -> None:
     ref = _write_dataset(tmp_path / "d", dtype)
     torch.manual_seed(0)
-    model = build_model(TrainConfig(model="resnet", width=4), ref.shape, 4).eval()
+    model = build_model(
+        TrainConfig(model="resnet", width=4), image_classification(ref.shape, 4)
+    ).eval()
     cm, example = confusion_streamed(model, ref, batch_size=128)
     cm_memory, example_memory = _in_memory(model, ref, 128)
     assert cm.sum() == sum(TEST_SHARDS)
@@ -87,6 +90,6 @@ def test_a_corrupt_test_shard_is_refused_before_evaluating(tmp_path: Path) -> No
     data = bytearray(shard.read_bytes())
     data[-1] ^= 0xFF
     shard.write_bytes(bytes(data))
-    model = build_model(TrainConfig(width=4), ref.shape, 4).eval()
+    model = build_model(TrainConfig(width=4), image_classification(ref.shape, 4)).eval()
     with pytest.raises(DataError, match=r"test-00001\.x\.npy' is corrupt"):
         confusion_streamed(model, ref, batch_size=128)

@@ -12,6 +12,7 @@ from pydantic import ValidationError
 
 from tests.services import free_port
 from tests.unit.datasets import write_dataset, write_rgb_dataset
+from trainflow.tasks.spec import image_classification
 from trainflow.tasks.train.config import TrainConfig
 from trainflow.tasks.train.data import (
     Split,
@@ -20,9 +21,9 @@ from trainflow.tasks.train.data import (
 from trainflow.tasks.train.distributed import DistContext, wrap_ddp
 from trainflow.tasks.train.job import TrainingJob, TrainJobSpec
 from trainflow.tasks.train.loop import make_optimizer
+from trainflow.tasks.train.model_plugins import build_model
 from trainflow.tasks.train.models import (
     ReferenceCNN,
-    build_model,
     place_model,
     use_channels_last,
 )
@@ -63,7 +64,7 @@ def test_channels_last_auto_is_off_on_cpu_for_convolutions_narrower_than_8_chann
 def test_a_width_4_resnet_trains_on_cpu_with_the_auto_memory_format() -> None:
     # With NHWC this spins for minutes in oneDNN's 1x1 conv backward (torch 2.13.0+cpu).
     cfg = TrainConfig(model="resnet", width=4, channels_last="auto")
-    model = place_model(build_model(cfg, (3, 32, 32), 10), cfg, CPU)
+    model = place_model(build_model(cfg, image_classification((3, 32, 32), 10)), cfg, CPU)
     x = torch.randn(128, 3, 32, 32)
     model(x).logsumexp(1).mean().backward()
     assert all(p.grad is not None for p in model.parameters())
@@ -72,15 +73,15 @@ def test_a_width_4_resnet_trains_on_cpu_with_the_auto_memory_format() -> None:
 @pytest.mark.parametrize("setting, expected", [("on", True), ("off", False)])
 def test_place_model_sets_the_memory_format_of_conv_weights(setting: str, expected: bool) -> None:
     cfg = TrainConfig(channels_last=setting)
-    model = place_model(build_model(cfg, (3, 12, 12), 4), cfg, CPU)
+    model = place_model(build_model(cfg, image_classification((3, 12, 12), 4)), cfg, CPU)
     assert isinstance(model, ReferenceCNN)
     assert model.conv2.weight.is_contiguous(memory_format=NHWC) is expected
 
 
 def test_a_compiled_model_keeps_plain_state_dict_keys_and_outputs() -> None:
     torch.manual_seed(0)
-    eager = build_model(TrainConfig(), (1, 12, 12), 4)
-    compiled = build_model(TrainConfig(compile=True), (1, 12, 12), 4)
+    eager = build_model(TrainConfig(), image_classification((1, 12, 12), 4))
+    compiled = build_model(TrainConfig(compile=True), image_classification((1, 12, 12), 4))
     compiled.load_state_dict(eager.state_dict())
     compiled = place_model(compiled, TrainConfig(compile=True, channels_last="off"), CPU)
     assert compiled._compiled_call_impl is not None  # what Module.compile() sets
@@ -125,7 +126,7 @@ def test_channels_last_data_stays_nhwc_in_every_batch(tmp_path: Path) -> None:
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
 def test_optimizers_are_fused_on_cpu(optimizer: str) -> None:
     cfg = TrainConfig(optimizer=optimizer)
-    opt = make_optimizer(cfg, build_model(cfg, (1, 12, 12), 4))
+    opt = make_optimizer(cfg, build_model(cfg, image_classification((1, 12, 12), 4)))
     assert opt.defaults["fused"] is True
 
 
@@ -204,7 +205,9 @@ def test_ddp_gets_the_bucket_cap_and_a_static_graph() -> None:
     try:
         # wrap_ddp reads the world size only to decide whether to wrap at all.
         ctx = DistContext(0, 2, 0, CPU, "gloo")
-        ddp = wrap_ddp(build_model(TrainConfig(), (1, 12, 12), 4), ctx, bucket_cap_mb=5.0)
+        ddp = wrap_ddp(
+            build_model(TrainConfig(), image_classification((1, 12, 12), 4)), ctx, bucket_cap_mb=5.0
+        )
         assert isinstance(ddp, torch.nn.parallel.DistributedDataParallel)
         assert ddp.bucket_bytes_cap == 5 * 2**20
         assert ddp.static_graph and ddp.gradient_as_bucket_view

@@ -12,9 +12,10 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from trainflow.tasks.evaluate.model_logging import log_model
+from trainflow.tasks.spec import image_classification
 from trainflow.tasks.tracking.runs import use_tracking_uri
 from trainflow.tasks.train.config import TrainConfig
-from trainflow.tasks.train.models import build_model
+from trainflow.tasks.train.model_plugins import build_model
 
 
 @pytest.mark.parametrize("before", [None, "sqlite:///elsewhere.db"])
@@ -58,7 +59,7 @@ def log_reference_cnn(folder: Path) -> tuple[str, str, torch.nn.Module, np.ndarr
     exp = client.create_experiment("t", artifact_location=(folder / "art").as_uri())
     run_id = client.create_run(exp).info.run_id
     torch.manual_seed(0)
-    model = build_model(TrainConfig(), (1, 28, 28), 10).eval()
+    model = build_model(TrainConfig(), image_classification((1, 28, 28), 10)).eval()
     example = np.random.default_rng(0).random((4, 1, 28, 28), dtype=np.float32)
     records = _Records()
     logging.getLogger("mlflow").addHandler(records)

@@ -5,8 +5,10 @@ import torch
 from torch import nn
 
 from trainflow.tasks.errors import ConfigError
+from trainflow.tasks.spec import image_classification
 from trainflow.tasks.train.config import TrainConfig
-from trainflow.tasks.train.models import BasicBlock, ReferenceCNN, ResNet, build_model
+from trainflow.tasks.train.model_plugins import build_model
+from trainflow.tasks.train.models import BasicBlock, ReferenceCNN, ResNet
 
 
 def test_reference_cnn_on_cifar_size_is_the_founding_net() -> None:
@@ -69,7 +71,7 @@ def test_resnet_trains() -> None:
 
 
 def test_build_model_follows_the_config() -> None:
-    cnn = build_model(TrainConfig(model="reference_cnn"), (1, 12, 12), 3)
-    resnet = build_model(TrainConfig(model="resnet", width=6), (1, 12, 12), 3)
+    cnn = build_model(TrainConfig(model="reference_cnn"), image_classification((1, 12, 12), 3))
+    resnet = build_model(TrainConfig(model="resnet", width=6), image_classification((1, 12, 12), 3))
     assert isinstance(cnn, ReferenceCNN) and cnn.fc.out_features == 3
     assert isinstance(resnet, ResNet) and resnet.fc.in_features == 24

@@ -11,6 +11,7 @@ from pydantic import ValidationError
 from tests.unit.datasets import write_dataset, write_rgb_dataset
 from trainflow.tasks.errors import ConfigError
 from trainflow.tasks.preprocess.ref import DatasetRef
+from trainflow.tasks.spec import image_classification
 from trainflow.tasks.train.checkpoint import latest_checkpoint, load_state
 from trainflow.tasks.train.config import TrainConfig
 from trainflow.tasks.train.data import (
@@ -23,8 +24,8 @@ from trainflow.tasks.train.data import (
 )
 from trainflow.tasks.train.job import Progress, TrainingJob, TrainJobSpec
 from trainflow.tasks.train.loop import Trainer
+from trainflow.tasks.train.model_plugins import build_model
 from trainflow.tasks.train.models import (
-    build_model,
     place_model,
     uses_cuda_graphs,
 )
@@ -111,7 +112,7 @@ def test_cuda_graphs_apply_only_on_cuda_devices() -> None:
     cfg = TrainConfig(cuda_graphs=True)
     assert uses_cuda_graphs(cfg, torch.device("cuda", 0)) and not uses_cuda_graphs(cfg, CPU)
     assert not uses_cuda_graphs(TrainConfig(), torch.device("cuda", 0))
-    model = place_model(build_model(cfg, (1, 12, 12), 4), cfg, CPU)
+    model = place_model(build_model(cfg, image_classification((1, 12, 12), 4)), cfg, CPU)
     assert model._compiled_call_impl is None  # not compiled for graphs on a CPU
 
 
