@@ -25,7 +25,13 @@ from submitit.core.utils import FailedJobError, UncompletedJobError
 from submitit.local.debug import DebugJob
 
 from trainflow.cluster.job_folder import check_private
-from trainflow.cluster.lost_ranks import RankLostError, failure_message, node_failure, rank_ends
+from trainflow.cluster.lost_ranks import (
+    RankLostError,
+    failure_message,
+    node_failure,
+    raised_line,
+    rank_ends,
+)
 from trainflow.cluster.node_events import node_failed
 from trainflow.cluster.srun_executor import AllocationJob, step_state
 from trainflow.tasks.errors import JobError
@@ -159,7 +165,8 @@ def _run_debug(job: DebugJob[Any]) -> Any:
         with submitit.helpers.environment_variables(SUBMITIT_DEBUG_JOB_ID=job.job_id):
             return job.submission().result()
     except Exception as exc:
-        raise JobError(f"debug job failed:\n{traceback.format_exc()}") from exc
+        trace = traceback.format_exc()
+        raise JobError(f"debug job failed: {raised_line(trace)}", trace) from exc
 
 
 def wait_for_job(job: submitit.Job[Any], log: Callable[[str], None], poll_s: float = 0.25) -> Any:
@@ -167,8 +174,9 @@ def wait_for_job(job: submitit.Job[Any], log: Callable[[str], None], poll_s: flo
 
     If waiting is interrupted (KeyboardInterrupt, a cancelled flow, any error), the job is
     cancelled before the exception propagates: no job outlives the run that watches it.
-    A failed job raises JobError carrying the remote traceback of each failed rank, the
-    first to fail (usually the cause; its peers then lose their connection) first.
+    A failed job raises JobError: one line naming the rank that failed first (usually the
+    cause; its peers then lose their connection), what it raised and its log; the remote
+    tracebacks of the failed ranks in its `detail`.
     """
     if isinstance(job, DebugJob):
         return _run_debug(job)
@@ -211,27 +219,29 @@ def wait_for_jobs(
 
 
 def _outcome(job: submitit.Job[Any], node_failed: set[str]) -> Any:
-    """Task 0's result of an ended job, or the JobError it failed with: the lost rank named,
-    tracebacks of the ranks that raised after it. JobError, before any pickle is loaded (loading
+    """Task 0's result of an ended job, or the JobError it failed with: the lost rank, or the
+    rank that raised and what it raised, named (tracebacks in its detail). JobError, before any pickle is loaded (loading
     one runs code), when the job folder or a result pickle is not private to this user."""
     check_private(job.paths.folder, [job.task(k).paths.result_pickle for k in range(job.num_tasks)])
     ends = rank_ends(job)
-    message = failure_message(job, ends)
-    if message and (str(job.job_id) in node_failed or _node_failed(job)):
+    failure = failure_message(job, ends)
+    message, detail = failure or ("", "")
+    if failure and (str(job.job_id) in node_failed or _node_failed(job)):
         # Slurm requeued it (JobRequeue): its next attempt must not run beside a restart.
         _cancel_and_wait(job)
         return node_failure(job, ends)
     lost = sorted((e for e in ends if e.lost), key=lambda e: e.ended or float("inf"))
-    if message and lost and not _cancelled(job):
-        return RankLostError(message, lost)
-    if message and any(end.outcome == "error" for end in ends):
-        return JobError(message)
+    if failure and lost and not _cancelled(job):
+        return RankLostError(message, lost, detail=detail)
+    if failure and any(end.outcome == "error" for end in ends):
+        return JobError(message, detail)
     try:
         # results(), not result(): the latter refuses multi-task jobs after waiting.
         return job.results()[0]
     except (FailedJobError, UncompletedJobError) as exc:
         head = message or f"job {job.job_id} did not complete"
-        return JobError(f"{head}\n{exc}")
+        said = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        return JobError(f"{head}: {said}", f"{detail}\n{exc}".strip())
 
 
 def _cancelled(job: submitit.Job[Any]) -> bool:

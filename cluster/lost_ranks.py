@@ -9,6 +9,7 @@ rank leads the message, the survivors' errors follow as detail.
 """
 
 import json
+import re
 import signal
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,12 +57,17 @@ class RankEnd:
         (no exit record: its node, or everything on it, went away)."""
         return self.failed and self.outcome != "error"
 
+    @property
+    def raised(self) -> str | None:
+        """What a rank that raised raised, as 'DataError: cannot read shard ...' (one line)."""
+        return raised_line(self.traceback) if self.outcome == "error" else None
+
     def how(self) -> str:
-        """How it ended, in words: 'killed by signal 9 (SIGKILL)', 'exited with code 3', ..."""
+        """How it ended, in words: 'raised DataError: ...', 'was killed by signal 9 (SIGKILL)',
+        'exited with code 3', ..."""
         where = f"rank {self.task} on node {self.node or '?'}"
         if self.outcome == "error":
-            code = f" (exit code {self.returncode})" if self.returncode is not None else ""
-            return f"{where} raised an exception{code}"
+            return f"{where} raised {self.raised}"
         if self.returncode is None:
             return f"{where} vanished without an exit status (its node or its parent died)"
         if self.returncode < 0:
@@ -77,13 +83,37 @@ class RankLostError(JobError):
     the case cluster.restarts restarts."""
 
     def __init__(
-        self, message: str, lost: list[RankEnd] | None = None, nodes: list[str] | None = None
+        self,
+        message: str,
+        lost: list[RankEnd] | None = None,
+        nodes: list[str] | None = None,
+        detail: str = "",
     ) -> None:
-        super().__init__(message)
+        super().__init__(message, detail)
         self.lost = lost or []
         """The lost ranks, the first lost first."""
         self.nodes = sorted(nodes if nodes is not None else {e.node for e in self.lost if e.node})
         """The nodes lost (a restart avoids them): given, or those of the lost ranks."""
+
+
+def raised_line(trace: str | None) -> str:
+    """The exception a Python traceback text ends with, as one line: its type without the
+    module path, then the first line of its message ('(more in the log)' when it has more).
+
+    The last exception of a chain is the one raised: it follows the last frame ('  File ...'
+    and its indented source lines) of the text."""
+    lines = (trace or "").rstrip().splitlines()
+    if not lines:
+        return "an exception (no traceback recorded)"
+    frames = [i for i, line in enumerate(lines) if line.startswith(("  File ", "Traceback ("))]
+    first = frames[-1] + 1 if frames else 0
+    while first < len(lines) - 1 and lines[first].startswith("    "):
+        first += 1
+    name, colon, message = lines[first].partition(": ")
+    if re.fullmatch(r"[\w.]+", name):
+        name = name.rsplit(".", 1)[-1]
+    more = " (more in the log)" if first < len(lines) - 1 else ""
+    return f"{name}{colon}{message}{more}"
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
@@ -141,12 +171,14 @@ def _collateral(end: RankEnd) -> bool:
     return bool(lines) and any(sign in lines[-1] for sign in PEER_LOSS)
 
 
-def failure_message(job: submitit.Job[Any], ends: list[RankEnd]) -> str | None:
-    """The message of a failed job, None when no rank failed.
+def failure_message(job: submitit.Job[Any], ends: list[RankEnd]) -> tuple[str, str] | None:
+    """(message, detail) of a failed job, None when no rank failed.
 
-    A lost rank comes first (the cause: its peers then fail in their collectives), with its
-    node, how it ended and its log; the tracebacks of ranks that raised follow, the first to
-    fail first.
+    The message is one line: a lost rank comes first (the cause: its peers then fail in their
+    collectives), with its node, how it ended and its log; else the rank that raised first,
+    with what it raised ('DataError: cannot read shard ...') and its log. The detail holds the
+    tracebacks of the ranks that raised, the first to fail first, and the job's log folder:
+    `trainflow --debug` shows it (the ranks' logs keep it too).
     """
     failed = [end for end in ends if end.failed]
     if not failed:
@@ -159,24 +191,24 @@ def failure_message(job: submitit.Job[Any], ends: list[RankEnd]) -> str | None:
     )
     if lost:
         first = lost[0]
-        parts = [f"job {job.job_id} lost rank {first.task} (node {first.node or '?'}): "]
-        parts[0] += "; ".join(f"{e.how()}, log: {e.log}" for e in lost)
+        message = f"job {job.job_id} lost rank {first.task} (node {first.node or '?'}): "
+        message += "; ".join(f"{e.how()}, log: {e.log}" for e in lost)
         if raised:
-            parts.append(
-                f"then rank(s) {[e.task for e in raised]} failed (detail: their collectives "
+            message += (
+                f"; then rank(s) {[e.task for e in raised]} failed (detail: their collectives "
                 "lost their peer)"
             )
     else:
         later = f", then rank(s) {[e.task for e in raised[1:]]}" if len(raised) > 1 else ""
         first = raised[0]
-        parts = [
-            f"job {job.job_id} failed in rank {first.task}{later}: {first.how()}, log: {first.log}"
-        ]
+        message = f"job {job.job_id} failed in rank {first.task}{later}: {first.how()}, "
+        message += f"log: {first.log}"
+    detail = []
     for end in raised:
-        parts += [f"----- rank {end.task} (node {end.node or '?'}) traceback -----"]
-        parts.append((end.traceback or "").rstrip())
-    parts.append(f"logs: {job.paths.folder}")
-    return "\n".join(parts)
+        detail += [f"----- rank {end.task} (node {end.node or '?'}) traceback -----"]
+        detail.append((end.traceback or "").rstrip())
+    detail.append(f"logs: {job.paths.folder}")
+    return message, "\n".join(detail)
 
 
 def node_failure(job: submitit.Job[Any], ends: list[RankEnd]) -> RankLostError:
@@ -200,4 +232,4 @@ def node_failure(job: submitit.Job[Any], ends: list[RankEnd]) -> RankLostError:
     there = [end for end in ends if end.node in down]
     if there:
         head += f"; rank(s) {[e.task for e in there]} ran there, log: {there[0].log}"
-    return RankLostError(f"{head}\nlogs: {job.paths.folder}", there, down)
+    return RankLostError(head, there, down, detail=f"logs: {job.paths.folder}")

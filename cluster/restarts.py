@@ -59,9 +59,10 @@ def run_with_restarts(
             headline = str(err).splitlines()[0]
             if attempt == cfg.max_restarts:
                 raise RankLostError(
-                    f"{err}\nno restart left (cluster.max_restarts={cfg.max_restarts})",
+                    f"{err}; no restart left (cluster.max_restarts={cfg.max_restarts})",
                     err.lost,
                     err.nodes,
+                    err.detail,
                 ) from None
             lost_nodes = set(err.nodes)
             if can_exclude(cfg, excluded | lost_nodes):

@@ -15,7 +15,7 @@ from typing import NoReturn
 from trainflow.flows.config import PRESETS, PipelineConfig, build_config
 from trainflow.flows.error_output import DEBUG_ENV, debug_enabled
 from trainflow.flows.preflight import preflight
-from trainflow.tasks.errors import ConfigError, TrainflowError
+from trainflow.tasks.errors import ConfigError, JobError, TrainflowError
 
 _DEBUG_HELP = "show tracebacks of errors (also: TRAINFLOW_DEBUG=1)"
 
@@ -269,6 +269,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except TrainflowError as err:
         if debug_enabled():
             traceback.print_exc()
+            if isinstance(err, JobError) and err.detail:  # a failed job's remote tracebacks
+                print(err.detail, file=sys.stderr)
         print(f"trainflow: error: {err}", file=sys.stderr)
         return 2
 

@@ -4,12 +4,15 @@ Prefect logs a failing task or flow with its traceback, then echoes the error in
 state messages, and `trainflow run` prints it once more at the end. For a TrainflowError (bad
 input, config, a failed job: its message already says what is wrong and how to fix it) that is
 noise around the one line that matters. This filter keeps those records off the console; the
-Prefect API still receives them, so the Prefect UI shows the failure in full. Set
-TRAINFLOW_DEBUG=1 (`trainflow --debug ...`) to see everything.
+Prefect API still receives them, so the Prefect UI shows the failure in full. The tracebacks in the ranks' logs, which the
+training task forwards line by line, are kept off the console the same way: the job's error
+line says what the rank raised and where its log is. Set TRAINFLOW_DEBUG=1
+(`trainflow --debug ...`) to see everything.
 """
 
 import logging
 import os
+import re
 
 from trainflow.tasks.errors import TrainflowError
 
@@ -47,10 +50,50 @@ def _key(message: str) -> str:
     return message[: min(cut, _KEY_CHARS)] if cut >= 12 else message[:_KEY_CHARS]
 
 
+_RANK_LINE = re.compile(r"(\[[^\]]*rank\d+[^\]]*\] )(\[rank\d+\]: ?)?(.*)", re.DOTALL)
+"""A line forwarded from a rank's log: '[rank1] ...', '[0 rank1] ...', '[rank1@node2] ...',
+then the '[rank1]: ' torch.distributed's excepthook puts before each line of a traceback."""
+_CHAINED = ("During handling of the above exception", "The above exception was the direct cause")
+
+
+class RankTracebacks(logging.Filter):
+    """Drops the Python traceback blocks in forwarded rank log lines, from 'Traceback (most
+    recent call last):' to the exception line (chained tracebacks included), per rank."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.state: dict[str, str] = {}
+        """Per rank: 'frames' inside a traceback, 'raised' after its exception line ('torch'
+        when torch prefixed every line of the block: its next prefixed lines still belong)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        """False for the lines of a rank's traceback."""
+        match = _RANK_LINE.fullmatch(record.getMessage())
+        if match is None:
+            return True
+        rank, torch_prefix, text = match.groups()
+        state = self.state.get(rank)
+        if text.startswith("Traceback (most recent call last)"):
+            self.state[rank] = "frames"
+        elif state == "frames" and not text.startswith(" ") and text.strip():
+            self.state[rank] = "raised torch" if torch_prefix else "raised"  # its last line
+        elif state == "raised torch" and (torch_prefix or not text.strip()):
+            pass  # the rest of the exception's message, as torch printed it
+        elif state == "raised" and (text.startswith(_CHAINED) or not text.strip()):
+            pass
+        elif state in ("raised", "raised torch"):
+            del self.state[rank]
+            return True
+        elif state is None:
+            return True
+        return False
+
+
 def quiet_user_errors() -> None:
-    """Install the filter on the root logger's console handlers (once), unless debugging."""
+    """Install the filters on the root logger's console handlers (once), unless debugging."""
     if debug_enabled():
         return
     for handler in logging.getLogger().handlers:
-        if not any(isinstance(f, UserErrorEcho) for f in handler.filters):
-            handler.addFilter(UserErrorEcho())
+        for kind in (UserErrorEcho, RankTracebacks):
+            if not any(isinstance(f, kind) for f in handler.filters):
+                handler.addFilter(kind())

@@ -14,4 +14,10 @@ class DataError(TrainflowError):
 
 
 class JobError(TrainflowError):
-    """A training job failed; the message carries the remote traceback."""
+    """A job failed: the message says how, in one line; `detail` holds what the ranks left
+    (their tracebacks), shown with `trainflow --debug`."""
+
+    def __init__(self, message: str, detail: str = "") -> None:
+        super().__init__(message)
+        self.detail = detail
+        """Tracebacks and log folders behind the message ('' when there are none)."""

@@ -1,6 +1,7 @@
 """Errors arrive fast and alone: bad input that needs no pixels is refused before any server or
 cluster starts; an error found inside a stage shows as its one line, tracebacks only on demand."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +16,9 @@ from tests.unit.test_preprocess_sources import _folder, _save_image
 pytestmark = pytest.mark.integration
 
 
-def _run(*overrides: str, debug: bool = False) -> subprocess.CompletedProcess[str]:
+def _run(
+    *overrides: str, debug: bool = False, env_add: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     argv = [sys.executable, "-m", "trainflow.flows.cli", *(["--debug"] if debug else []), "run"]
     argv += ["--preset", "tiny"]
     for item in overrides:
@@ -24,6 +27,7 @@ def _run(*overrides: str, debug: bool = False) -> subprocess.CompletedProcess[st
     api = get_current_settings().api.url  # the session's test server: no second one to start
     if api:
         env["PREFECT_API_URL"] = api
+    env.update(env_add or {})
     return subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env)
 
 
@@ -69,3 +73,49 @@ def test_an_error_inside_a_stage_shows_once_without_tracebacks(tmp_path: Path) -
     assert text.count("cannot read image") == 1, text[-3000:]
     lines = out.stderr.splitlines()
     assert any(line.startswith("trainflow: error: cannot read image") for line in lines), text
+
+
+@pytest.fixture(scope="module")
+def failing_workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One workdir for the failing-rank runs: the second reuses the first one's dataset."""
+    return tmp_path_factory.mktemp("failing-ranks")
+
+
+_RANK_ERROR = re.compile(
+    r"trainflow: error: job \S+ failed in rank (\d)(?:, then rank\(s\) \[\d\])?: "
+    r"rank \1 on node \S+ raised (.*), log: (\S+_\1_log\.err)"
+)
+
+
+def _rank_error(out: subprocess.CompletedProcess[str]) -> tuple[str, Path]:
+    """What the failed rank raised and its log, from the one error line."""
+    assert out.returncode == 2, (out.stdout + out.stderr)[-3000:]
+    lines = [line for line in out.stderr.splitlines() if line.startswith("trainflow: error: ")]
+    assert len(lines) == 1, out.stderr[-3000:]
+    match = _RANK_ERROR.fullmatch(lines[0])
+    assert match, lines[0]
+    return match.group(2), Path(match.group(3))
+
+
+def test_a_rank_that_raises_a_trainflow_error_says_what_in_one_line(failing_workdir: Path) -> None:
+    # The flow's host may lack the GPUs nodes have: device=cuda is refused in the ranks.
+    out = _run("train.device=cuda", f"workdir={failing_workdir}")
+    raised, log = _rank_error(out)
+    assert raised.startswith("ConfigError: train.device=cuda but this process sees no usable GPU")
+    text = out.stdout + out.stderr
+    assert "Traceback" not in text and "File " not in text  # in the rank's log, not the console
+    assert "Traceback (most recent call last)" in log.read_text()
+
+
+def test_a_rank_that_raises_any_python_error_says_what_in_one_line(failing_workdir: Path) -> None:
+    # A node without a working C++ compiler: torch.compile fails in the ranks, not in the flow;
+    # torch's excepthook prints the traceback once more, each line prefixed '[rank0]:'.
+    out = _run(
+        "train.compile=true", f"workdir={failing_workdir}", env_add={"CXX": "/nonexistent/c++"}
+    )
+    raised, log = _rank_error(out)
+    assert raised.startswith("InductorError: InvalidCxxCompiler: No working C++ compiler"), raised
+    assert "/nonexistent/c++" in raised
+    text = out.stdout + out.stderr
+    assert "Traceback" not in text and "File " not in text  # in the rank's log, not the console
+    assert "Traceback (most recent call last)" in log.read_text()

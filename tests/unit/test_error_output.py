@@ -6,8 +6,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from trainflow.flows.error_output import UserErrorEcho, quiet_user_errors
-from trainflow.tasks.errors import DataError
+from trainflow.flows.error_output import RankTracebacks, UserErrorEcho, quiet_user_errors
+from trainflow.tasks.errors import DataError, JobError
 
 
 @pytest.fixture
@@ -48,7 +48,7 @@ def test_trainflow_errors_lose_tracebacks_and_echoes(
     _fail(logger, RuntimeError("a bug of ours"))  # anything else keeps its traceback
     assert "Traceback" in stream.getvalue() and "a bug of ours" in stream.getvalue()
     for h in handlers:
-        h.filters = [f for f in h.filters if not isinstance(f, UserErrorEcho)]
+        h.filters = [f for f in h.filters if not isinstance(f, (UserErrorEcho, RankTracebacks))]
 
 
 def test_debug_keeps_everything(
@@ -59,3 +59,66 @@ def test_debug_keeps_everything(
     quiet_user_errors()
     _fail(logger, DataError("cannot read image '/data/cat/c0.png' (corrupt): truncated"))
     assert "Traceback" in stream.getvalue() and stream.getvalue().count("c0.png") == 3
+
+
+_RANK_LOG = """[rank1] submitit ERROR (2026-11-24 01:21:42,775) - Submitted job triggered an exception
+[rank1] Traceback (most recent call last):
+[rank1]   File "/x/data.py", line 10, in open_npy
+[rank1]     return np.load(file)
+[rank1]            ^^^^^^^^^^^^^
+[rank1] OSError: [Errno 24] Too many open files
+[rank1] 
+[rank1] The above exception was the direct cause of the following exception:
+[rank1] 
+[rank0@n2] epoch 1/2 loss 0.5
+[rank1] Traceback (most recent call last):
+[rank1]   File "/x/job.py", line 3, in __call__
+[rank1] trainflow.tasks.errors.DataError: cannot read shard '/d/train-00001.x.npy'
+[rank1] rank_guard: a line after the traceback
+[rank0] [rank0]: Traceback (most recent call last):
+[rank0] [rank0]:   File "/x/loop.py", line 3, in step
+[rank0] [rank0]: torch._inductor.exc.InductorError: InvalidCxxCompiler: No working C++ compiler
+[rank0] 
+[rank0] [rank0]: Set TORCHDYNAMO_VERBOSE=1 for the internal stack trace
+[rank0] submitit ERROR (2026-11-24 01:21:46,088) - Submitted job triggered an exception"""
+
+
+@pytest.mark.parametrize("debug", ["", "1"])
+def test_rank_tracebacks_stay_off_the_console_unless_debugging(
+    console: tuple[logging.Logger, io.StringIO], monkeypatch: pytest.MonkeyPatch, debug: str
+) -> None:
+    logger, stream = console
+    monkeypatch.setenv("TRAINFLOW_DEBUG", debug)
+    quiet_user_errors()
+    for line in _RANK_LOG.splitlines():
+        logger.info(line)
+    if debug:
+        assert stream.getvalue() == _RANK_LOG + "\n"
+    else:
+        assert stream.getvalue().splitlines() == [
+            "[rank1] submitit ERROR (2026-11-24 01:21:42,775) - Submitted job triggered an "
+            "exception",
+            "[rank0@n2] epoch 1/2 loss 0.5",
+            "[rank1] rank_guard: a line after the traceback",
+            "[rank0] submitit ERROR (2026-11-24 01:21:46,088) - Submitted job triggered an "
+            "exception",
+        ]
+    for h in logging.getLogger().handlers:
+        h.filters = [f for f in h.filters if not isinstance(f, (UserErrorEcho, RankTracebacks))]
+
+
+@pytest.mark.parametrize("debug", [False, True])
+def test_a_failed_jobs_tracebacks_show_only_with_debug(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], debug: bool
+) -> None:
+    from trainflow.flows import cli
+
+    def failed_job(args: object) -> int:
+        raise JobError("job 7 failed in rank 1: rank 1 raised DataError: x", "----- rank 1 -----")
+
+    monkeypatch.setenv("TRAINFLOW_DEBUG", "0")  # restored after main() sets it for --debug
+    monkeypatch.setattr(cli, "_run", failed_job)
+    assert cli.main([*(["--debug"] if debug else []), "run", "--preset", "tiny"]) == 2
+    err = capsys.readouterr().err
+    assert err.endswith("trainflow: error: job 7 failed in rank 1: rank 1 raised DataError: x\n")
+    assert ("----- rank 1 -----" in err) is debug

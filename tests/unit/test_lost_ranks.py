@@ -21,6 +21,7 @@ import torch.distributed as dist
 from trainflow.cluster.config import ClusterConfig
 from trainflow.cluster.executor import make_executor
 from trainflow.cluster.jobs import wait_for_job
+from trainflow.cluster.lost_ranks import raised_line
 from trainflow.tasks.errors import JobError
 from trainflow.tasks.train.distributed import distributed
 
@@ -83,9 +84,9 @@ def test_a_killed_rank_is_named_with_its_signal_node_and_log(tmp_path: Path) -> 
     assert f"lost rank 1 (node {socket.gethostname()})" in head
     assert "was killed by signal 9 (SIGKILL)" in head
     assert f"log: {job.paths.folder}/{job.job_id}_1_log.err" in head
-    # Rank 0's collective error follows as detail.
-    assert "then rank(s) [0] failed" in message
-    assert "----- rank 0 (node" in message
+    # Rank 0's collective error follows, its traceback in the detail.
+    assert "; then rank(s) [0] failed" in head
+    assert "----- rank 0 (node" in failure.value.detail
     assert not any(psutil.pid_exists(pid) and _alive(pid) for pid in ranks)
     # The guard dies of the same signal, quietly: no traceback of its own in rank 1's log.
     assert not [line for line in lines if line.startswith("[rank1] Traceback")], lines[-20:]
@@ -98,19 +99,46 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_a_rank_that_raises_is_named_with_its_traceback_node_and_log(tmp_path: Path) -> None:
+def test_a_rank_that_raises_is_named_with_what_it_raised_node_and_log(tmp_path: Path) -> None:
     # The raising rank ends 3 s after its peer (whose all-reduce lost it): the cause still leads.
     job = _submit(tmp_path, fail_rank=1, linger_s=3.0)
     with pytest.raises(JobError) as failure:
         wait_for_job(job, lambda line: None, poll_s=0.1)
     message = str(failure.value)
-    head = message.splitlines()[0]
-    assert head.startswith(f"job {job.job_id} failed in rank 1")
-    assert f"rank 1 on node {socket.gethostname()} raised an exception (exit code 1)" in head
-    assert f"log: {job.paths.folder}/{job.job_id}_1_log.err" in head
-    assert "ValueError: rank 1 broke on purpose" in message
+    assert "\n" not in message  # one line: the tracebacks are the error's detail
+    assert message.startswith(f"job {job.job_id} failed in rank 1, then rank(s) [0]: ")
+    log = f"{job.paths.folder}/{job.job_id}_1_log.err"
+    host = socket.gethostname()
+    assert message.endswith(f"rank 1 on node {host} raised ValueError: rank 1 broke on purpose, log: {log}")
     assert "lost rank" not in message  # a rank that raised is no lost rank
-    assert ", then rank(s) [0]:" in head  # the peer's collective error follows as detail
+    detail = failure.value.detail
+    assert detail.index("----- rank 1 (node") < detail.index("----- rank 0 (node")
+    assert "in _all_reduce_until" in detail and detail.endswith(f"logs: {job.paths.folder}")
+    assert "Traceback" in Path(log).read_text()  # and the rank's log keeps it
+
+
+def test_the_raised_line_is_the_last_exception_of_a_traceback() -> None:
+    chained = """Traceback (most recent call last):
+  File "/x/data.py", line 10, in open_npy
+    return np.load(file)
+           ^^^^^^^^^^^^^
+OSError: [Errno 24] Too many open files
+
+The above exception was the direct cause of the following exception:
+
+Traceback (most recent call last):
+  File "/x/job.py", line 3, in __call__
+    raise DataError(msg) from exc
+trainflow.tasks.errors.DataError: cannot read shard '/d/train-00001.x.npy': too many
+"""
+    assert raised_line(chained) == "DataError: cannot read shard '/d/train-00001.x.npy': too many"
+    assert raised_line(chained + "files open\n") == (
+        "DataError: cannot read shard '/d/train-00001.x.npy': too many (more in the log)"
+    )
+    assert raised_line("Traceback (most recent call last):\n  File 'a', line 1\nKeyboardInterrupt") == (
+        "KeyboardInterrupt"
+    )
+    assert raised_line(None) == "an exception (no traceback recorded)"
 
 
 def _peer_timeout() -> float:
