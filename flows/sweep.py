@@ -20,6 +20,7 @@ from trainflow.flows.pipeline import (
 from trainflow.flows.preflight import preflight
 from trainflow.tasks.errors import JobError
 from trainflow.tasks.preprocess.ref import DatasetRef
+from trainflow.tasks.tracking.lineage import log_dataset_input
 from trainflow.tasks.tracking.pipeline_runs import PipelineRuns
 from trainflow.tasks.tracking.stage_logs import log_checkpoint
 from trainflow.tasks.train.ref import CheckpointRef
@@ -89,6 +90,8 @@ def _train_elements(
         runs.open_stage(f"train[{i}]", {**flatten(cfg.train), "sweep.element": json.dumps(e)})
         for i, (e, cfg) in enumerate(elements)
     ]
+    for run_id in run_ids:
+        log_dataset_input(runs.client, run_id, dataset, "training")
     specs = [
         train_spec(cfg, dataset, run_dir / f"element-{i}", runs.tracking_uri, run_id)
         for i, ((_, cfg), run_id) in enumerate(zip(elements, run_ids, strict=True))
