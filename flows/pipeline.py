@@ -22,8 +22,9 @@ from trainflow.tasks.evaluate.task import evaluate_task
 from trainflow.tasks.preprocess.ref import DatasetRef
 from trainflow.tasks.preprocess.task import preprocess
 from trainflow.tasks.prewarm import EVALUATE_MODULES, prewarm_imports
+from trainflow.tasks.tracking.lineage import Lineage, code_snapshot_hash, log_dataset_input
 from trainflow.tasks.tracking.pipeline_runs import PipelineRuns
-from trainflow.tasks.tracking.report import run_link, summary_markdown
+from trainflow.tasks.tracking.report import run_link, runs_and_plots_markdown, summary_markdown
 from trainflow.tasks.tracking.stage_logs import log_checkpoint, log_dataset
 from trainflow.tasks.train.job import TrainJobSpec
 from trainflow.tasks.train.ref import CheckpointRef
@@ -77,6 +78,8 @@ def run_pipeline(cfg: PipelineConfig) -> PipelineSummary:
         runs.tag(runs.parent_id, {"config_hash": config_hash(cfg)})
         dataset, cached = preprocess_stage(runs, cfg, t)
         with runs.stage("train", flatten(cfg.train)) as run_id, timed(t, "train"):
+            log_dataset_input(runs.client, run_id, dataset, "training")
+            runs.tag(run_id, lineage_of(runs, cfg, dataset).tags())
             spec = train_spec(cfg, dataset, run_dir, runs.tracking_uri, run_id)
             # Imported while the job runs; joined before MLflow is used again: two threads
             # importing parts of one package with import cycles can see it half initialised.
@@ -84,8 +87,26 @@ def run_pipeline(cfg: PipelineConfig) -> PipelineSummary:
             ckpt = train_task(spec, cfg.cluster, run_dir / "jobs", cfg.workdir)
             warm.join()
             log_checkpoint(runs.client, run_id, ckpt)
+            runs.tag(run_id, lineage_of(runs, cfg, dataset, ckpt).tags())
         result = evaluate_stage(runs, cfg, dataset, ckpt, t)
     return summarize(runs, dataset, cached, result, t)
+
+
+def lineage_of(
+    runs: PipelineRuns,
+    cfg: PipelineConfig,
+    dataset: DatasetRef,
+    ckpt: CheckpointRef | None = None,
+) -> Lineage:
+    """The data, code, config and (once trained) package set behind this run's model."""
+    run_dir = (cfg.workdir / "runs" / runs.parent_id).resolve()
+    return Lineage(
+        dataset_hash=dataset.content_hash,
+        git_commit=runs.commit,
+        config_hash=config_hash(cfg),
+        package_lock_hash=ckpt.package_lock_hash if ckpt else None,
+        code_snapshot_hash=code_snapshot_hash(run_dir),
+    )
 
 
 def train_spec(
@@ -99,6 +120,7 @@ def train_spec(
         cpus_per_task=cfg.cluster.cpus_per_task,
         tracking_uri=tracking_uri,
         run_id=run_id,
+        system_metrics_interval_s=cfg.tracking.system_metrics_interval_s,
     )
 
 
@@ -125,14 +147,12 @@ def evaluate_stage(
     t: dict[str, float],
 ) -> EvalResult:
     """The evaluate child run for ``ckpt`` (trained by ``cfg``), then headline numbers on the
-    parent run. A registered version is tagged with the dataset hash, git commit and config hash.
+    parent run. The run and a registered version carry the lineage (tracking.lineage).
     """
-    tags = {
-        "dataset_hash": dataset.content_hash,
-        "git_commit": runs.commit,
-        "config_hash": config_hash(cfg),
-    }
+    tags = lineage_of(runs, cfg, dataset, ckpt).tags()
     with runs.stage("evaluate", flatten(cfg.evaluate)) as run_id, timed(t, "evaluate"):
+        log_dataset_input(runs.client, run_id, dataset, "evaluation")
+        runs.tag(run_id, tags)
         result = evaluate_task(
             cfg.evaluate, cfg.train, dataset, ckpt, runs.tracking_uri, run_id, tags
         )
@@ -151,8 +171,9 @@ def summarize(
 ) -> PipelineSummary:
     """The small result the flow returns; also published as a Markdown artifact."""
     link = run_link(runs.tracking_uri, runs.experiment_id, runs.parent_id)
+    stages = runs_and_plots_markdown(runs.tracking_uri, runs.experiment_id, runs.stage_ids)
     create_markdown_artifact(
-        summary_markdown(runs.experiment, link, dataset, result, t),
+        summary_markdown(runs.experiment, link, dataset, result, t) + stages,
         key="trainflow-summary",
         description="test accuracy, dataset hash, model version and MLflow run of this run",
     )
