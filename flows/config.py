@@ -54,6 +54,7 @@ def _tiny() -> dict[str, Any]:
         "preprocess": {"source": "synthetic", "synthetic_samples": 400, "shard_size": 128},
         "train": {"epochs": 2, "batch_size": 32, "lr": 5e-3},
         "evaluate": {"log_model": True},
+        "tracking": {"system_metrics_interval_s": 1.0},  # a few samples in a short run
     }
 
 

@@ -23,8 +23,9 @@ from trainflow.tasks.evaluate.task import evaluate_task
 from trainflow.tasks.preprocess.ref import DatasetRef
 from trainflow.tasks.preprocess.task import preprocess
 from trainflow.tasks.prewarm import EVALUATE_MODULES, prewarm_imports
+from trainflow.tasks.tracking.lineage import Lineage, log_dataset_input
 from trainflow.tasks.tracking.pipeline_runs import PipelineRuns
-from trainflow.tasks.tracking.report import run_link, summary_markdown
+from trainflow.tasks.tracking.report import run_link, runs_and_plots_markdown, summary_markdown
 from trainflow.tasks.tracking.stage_logs import log_checkpoint, log_dataset
 from trainflow.tasks.train.job import TrainJobSpec
 from trainflow.tasks.train.ref import CheckpointRef
@@ -79,10 +80,11 @@ def run_pipeline(cfg: PipelineConfig) -> PipelineSummary:
         runs.tag(runs.parent_id, {"config_hash": config_hash(cfg)})
         code = snapshot_code(runs, user_modules(model), run_dir / "jobs")
         paths = code.paths if code else []
+        code_hash = code.sha256 if code else None
         dataset, cached = preprocess_stage(runs, cfg, t, paths)
         with runs.stage("train", flatten(cfg.train) | model.params()) as run_id, timed(t, "train"):
-            if code:
-                runs.tag(run_id, {"code_snapshot": code.sha256})
+            log_dataset_input(runs.client, run_id, dataset, "training")
+            runs.tag(run_id, lineage_of(runs, cfg, dataset, code_hash=code_hash).tags())
             spec = train_spec(cfg, dataset, run_dir, runs.tracking_uri, run_id, paths)
             # Imported while the job runs; joined before MLflow is used again: two threads
             # importing parts of one package with import cycles can see it half initialised.
@@ -90,7 +92,8 @@ def run_pipeline(cfg: PipelineConfig) -> PipelineSummary:
             ckpt = train_task(spec, cfg.cluster, run_dir / "jobs", cfg.workdir)
             warm.join()
             log_checkpoint(runs.client, run_id, ckpt)
-        result = evaluate_stage(runs, cfg, dataset, ckpt, t)
+            runs.tag(run_id, lineage_of(runs, cfg, dataset, ckpt, code_hash).tags())
+        result = evaluate_stage(runs, cfg, dataset, ckpt, t, code_hash)
     return summarize(runs, dataset, cached, result, t)
 
 
@@ -99,10 +102,27 @@ def snapshot_code(runs: PipelineRuns, modules: list[str], job_dir: Path) -> Code
     attempts import it from; its hash tags the parent run, its files are the artifact code/."""
     code = snapshot_for_jobs(modules, job_dir)
     if code is not None:
-        runs.tag(runs.parent_id, {"code_snapshot": code.sha256})
+        runs.tag(runs.parent_id, {"code_snapshot_hash": code.sha256})
         runs.client.log_artifacts(runs.parent_id, str(code.folder), "code")
         get_run_logger().info("code snapshot %s in %s", code.sha256[:16], code.folder)
     return code
+
+
+def lineage_of(
+    runs: PipelineRuns,
+    cfg: PipelineConfig,
+    dataset: DatasetRef,
+    ckpt: CheckpointRef | None = None,
+    code_hash: str | None = None,
+) -> Lineage:
+    """The data, code, config and (once trained) package set behind this run's model."""
+    return Lineage(
+        dataset_hash=dataset.content_hash,
+        git_commit=runs.commit,
+        config_hash=config_hash(cfg),
+        package_lock_hash=ckpt.package_lock_hash if ckpt else None,
+        code_snapshot_hash=code_hash,
+    )
 
 
 def train_spec(
@@ -122,6 +142,7 @@ def train_spec(
         cpus_per_task=cfg.cluster.cpus_per_task,
         tracking_uri=tracking_uri,
         run_id=run_id,
+        system_metrics_interval_s=cfg.tracking.system_metrics_interval_s,
     )
 
 
@@ -148,16 +169,15 @@ def evaluate_stage(
     dataset: DatasetRef,
     ckpt: CheckpointRef,
     t: dict[str, float],
+    code_hash: str | None = None,
 ) -> EvalResult:
     """The evaluate child run for ``ckpt`` (trained by ``cfg``), then headline numbers on the
-    parent run. A registered version is tagged with the dataset hash, git commit and config hash.
+    parent run. The run and a registered version carry the lineage (tracking.lineage).
     """
-    tags = {
-        "dataset_hash": dataset.content_hash,
-        "git_commit": runs.commit,
-        "config_hash": config_hash(cfg),
-    }
+    tags = lineage_of(runs, cfg, dataset, ckpt, code_hash).tags()
     with runs.stage("evaluate", flatten(cfg.evaluate)) as run_id, timed(t, "evaluate"):
+        log_dataset_input(runs.client, run_id, dataset, "evaluation")
+        runs.tag(run_id, tags)
         result = evaluate_task(
             cfg.evaluate, cfg.train, dataset, ckpt, runs.tracking_uri, run_id, tags
         )
@@ -176,8 +196,9 @@ def summarize(
 ) -> PipelineSummary:
     """The small result the flow returns; also published as a Markdown artifact."""
     link = run_link(runs.tracking_uri, runs.experiment_id, runs.parent_id)
+    stages = runs_and_plots_markdown(runs.tracking_uri, runs.experiment_id, runs.stage_ids)
     create_markdown_artifact(
-        summary_markdown(runs.experiment, link, dataset, result, t),
+        summary_markdown(runs.experiment, link, dataset, result, t) + stages,
         key="trainflow-summary",
         description="test accuracy, dataset hash, model version and MLflow run of this run",
     )

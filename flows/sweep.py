@@ -22,6 +22,7 @@ from trainflow.flows.pipeline import (
 from trainflow.flows.preflight import preflight, user_modules
 from trainflow.tasks.errors import JobError
 from trainflow.tasks.preprocess.ref import DatasetRef
+from trainflow.tasks.tracking.lineage import log_dataset_input
 from trainflow.tasks.tracking.pipeline_runs import PipelineRuns
 from trainflow.tasks.tracking.stage_logs import log_checkpoint
 from trainflow.tasks.train.model_plugins import resolve_factory
@@ -76,7 +77,9 @@ def run_sweep(
             {"best_element": json.dumps(element), "config_hash": config_hash(best_cfg)},
         )
         get_run_logger().info("best element %d: %s", best, element)
-        result = evaluate_stage(runs, best_cfg, dataset, best_ckpt, t)
+        result = evaluate_stage(
+            runs, best_cfg, dataset, best_ckpt, t, code.sha256 if code else None
+        )
     accuracies = [
         o.metrics.get("val_accuracy") if isinstance(o, CheckpointRef) else None for o in outcomes
     ]
@@ -97,6 +100,8 @@ def _train_elements(
         runs.open_stage(f"train[{i}]", {**flatten(cfg.train), "sweep.element": json.dumps(e)})
         for i, (e, cfg) in enumerate(elements)
     ]
+    for run_id in run_ids:
+        log_dataset_input(runs.client, run_id, dataset, "training")
     specs = [
         train_spec(cfg, dataset, run_dir / f"element-{i}", runs.tracking_uri, run_id, code)
         for i, ((_, cfg), run_id) in enumerate(zip(elements, run_ids, strict=True))

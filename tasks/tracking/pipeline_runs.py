@@ -51,6 +51,8 @@ class PipelineRuns:
         self.parent_id = runs.create_run(
             self.client, self.experiment_id, name, tags={"git_commit": self.commit}
         )
+        self.stage_ids: dict[str, str] = {}
+        """Run id of each stage opened so far, by stage name."""
 
     @contextmanager
     def parent(self, params: dict[str, str]) -> Iterator[str]:
@@ -76,6 +78,7 @@ class PipelineRuns:
             tags={"git_commit": self.commit, "stage": name},
         )
         runs.log_params(self.client, run_id, params)
+        self.stage_ids[name] = run_id
         return run_id
 
     def close(self, run_id: str, outcome: BaseException | None = None) -> None:

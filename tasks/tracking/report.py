@@ -1,14 +1,47 @@
 """The pipeline run's summary as Markdown, for the Prefect UI's artifact tab."""
 
+from urllib.parse import quote
+
 from trainflow.tasks.evaluate.registry import RegistryResult
 from trainflow.tasks.evaluate.run import EvalResult
 from trainflow.tasks.preprocess.ref import DatasetRef
 
+HEADLINE_PLOTS = {
+    "training curves": "training_curves.png",
+    "confusion matrix": "confusion_matrix.png",
+}
+"""The evaluate run's plots the summary shows: title -> artifact path."""
+
+
+def ui_base(tracking_uri: str) -> str:
+    """The MLflow UI's address: the tracking server's, or `trainflow ui`'s default."""
+    base = tracking_uri if tracking_uri.startswith("http") else "http://127.0.0.1:5000"
+    return base.rstrip("/")
+
 
 def run_link(tracking_uri: str, experiment_id: str, run_id: str) -> str:
-    """The MLflow UI address of a run: the tracking server's, or `trainflow ui`'s default."""
-    base = tracking_uri if tracking_uri.startswith("http") else "http://127.0.0.1:5000"
-    return f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
+    """The MLflow UI address of a run."""
+    return f"{ui_base(tracking_uri)}/#/experiments/{experiment_id}/runs/{run_id}"
+
+
+def artifact_link(tracking_uri: str, run_id: str, path: str) -> str:
+    """The MLflow server's address of one artifact file of a run (what the UI's preview loads)."""
+    return f"{ui_base(tracking_uri)}/get-artifact?path={quote(path)}&run_uuid={run_id}"
+
+
+def runs_and_plots_markdown(
+    tracking_uri: str, experiment_id: str, stage_ids: dict[str, str]
+) -> str:
+    """A link per stage run and the evaluate run's headline plots, shown from MLflow."""
+    lines = ["", "## MLflow runs", ""]
+    for stage, run_id in stage_ids.items():
+        link = run_link(tracking_uri, experiment_id, run_id)
+        lines.append(f"- {stage}: [{run_id}]({link})")
+    if "evaluate" in stage_ids:
+        lines += ["", "## Plots", ""]
+        for title, path in HEADLINE_PLOTS.items():
+            lines.append(f"![{title}]({artifact_link(tracking_uri, stage_ids['evaluate'], path)})")
+    return "\n".join(lines) + "\n"
 
 
 def summary_markdown(

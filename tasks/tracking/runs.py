@@ -21,6 +21,10 @@ from trainflow.tasks.tracking.config import TrackingConfig
 # log_batch accepts at most 100 params per call.
 _MAX_PARAMS = 100
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
+# The tag the MLflow UI's experiment-type selector writes. Without it MLflow 3.17 opens an
+# experiment in its GenAI views (Traces, Evaluations); this value is its model-training view.
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+EXPERIMENT_KIND = "custom_model_development"
 
 
 def resolve_tracking_uri(cfg: TrackingConfig, workdir: Path) -> str:
@@ -37,15 +41,22 @@ def resolve_tracking_uri(cfg: TrackingConfig, workdir: Path) -> str:
 
 
 def ensure_experiment(client: MlflowClient, name: str, workdir: Path) -> str:
-    """Id of the named experiment, created (artifacts under workdir for local stores)."""
+    """Id of the named experiment, created (artifacts under workdir for local stores).
+
+    The experiment opens in the MLflow UI's model-training view (EXPERIMENT_KIND); one that
+    has no kind yet (made by an older trainflow) gets it, a kind someone chose is kept.
+    """
     exp = client.get_experiment_by_name(name)
     if exp is not None:
+        if EXPERIMENT_KIND_TAG not in exp.tags:
+            client.set_experiment_tag(exp.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
         return str(exp.experiment_id)
     local = client.tracking_uri.startswith(("sqlite:", "file:")) or "://" not in (
         client.tracking_uri
     )
     location = (workdir / "mlartifacts").resolve().as_uri() if local else None
-    return str(client.create_experiment(name, artifact_location=location))
+    tags = {EXPERIMENT_KIND_TAG: EXPERIMENT_KIND}
+    return str(client.create_experiment(name, artifact_location=location, tags=tags))
 
 
 def git_commit() -> str:

@@ -4,6 +4,7 @@ from mlflow.entities import Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
 
 from trainflow.tasks.preprocess.ref import DatasetRef
+from trainflow.tasks.tracking.lineage import log_dataset_input
 from trainflow.tasks.train.ref import CheckpointRef
 
 
@@ -25,6 +26,7 @@ def log_dataset(client: MlflowClient, run_id: str, ref: DatasetRef, cached: bool
         tags=[RunTag(k, v) for k, v in tags.items()],
     )
     client.log_artifact(run_id, str(ref.path / "manifest.json"))
+    log_dataset_input(client, run_id, ref, "preprocessed")
 
 
 def log_checkpoint(client: MlflowClient, run_id: str, ref: CheckpointRef) -> None:
@@ -32,3 +34,5 @@ def log_checkpoint(client: MlflowClient, run_id: str, ref: CheckpointRef) -> Non
     client.set_tag(run_id, "best_checkpoint", str(ref.path))
     client.set_tag(run_id, "best_checkpoint_sha256", ref.sha256)
     client.set_tag(run_id, "best_epoch", str(ref.epoch))
+    if ref.package_lock_hash:
+        client.set_tag(run_id, "package_lock_hash", ref.package_lock_hash)

@@ -22,6 +22,8 @@ from trainflow.tasks.hashing import sha256_file
 from trainflow.tasks.preprocess.ref import DatasetRef, dataset_spec
 from trainflow.tasks.tracking.handed import handed_through
 from trainflow.tasks.tracking.logger import MetricLogger, make_logger
+from trainflow.tasks.tracking.packages import package_lock_hash
+from trainflow.tasks.tracking.system_metrics import node_monitor, tag_in_background
 from trainflow.tasks.train.checkpoint import (
     host_copy,
     restore_rng,
@@ -52,6 +54,13 @@ from trainflow.tasks.train.models import (
 from trainflow.tasks.train.precision import PrecisionPolicy, resolve_precision
 from trainflow.tasks.train.recorder import EpochRecorder
 from trainflow.tasks.train.ref import CheckpointRef
+from trainflow.tasks.train.throughput import (
+    NO_FLOPS,
+    FlopFacts,
+    RankClock,
+    count_flops,
+    epoch_throughput,
+)
 from trainflow.tasks.train.warmup import prewarm_rank
 
 _NOT_LOGGED = ("epoch", "step")
@@ -90,6 +99,8 @@ class TrainJobSpec(BaseModel):
     code: list[Path] = []
     """Folders of the run's snapshot of the user's code (cluster.snapshot): every rank of
     every attempt puts them first on sys.path before it builds the model."""
+    system_metrics_interval_s: float = Field(0.0, ge=0.0)
+    """With a run: seconds between system metrics samples of each node; 0: none."""
 
 
 @dataclass
@@ -119,7 +130,13 @@ class TrainingJob(submitit.helpers.Checkpointable):
         code_first(spec.code)  # the user's code as submitted, not as the files hold it now
         warm = prewarm_rank()  # torch._dynamo, imported in the waits (rendezvous, data loading)
         torch.set_num_threads(spec.cpus_per_task)
-        with distributed(cfg.device) as dist, EpochRecorder() as recorder:
+        with (
+            distributed(cfg.device) as dist,
+            node_monitor(
+                spec.tracking_uri, spec.run_id, dist.local_rank, spec.system_metrics_interval_s
+            ),
+            EpochRecorder() as recorder,
+        ):
             torch.manual_seed(cfg.seed)
             random.seed(cfg.seed)
             policy = resolve_precision(cfg.precision, dist.device)
@@ -130,6 +147,7 @@ class TrainingJob(submitit.helpers.Checkpointable):
                 self._announce(dist, policy, nhwc, train)
             warm.join()  # the model, optimizer and DDP import torch internals on this thread
             trainer = self._trainer(model, dist, policy, len(train))
+            self._flops = self._count_flops(trainer, policy) if dist.is_main else NO_FLOPS
             progress = self._resume(trainer)
             logger = recorder.closing(
                 make_logger(spec.tracking_uri, spec.run_id, dist.rank, spec.out_dir)
@@ -178,6 +196,24 @@ class TrainingJob(submitit.helpers.Checkpointable):
                 "a GPU); the last partial batch of each epoch is still dropped, as on a GPU",
                 flush=True,
             )
+
+    def _count_flops(self, trainer: Trainer, policy: PrecisionPolicy) -> FlopFacts:
+        """FLOPs per sample and the device's peak, for MFU (tasks.train.throughput)."""
+        data = dataset_spec(self.spec.dataset)
+        model, device = unwrap(trainer.model), trainer.dist.device
+        facts = count_flops(model, data.sample_shape, data.sample_dtype, device, policy.name)
+        print(
+            f"model FLOPs per sample {facts.per_sample:.4g} (forward + backward); "
+            f"MFU peak: {facts.peak.source}",
+            flush=True,
+        )
+        if self.spec.tracking_uri and self.spec.run_id:
+            tags = {
+                "mfu_peak": facts.peak.source,
+                "model_flops_per_sample": f"{facts.per_sample:.6g}",
+            }
+            tag_in_background(self.spec.tracking_uri, self.spec.run_id, tags)
+        return facts
 
     def _trainer(
         self, built: torch.nn.Module, dist: DistContext, policy: PrecisionPolicy, n_train: int
@@ -257,8 +293,12 @@ class TrainingJob(submitit.helpers.Checkpointable):
             dist.world_size,
             drop_last=cfg.cuda_graphs,
         )
-        started = time.perf_counter()
-        metrics, progress.step = train_epoch(trainer, train, batches, progress.step)
+        started, first_step = time.perf_counter(), progress.step
+        clock = RankClock(dist.device)
+        metrics, progress.step = train_epoch(trainer, train, batches, progress.step, clock)
+        samples = sum(int(b.shape[0]) for b in batches)
+        steps = progress.step - first_step
+        metrics |= epoch_throughput(samples, steps, clock.seconds, dist, self._flops)
         val_metrics = evaluate_split(
             trainer.model, val, 4 * cfg.batch_size, trainer.policy, dist, trainer.cuda_graphs
         )
@@ -336,6 +376,7 @@ class TrainingJob(submitit.helpers.Checkpointable):
             step=int(entry["step"]),
             metrics={k: v for k, v in entry.items() if k.startswith("val_")},
             history_path=history_path,
+            package_lock_hash=package_lock_hash(),
         )
 
 

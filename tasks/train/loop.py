@@ -18,6 +18,7 @@ from trainflow.tasks.train.data import SplitData as Split
 from trainflow.tasks.train.data import eval_batches
 from trainflow.tasks.train.distributed import DistContext, all_reduce_sum
 from trainflow.tasks.train.precision import PrecisionPolicy
+from trainflow.tasks.train.throughput import RankClock
 
 # Devices with fused AdamW/SGD kernels in torch >= 2.4.
 _FUSED_DEVICES = {"cuda", "cpu"}
@@ -103,11 +104,16 @@ def _train_step(
 
 
 def train_epoch(
-    trainer: Trainer, data: Split, batches: list[torch.Tensor], step: int
+    trainer: Trainer,
+    data: Split,
+    batches: list[torch.Tensor],
+    step: int,
+    clock: RankClock | None = None,
 ) -> tuple[dict[str, float], int]:
     """Train over `batches` starting at global `step`; returns (metrics, next step).
 
-    Metrics: train_loss, train_accuracy, samples_per_s (all ranks together), lr.
+    Metrics: train_loss, train_accuracy, samples_per_s (all ranks together), lr. `clock`
+    stops when this rank's last step is done, before the ranks meet (tasks.train.throughput).
     """
     device = trainer.dist.device
     trainer.model.train()
@@ -121,6 +127,8 @@ def train_epoch(
         sums[1] += correct
         sums[2] += y.shape[0]
         step += 1
+    if clock is not None:
+        clock.stop()
     loss, correct, count = all_reduce_sum(sums, trainer.dist).tolist()
     elapsed = time.perf_counter() - start
     metrics = {

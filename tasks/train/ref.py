@@ -22,3 +22,5 @@ class CheckpointRef(BaseModel):
     """Validation metrics of this checkpoint."""
     history_path: Path
     """JSON file with the per-epoch metric history of the whole run."""
+    package_lock_hash: str | None = None
+    """sha256 of the installed package set as rank 0 saw it (tasks.tracking.packages)."""

@@ -21,6 +21,7 @@ from trainflow.tasks.errors import JobError
 from trainflow.tasks.preprocess.ref import dataset_spec
 from trainflow.tasks.tracking import backlog
 from trainflow.tasks.tracking.lost_ranks import record_lost_ranks
+from trainflow.tasks.tracking.progress import EpochProgress
 from trainflow.tasks.tracking.slurm_logs import record_job_accounting
 from trainflow.tasks.train.job import TrainingJob, TrainJobSpec
 from trainflow.tasks.train.model_plugins import check_model
@@ -44,10 +45,12 @@ def train_task(
     # A checkpoint holds weights and two Adam moments; two of them and best.pt may coexist.
     need = 4 * params * 7
     check_cluster(cluster)
+    progress = EpochProgress(spec.out_dir / "checkpoints", spec.train.epochs, logger.warning)
     with disk_stage("train", spec.out_dir, need):
         ref = train_with_restarts(
-            spec, cluster, job_dir, workdir, logger.info, logger.warning, need
+            spec, cluster, job_dir, workdir, progress.watching(logger.info), logger.warning, need
         )
+    progress.finish()
     if not isinstance(ref, CheckpointRef):
         raise JobError(f"the training job returned no checkpoint (got {ref!r})")
     if spec.tracking_uri and spec.run_id:  # points the job could not send: now, or a clear error

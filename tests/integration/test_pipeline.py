@@ -11,6 +11,7 @@ from prefect.client.schemas.objects import Artifact as ArtifactResponse
 
 from trainflow.flows.config import build_config, config_hash
 from trainflow.flows.pipeline import PipelineSummary, pipeline
+from trainflow.tasks.tracking.packages import package_lock_hash
 from trainflow.tasks.tracking.runs import use_tracking_uri
 
 pytestmark = pytest.mark.integration
@@ -141,3 +142,58 @@ def test_deleted_dataset_is_rebuilt_not_served_from_cache(
     assert not third.preprocess_cached
     assert third.dataset_hash == first.dataset_hash
     assert (workdir / "datasets").is_dir()
+
+
+def test_every_stage_run_logs_the_dataset_and_the_model_carries_its_lineage(
+    first: PipelineSummary,
+) -> None:
+    client = MlflowClient(first.tracking_uri)
+    kids = _children(client, first)
+    contexts = {"preprocess": "preprocessed", "train": "training", "evaluate": "evaluation"}
+    for stage, context in contexts.items():
+        inputs = kids[stage].inputs.dataset_inputs  # type: ignore[attr-defined]
+        assert [i.dataset.digest for i in inputs] == [first.dataset_hash[:32]], stage
+        assert {t.key: t.value for t in inputs[0].tags}["mlflow.data.context"] == context
+    # The ranks ran in this interpreter's environment (local executor): same package set.
+    lock = package_lock_hash()
+    mv = client.get_model_version("trainflow-classifier", str(first.model_version))
+    for tags in (kids["train"].data.tags, kids["evaluate"].data.tags, mv.tags):  # type: ignore[attr-defined]
+        assert tags["package_lock_hash"] == lock
+        assert tags["dataset_hash"] == first.dataset_hash
+        assert tags["config_hash"] == config_hash(build_config("tiny"))
+        assert tags["git_commit"]
+
+
+def test_train_run_shows_throughput_per_rank_mfu_and_system_metrics(
+    first: PipelineSummary,
+) -> None:
+    client = MlflowClient(first.tracking_uri)
+    train = client.get_run(_children(client, first)["train"].info.run_id)  # type: ignore[attr-defined]
+    for key in ("rank_samples_per_s_min", "rank_step_time_s_max", "achieved_flops_per_s", "mfu"):
+        assert [m.step for m in client.get_metric_history(train.info.run_id, key)] == [1, 2], key
+    m = train.data.metrics
+    assert m["rank_samples_per_s_min"] <= m["rank_samples_per_s_median"]
+    assert m["rank_samples_per_s_median"] <= m["rank_samples_per_s_max"]
+    assert 0 < m["mfu"] < 1
+    assert train.data.tags["mfu_peak"].startswith("measured")  # a CPU here
+    # One node (the local executor): one monitor, named by the host.
+    nodes = {k.split("/")[1] for k in m if k.startswith("system/")}
+    assert len(nodes) == 1
+    assert f"system/{nodes.pop()}/cpu_utilization_percentage" in m
+
+
+def test_prefect_shows_training_progress_and_the_summary_links_each_stage(
+    first: PipelineSummary,
+) -> None:
+    progress = Artifact.get("train-progress")
+    assert isinstance(progress, ArtifactResponse) and progress.type == "progress"
+    assert float(str(progress.data)) == 100.0
+    assert progress.description == "training: epoch 2 of 2 checkpointed"
+    summary = Artifact.get("trainflow-summary")
+    assert isinstance(summary, ArtifactResponse)
+    text = str(summary.data)
+    client = MlflowClient(first.tracking_uri)
+    for stage, run in _children(client, first).items():
+        assert f"- {stage}: [{run.info.run_id}](" in text  # type: ignore[attr-defined]
+    evaluate = _children(client, first)["evaluate"].info.run_id  # type: ignore[attr-defined]
+    assert f"get-artifact?path=training_curves.png&run_uuid={evaluate})" in text

@@ -83,3 +83,17 @@ def test_logger_buffers_until_flush(tmp_path: Path) -> None:
 def test_other_ranks_log_nothing() -> None:
     assert isinstance(make_logger("sqlite:///x.db", "abc", rank=1), NullLogger)
     assert isinstance(make_logger(None, None, rank=0), NullLogger)
+
+
+def test_experiment_opens_as_model_training_and_a_chosen_kind_is_kept(tmp_path: Path) -> None:
+    kind = "mlflow.experimentKind"
+    runs = _runs(tmp_path)
+    client = MlflowClient(runs.tracking_uri)
+    assert client.get_experiment(runs.experiment_id).tags[kind] == "custom_model_development"
+    # An experiment an older trainflow made (no kind) gets it; a user's choice stays.
+    old = client.create_experiment("old", artifact_location=(tmp_path / "a").as_uri())
+    chosen = client.create_experiment("chosen", tags={kind: "genai_development"})
+    PipelineRuns(TrackingConfig(experiment="old"), tmp_path, "p")
+    PipelineRuns(TrackingConfig(experiment="chosen"), tmp_path, "p")
+    assert client.get_experiment(old).tags[kind] == "custom_model_development"
+    assert client.get_experiment(chosen).tags[kind] == "genai_development"

@@ -1,0 +1,23 @@
+"""The installed package set as one hash: what a registered model's environment was.
+
+Kept free of MLflow: the training job computes it on rank 0, where importing MLflow would
+cost every rank a second of start-up.
+"""
+
+import hashlib
+import importlib.metadata
+
+
+def installed_packages() -> list[str]:
+    """'name==version' of every distribution this interpreter can import, sorted."""
+    found = {
+        f"{(dist.metadata['Name'] or '').lower()}=={dist.version}"
+        for dist in importlib.metadata.distributions()
+    }
+    return sorted(found)
+
+
+def package_lock_hash(packages: list[str] | None = None) -> str:
+    """sha256 of the installed package set (`installed_packages()` unless given)."""
+    lines = installed_packages() if packages is None else packages
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()

@@ -1,0 +1,65 @@
+"""Lineage: the dataset as an MLflow dataset input, and the tags a model's runs carry."""
+
+import json
+from pathlib import Path
+
+from mlflow.tracking import MlflowClient
+
+from trainflow.tasks.preprocess.ref import DatasetRef
+from trainflow.tasks.tracking.lineage import Lineage, TrainflowDataset, log_dataset_input
+from trainflow.tasks.tracking.packages import installed_packages, package_lock_hash
+
+
+def _ref(tmp_path: Path) -> DatasetRef:
+    return DatasetRef(
+        path=tmp_path / "ds-abc",
+        content_hash="f" * 64,
+        counts={"train": 80, "val": 10, "test": 10},
+        shape=(1, 28, 28),
+        classes=["a", "b"],
+        mean=[0.1],
+        std=[0.3],
+        cache_key="k",
+    )
+
+
+def test_dataset_input_shows_digest_source_schema_and_profile(tmp_path: Path) -> None:
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    exp = client.create_experiment("e", artifact_location=(tmp_path / "a").as_uri())
+    run_id = client.create_run(exp).info.run_id
+    log_dataset_input(client, run_id, _ref(tmp_path), "training")
+    (logged,) = client.get_run(run_id).inputs.dataset_inputs
+    ds = logged.dataset
+    assert (ds.name, ds.digest, ds.source_type) == ("ds-abc", "f" * 32, "local")
+    assert json.loads(ds.source) == {"uri": str(tmp_path / "ds-abc")}
+    profile = json.loads(ds.profile)
+    counts = {"num_samples": 100, "train": 80, "val": 10, "test": 10}
+    assert profile == {**counts, "classes": ["a", "b"], "content_hash": "f" * 64}
+    spec = json.loads(ds.schema)["mlflow_tensorspec"]
+    features = json.loads(spec["features"])
+    assert features[0]["tensor-spec"] == {"dtype": "float32", "shape": [-1, 1, 28, 28]}
+    assert [(t.key, t.value) for t in logged.tags] == [("mlflow.data.context", "training")]
+
+
+def test_schema_follows_a_ref_that_names_its_sample_dtype(tmp_path: Path) -> None:
+    class TokenRef(DatasetRef):
+        sample_dtype: str = "int64"
+
+    ref = TokenRef(**_ref(tmp_path).model_dump())
+    spec = TrainflowDataset(ref).schema.features.inputs[0]
+    assert str(spec.type) == "int64"
+
+
+def test_lineage_tags_leave_unknown_parts_out() -> None:
+    known = Lineage("d", "c", "h").tags()
+    assert known == {"dataset_hash": "d", "git_commit": "c", "config_hash": "h"}
+    full = Lineage("d", "c", "h", package_lock_hash="p", code_snapshot_hash="s").tags()
+    assert full["package_lock_hash"] == "p" and full["code_snapshot_hash"] == "s"
+
+
+def test_package_lock_hash_names_the_installed_set() -> None:
+    packages = installed_packages()
+    assert any(p.startswith("torch==") for p in packages)
+    assert package_lock_hash() == package_lock_hash(packages)
+    changed = [p for p in packages if not p.startswith("torch==")] + ["torch==0.0.1"]
+    assert package_lock_hash(sorted(changed)) != package_lock_hash()
