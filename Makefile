@@ -37,7 +37,7 @@ lint: setup
 	$(BIN)/ruff format --check .
 
 typecheck: setup
-	$(BIN)/mypy trainflow tests bench
+	$(BIN)/mypy trainflow tests bench examples
 
 unit: setup
 	$(BIN)/python -m pytest tests/unit
