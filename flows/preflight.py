@@ -12,13 +12,16 @@ from trainflow.cluster.dask_slurm_checks import check_dask_workers
 from trainflow.cluster.slurm_checks import check_cluster
 from trainflow.flows.config import PipelineConfig
 from trainflow.tasks.errors import ConfigError
-from trainflow.tasks.preprocess.preflight import preflight_source
+from trainflow.tasks.objectives import check_data
+from trainflow.tasks.preprocess.preflight import preflight_source, probe_spec
 
 
 def preflight(cfg: PipelineConfig) -> None:
     """ConfigError or DataError (what is wrong and the fix) before any expensive work."""
     check_workdir(cfg.workdir)
     preflight_source(cfg.preprocess)
+    spec = probe_spec(cfg.preprocess, cfg.train.objective)
+    check_data(cfg.train.objective, cfg.train.objective_args, spec)  # objective vs data
     check_cluster(cfg.cluster)  # a Slurm request that can never run, or no Slurm to reach
     check_dask_workers(cfg.cluster.dask)  # the same for dask worker jobs
 

@@ -7,6 +7,10 @@ arrays of Python objects, keys, shapes, dtypes, label ranges and class counts. A
 here reports in about a second instead of after the Prefect server and the dask cluster have
 started. What needs every pixel decoded (truncated images, NaN/inf) is still found by the
 preprocess stage itself, on the workers. Messages match the stage's own for the same problem.
+
+`probe_spec` says what the data will look like (a DataSpec) from the same headers; for a
+source plug-in it lists the parts and reads the first one here, so an import error, a raising
+read() or unusable arrays also report before any work starts.
 """
 
 import zipfile
@@ -18,13 +22,22 @@ from PIL import Image, UnidentifiedImageError
 
 from trainflow.tasks.errors import DataError
 from trainflow.tasks.preprocess.config import PreprocessConfig
+from trainflow.tasks.preprocess.dataset import normalisation_of
 from trainflow.tasks.preprocess.npz import _npz_labels
+from trainflow.tasks.preprocess.plugin_source import (
+    classes_of,
+    list_parts,
+    open_source,
+    read_arrays,
+)
 from trainflow.tasks.preprocess.sources import (
     _check_same_size,
     _class_dirs,
     _class_images,
     _npz_files,
 )
+from trainflow.tasks.preprocess.worker_sources import check_headers, list_folder, probe_headers
+from trainflow.tasks.spec import DataSpec
 
 MIN_SAMPLES = 10  # as tasks/preprocess/validate.py: fewer cannot be split into train/val/test
 _ZIP_MAGIC = b"PK\x03\x04"
@@ -49,6 +62,48 @@ def preflight_source(cfg: PreprocessConfig) -> None:
         _check_folder(_required_path(cfg), cfg.image_size)
     elif cfg.source == "npz":
         _check_npz_files(_required_path(cfg))
+
+
+def probe_spec(cfg: PreprocessConfig, objective: str = "classification") -> DataSpec:
+    """What the dataset of cfg will look like, for a model factory and an objective's checks,
+    from headers only (a plug-in: its first part). DataError naming the file or part."""
+    if cfg.is_plugin:
+        return _plugin_spec(cfg, objective)
+    shape, classes = _image_facts(cfg)
+    return DataSpec(tuple(shape), "float32", objective, classes, (), "int64")  # type: ignore[arg-type]
+
+
+def _image_facts(cfg: PreprocessConfig) -> tuple[tuple[int, ...], int]:
+    """(C, H, W) and the class count of a built-in source."""
+    if cfg.source == "mnist":
+        return (1, 28, 28), 10
+    if cfg.source == "synthetic":
+        return tuple(cfg.synthetic_shape), cfg.synthetic_classes
+    path = _required_path(cfg)
+    if cfg.source == "folder":
+        listing = list_folder(path)
+        channels, size = check_headers(listing.files, probe_headers(listing.files), cfg.image_size)
+        return (channels, *size), len(listing.classes)
+    headers = [read_npz_header(f, want_classes=i == 0) for i, f in enumerate(_npz_files(path))]
+    names = headers[0].names
+    return headers[0].shape, len(names) if names else max(int(h.labels.max()) for h in headers) + 1
+
+
+def _plugin_spec(cfg: PreprocessConfig, objective: str) -> DataSpec:
+    """The spec of a source plug-in's first part (the vocabulary: of that part alone)."""
+    plugin = open_source(cfg)
+    x, y = read_arrays(plugin, list_parts(plugin)[0])
+    shape = tuple(x.shape[1:])
+    max_id = int(x.max()) if x.dtype == np.int64 else -1
+    _classes, n = classes_of(plugin, y, max_id)
+    return DataSpec(
+        sample_shape=shape,
+        sample_dtype="int64" if normalisation_of(shape, x.dtype) == "none" else "float32",
+        objective=objective,  # type: ignore[arg-type]
+        num_classes=n,
+        target_shape=tuple(y.shape[1:]),
+        target_dtype=str(y.dtype),
+    )
 
 
 def _required_path(cfg: PreprocessConfig) -> Path:

@@ -1,6 +1,6 @@
 """Config of the training stage: model, optimisation, precision, checkpointing, speed."""
 
-from typing import Literal, Self
+from typing import Any, Literal, Self
 
 from pydantic import Field, model_validator
 
@@ -10,10 +10,18 @@ from trainflow.tasks.base import StrictModel
 class TrainConfig(StrictModel):
     """What to train and how."""
 
-    model: Literal["reference_cnn", "resnet"] = "reference_cnn"
-    """reference_cnn: the founding material's CNN; resnet: a small residual net."""
+    model: Literal["reference_cnn", "resnet", "mlp", "token_conv"] = "reference_cnn"
+    """reference_cnn: the founding material's CNN; resnet: a small residual net (both images);
+    mlp: a multi-layer perceptron over any float input (feature vectors); token_conv: a small
+    causal convolutional net over token ids (sequence objective)."""
     width: int = Field(32, ge=4, le=1024)
-    """Base channel width of the resnet (ignored by reference_cnn)."""
+    """Base channel width of the resnet; hidden width / 2 of mlp and token_conv (ignored by
+    reference_cnn)."""
+    objective: str = "classification"
+    """classification, regression or sequence (trainflow.tasks.objectives), an import path
+    'package.module:Objective' or an entry-point name (group trainflow.objectives)."""
+    objective_args: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of the objective, e.g. {"loss": "l1"} for regression."""
     epochs: int = Field(8, ge=1, le=10_000)
     """Passes over the training split."""
     batch_size: int = Field(64, ge=1, le=65_536)

@@ -1,10 +1,14 @@
-"""The networks training can build: the founding material's CNN and a small ResNet."""
+"""The networks training can build: the founding material's CNN and a small ResNet for
+images, an MLP for feature vectors and a small causal convolutional net for token sequences."""
+
+import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from trainflow.tasks.errors import ConfigError
+from trainflow.tasks.spec import DataSpec
 from trainflow.tasks.train.config import TrainConfig
 
 
@@ -95,9 +99,62 @@ class ResNet(nn.Module):
         return self.fc(torch.flatten(self.pool(x), 1))
 
 
-def build_model(cfg: TrainConfig, shape: tuple[int, int, int], num_classes: int) -> nn.Module:
-    """The network cfg.model names, sized for images of `shape` (C, H, W)."""
-    channels, height, width = shape
+class MLP(nn.Module):
+    """Flatten -> [Linear -> ReLU] x depth -> Linear to the objective's output shape."""
+
+    def __init__(self, spec: DataSpec, hidden: int = 64, depth: int = 2) -> None:
+        super().__init__()
+        self.out_shape = spec.output_shape(1)[1:]
+        layers: list[nn.Module] = [nn.Flatten()]
+        width = math.prod(spec.sample_shape)
+        for _ in range(depth):
+            layers += [nn.Linear(width, hidden), nn.ReLU()]
+            width = hidden
+        layers.append(nn.Linear(width, math.prod(self.out_shape)))
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(batch, *output_shape): logits or values."""
+        return self.net(x).reshape(x.shape[0], *self.out_shape)
+
+
+class TokenConv(nn.Module):
+    """Embedding -> two causal 1-D convolutions (kernel 3, left padding) -> logits per
+    position: position t sees tokens <= t only, so it can learn next-token prediction."""
+
+    def __init__(self, spec: DataSpec, dim: int = 64) -> None:
+        super().__init__()
+        vocab = int(spec.num_classes or 0)
+        self.embed = nn.Embedding(vocab, dim)
+        self.convs = nn.ModuleList(nn.Conv1d(dim, dim, 3) for _ in range(2))
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(batch, T, vocabulary) logits for (batch, T) token ids."""
+        h = self.embed(x).transpose(1, 2)
+        for conv in self.convs:
+            h = h + F.relu(conv(F.pad(h, (2, 0))))
+        return self.head(h.transpose(1, 2))
+
+
+def build_model(
+    cfg: TrainConfig, spec: DataSpec | tuple[int, ...], num_classes: int | None = None
+) -> nn.Module:
+    """The network cfg.model names, sized for the data `spec` describes (or, as before
+    DataSpec, for images of shape `spec` (C, H, W) in `num_classes` classes)."""
+    if not isinstance(spec, DataSpec):
+        spec = DataSpec(tuple(spec), "float32", "classification", num_classes, ())
+    if cfg.model == "mlp":
+        return MLP(spec, hidden=2 * cfg.width)
+    if cfg.model == "token_conv":
+        return TokenConv(spec, dim=2 * cfg.width)
+    if len(spec.sample_shape) != 3:
+        raise ConfigError(
+            f"train.model={cfg.model} takes images (C, H, W), but samples have shape "
+            f"{spec.sample_shape}: use train.model=mlp (features) or token_conv (token ids)"
+        )
+    channels, height, width = spec.sample_shape
+    num_classes = int(spec.num_classes or 0)
     if cfg.model == "reference_cnn":
         return ReferenceCNN(channels, num_classes, height, width)
     return ResNet(channels, num_classes, cfg.width)

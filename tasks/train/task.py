@@ -18,6 +18,7 @@ from trainflow.cluster.restarts import run_with_restarts
 from trainflow.cluster.slurm_checks import check_cluster
 from trainflow.tasks.diskspace import disk_stage
 from trainflow.tasks.errors import JobError
+from trainflow.tasks.preprocess.ref import dataset_spec
 from trainflow.tasks.tracking import backlog
 from trainflow.tasks.tracking.lost_ranks import record_lost_ranks
 from trainflow.tasks.tracking.slurm_logs import record_job_accounting
@@ -38,7 +39,7 @@ def train_task(
     """
     logger = get_run_logger()
     # Model/data mismatches (e.g. images too small) fail here, before anything is queued.
-    model = build_model(spec.train, spec.dataset.shape, len(spec.dataset.classes))
+    model = build_model(spec.train, dataset_spec(spec.dataset, spec.train.objective))
     # A checkpoint holds weights and two Adam moments; two of them and best.pt may coexist.
     need = 4 * sum(p.numel() for p in model.parameters()) * 7
     check_cluster(cluster)
@@ -60,7 +61,7 @@ def train_array_task(
     """Train every spec as one job array; per element its checkpoint or its error text."""
     logger = get_run_logger()
     for spec in specs:
-        build_model(spec.train, spec.dataset.shape, len(spec.dataset.classes))
+        build_model(spec.train, dataset_spec(spec.dataset, spec.train.objective))
     check_cluster(cluster)
     executor = make_executor(cluster, job_dir)
     jobs = executor.map_array(ArrayTrainingJob(), specs)
