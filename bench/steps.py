@@ -10,6 +10,7 @@ from contextlib import contextmanager
 
 import torch
 
+from trainflow.tasks.objectives.classification import Classification
 from trainflow.tasks.spec import image_classification
 from trainflow.tasks.train.config import TrainConfig
 from trainflow.tasks.train.data import Split, rank_batches
@@ -30,6 +31,7 @@ def trainer_for(cfg: TrainConfig, samples: int = 4096) -> Iterator[tuple[Trainer
             resolve_precision(cfg.precision, dist.device).make_scaler(),
             resolve_precision(cfg.precision, dist.device),
             dist,
+            Classification(image_classification((1, 28, 28), 10)),
             cfg.lr,
             10**9,
         )

@@ -150,7 +150,7 @@ def _print_summary(summary: object, cfg: PipelineConfig) -> None:
         version = f"{summary.registered_model} v{summary.model_version} ({state})"
     print(
         "\n== trainflow summary ==\n"
-        f"test accuracy   {summary.test_accuracy:.4f}\n"
+        f"{summary.headline.replace('_', ' '):<15} {summary.headline_value:.4f}\n"
         f"experiment      {summary.experiment}\n"
         f"parent run id   {summary.parent_run_id}\n"
         f"tracking URI    {summary.tracking_uri}\n"

@@ -37,7 +37,9 @@ class PipelineSummary(BaseModel):
 
     model_config = ConfigDict(frozen=True)
 
-    test_accuracy: float
+    headline: str
+    """The objective's headline test metric (test_accuracy, test_r2, test_perplexity)."""
+    headline_value: float
     experiment: str
     parent_run_id: str
     tracking_uri: str
@@ -51,6 +53,11 @@ class PipelineSummary(BaseModel):
     """The registered version of this run's model."""
     champion: bool = False
     """Whether that version holds the champion alias now."""
+
+    @property
+    def test_accuracy(self) -> float:
+        """Test accuracy (classification runs; NaN for other objectives)."""
+        return self.headline_value if self.headline == "test_accuracy" else float("nan")
 
 
 @contextmanager
@@ -78,7 +85,7 @@ def run_pipeline(cfg: PipelineConfig) -> PipelineSummary:
     t: dict[str, float] = {}
     with runs.parent(flatten(cfg)):
         runs.tag(runs.parent_id, {"config_hash": config_hash(cfg)})
-        code = snapshot_code(runs, user_modules(model), run_dir / "jobs")
+        code = snapshot_code(runs, user_modules(cfg, model), run_dir / "jobs")
         paths = code.paths if code else []
         code_hash = code.sha256 if code else None
         dataset, cached = preprocess_stage(runs, cfg, t, paths)
@@ -182,8 +189,9 @@ def evaluate_stage(
             cfg.evaluate, cfg.train, dataset, ckpt, runs.tracking_uri, run_id, tags
         )
     seconds = {f"seconds_{k}": v for k, v in t.items()}
-    runs.log_summary(runs.parent_id, {"test_accuracy": result.test_accuracy, **seconds})
-    get_run_logger().info("test accuracy %.4f (stage seconds: %s)", result.test_accuracy, t)
+    runs.log_summary(runs.parent_id, {result.headline: result.headline_value, **seconds})
+    words = result.headline.replace("_", " ")
+    get_run_logger().info("%s %.4f (stage seconds: %s)", words, result.headline_value, t)
     return result
 
 
@@ -200,11 +208,12 @@ def summarize(
     create_markdown_artifact(
         summary_markdown(runs.experiment, link, dataset, result, t) + stages,
         key="trainflow-summary",
-        description="test accuracy, dataset hash, model version and MLflow run of this run",
+        description="headline test metric, dataset hash, model version and MLflow run",
     )
     reg = result.registry
     return PipelineSummary(
-        test_accuracy=result.test_accuracy,
+        headline=result.headline,
+        headline_value=result.headline_value,
         experiment=runs.experiment,
         parent_run_id=runs.parent_id,
         tracking_uri=runs.tracking_uri,

@@ -14,7 +14,10 @@ from trainflow.cluster.slurm_checks import check_cluster
 from trainflow.cluster.snapshot import plan_snapshot
 from trainflow.flows.config import PipelineConfig
 from trainflow.tasks.errors import ConfigError
-from trainflow.tasks.preprocess.preflight import probe_spec
+from trainflow.tasks.objectives import check_data
+from trainflow.tasks.plugins import resolve
+from trainflow.tasks.preprocess.plugin_source import GROUP as SOURCE_GROUP
+from trainflow.tasks.preprocess.preflight import preflight_source, probe_spec
 from trainflow.tasks.train.model_plugins import ModelReport, check_model
 
 
@@ -22,16 +25,26 @@ def preflight(cfg: PipelineConfig) -> ModelReport:
     """ConfigError or DataError (what is wrong and the fix) before any expensive work; what
     the model check found (built on the meta device: nothing allocated)."""
     check_workdir(cfg.workdir)
-    model = check_model(cfg.train, probe_spec(cfg.preprocess))
-    plan_snapshot(user_modules(model))  # a code folder too big to snapshot
+    preflight_source(cfg.preprocess)
+    spec = probe_spec(cfg.preprocess, cfg.train.objective)
+    check_data(cfg.train.objective, cfg.train.objective_args, spec)  # objective vs data
+    model = check_model(cfg.train, spec)
+    plan_snapshot(user_modules(cfg, model))  # a code folder too big to snapshot
     check_cluster(cfg.cluster)  # a Slurm request that can never run, or no Slurm to reach
     check_dask_workers(cfg.cluster.dask)  # the same for dask worker jobs
     return model
 
 
-def user_modules(model: ModelReport) -> list[str]:
-    """The modules of the user's plug-ins whose code the run snapshots (cluster.snapshot)."""
-    return [model.module]
+def user_modules(cfg: PipelineConfig, model: ModelReport) -> list[str]:
+    """The modules of the user's plug-ins (model, data source) whose code the run snapshots
+    (cluster.snapshot)."""
+    modules = [model.module]
+    if cfg.preprocess.is_plugin:
+        source = resolve(
+            cfg.preprocess.source, setting="preprocess.source", group=SOURCE_GROUP, builtins={}
+        )
+        modules.append(source.target.partition(":")[0])
+    return modules
 
 
 def check_workdir(workdir: Path) -> None:

@@ -33,6 +33,9 @@ class DataSpec:
     target_shape: tuple[int, ...]
     """Shape of one target: () for a class or a scalar, (k,) for k regression outputs, (T,) for
     per-position classes."""
+    target_dtype: str = "int64"
+    """dtype of the targets as stored: "int64" (classes, ids per position) or "float32"
+    (values): what an objective checks the data against."""
 
     def output_shape(self, batch: int) -> tuple[int, ...]:
         """The shape a model's output must have for a batch of `batch` samples."""

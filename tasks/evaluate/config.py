@@ -1,7 +1,6 @@
 """Config of the evaluation stage."""
 
 import re
-from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -31,8 +30,10 @@ class EvaluateConfig(StrictModel):
     champion_alias: str = "champion"
     """Alias moved to the new version only when its champion_metric strictly beats the current
     holder's (a tie keeps the current champion). Serve `models:/<registered_model>@<alias>`."""
-    champion_metric: Literal["test_accuracy", "test_macro_f1"] = "test_accuracy"
-    """Test metric that decides the champion (higher is better)."""
+    champion_metric: str | None = None
+    """Test metric that decides the champion, in its objective's direction (higher accuracy or
+    R², lower loss, RMSE or perplexity). None: the objective's headline (test_accuracy,
+    test_r2, test_perplexity)."""
 
     @field_validator("registered_model")
     @classmethod

@@ -1,4 +1,5 @@
-"""Figures people would rather look at than read: confusion matrix and training curves."""
+"""Figures people would rather look at than read: confusion matrix, training curves,
+predicted-vs-true and residuals (regression), token accuracy by position (sequence)."""
 
 import matplotlib
 
@@ -31,11 +32,11 @@ def confusion_figure(cm: np.ndarray, classes: list[str]) -> Figure:
     return fig
 
 
-def curves_figure(history: list[dict[str, float]]) -> Figure:
-    """Loss and accuracy per epoch, train against validation."""
+def curves_figure(history: list[dict[str, float]], metric: str = "accuracy") -> Figure:
+    """Loss and `metric` (the objective's headline) per epoch, train against validation."""
     epochs = [int(h["epoch"]) for h in history]
     fig, (loss_ax, acc_ax) = plt.subplots(1, 2, figsize=(10, 4))
-    for key, ax in (("loss", loss_ax), ("accuracy", acc_ax)):
+    for key, ax in (("loss", loss_ax), (metric, acc_ax)):
         for split in ("train", "val"):
             name = f"{split}_{key}"
             if all(name in h for h in history):
@@ -52,3 +53,44 @@ def curves_figure(history: list[dict[str, float]]) -> Figure:
 def close(fig: Figure) -> None:
     """Free a figure's memory (pyplot keeps references otherwise)."""
     plt.close(fig)
+
+
+def predicted_vs_true_figure(pred: np.ndarray, true: np.ndarray) -> Figure:
+    """Scatter of predictions against targets, with the identity line."""
+    fig, ax = plt.subplots(figsize=(5, 5))
+    ax.scatter(true, pred, s=4, alpha=0.4)
+    if len(true):
+        low, high = float(min(true.min(), pred.min())), float(max(true.max(), pred.max()))
+        ax.plot([low, high], [low, high], color="black", linewidth=1)
+    ax.set_xlabel("true")
+    ax.set_ylabel("predicted")
+    ax.set_title(f"Predicted vs true (test, {len(true)} values)")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+def residual_figure(residuals: np.ndarray) -> Figure:
+    """Histogram of prediction minus target."""
+    fig, ax = plt.subplots(figsize=(6, 4))
+    low, high = (float(residuals.min()), float(residuals.max())) if len(residuals) else (0, 0)
+    if high - low < 1e-6 * (1.0 + abs(high)):  # (near) constant: 50 bins would not fit
+        low, high = low - 0.5, high + 0.5
+    ax.hist(residuals, bins=50, range=(low, high))
+    ax.set_xlabel("predicted - true")
+    ax.set_ylabel("count")
+    ax.set_title(f"Residuals (test, {len(residuals)} values)")
+    fig.tight_layout()
+    return fig
+
+
+def per_position_figure(accuracy: list[float]) -> Figure:
+    """Token accuracy at each position of the sequence."""
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(range(len(accuracy)), accuracy, marker=".")
+    ax.set_xlabel("position")
+    ax.set_ylabel("token accuracy")
+    ax.set_title("Token accuracy by position (test)")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig

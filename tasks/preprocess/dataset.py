@@ -1,8 +1,10 @@
 """Readers of a written dataset (manifest.json plus .npy shards), for training and evaluation.
 
-Shards hold the raw pixels (uint8 for image sources, float32 for float sources), not normalised:
-readers normalise with the manifest's mean and std, `normalise` below, at batch time. That keeps
-shards 4x smaller for image data, on disk and on every read.
+Shards hold the raw inputs (uint8 pixels, float32 values, int64 token ids), not normalised:
+readers normalise with the manifest's mean and std, `normalise` below, at batch time (per channel
+for images, per feature for feature vectors, not at all for token ids: the manifest's
+`normalisation` says which). That keeps shards 4x smaller for image data, on disk and on every
+read. Targets are int64 classes (N,), int64 ids per position (N, T) or float32 values (N, ...).
 
 Only a folder whose manifest.json parses and names existing shards is trusted: writers build
 datasets in a temporary folder and rename it into place, so a half-written one has no manifest.
@@ -16,7 +18,7 @@ import numpy as np
 
 from trainflow.tasks.errors import DataError
 from trainflow.tasks.hashing import sha256_file
-from trainflow.tasks.preprocess.ref import DatasetRef
+from trainflow.tasks.preprocess.ref import DatasetRef, Normalisation
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 2
@@ -43,6 +45,12 @@ def read_manifest(path: Path) -> DatasetRef:
             mean=manifest["mean"],
             std=manifest["std"],
             cache_key=manifest["cache_key"],
+            # Absent in manifests written before any sample shape was allowed: images.
+            sample_dtype=manifest["dtype"]["x"],
+            target_shape=tuple(manifest.get("target_shape", ())),
+            target_dtype=manifest["dtype"].get("y", "int64"),
+            num_classes=manifest.get("num_classes"),
+            normalisation=manifest.get("normalisation", "per_channel"),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise DataError(f"invalid dataset manifest {str(path / MANIFEST)!r}: {exc}") from exc
@@ -76,20 +84,34 @@ def _all_shards(manifest: dict[str, Any], file: Path) -> list[dict[str, Any]]:
         raise DataError(f"dataset manifest {str(file)!r} has no valid shard list") from exc
 
 
-def normaliser(mean: list[float], std: list[float]) -> tuple[np.ndarray, np.ndarray]:
-    """(shift, scale) float32 arrays of shape (1, C, 1, 1): x_norm = (x - shift) * scale.
+def normalisation_of(shape: tuple[int, ...], dtype: np.dtype) -> Normalisation:
+    """What a dataset of samples of `shape` and `dtype` is normalised with: none for integer
+    token ids (any integer dtype but uint8, which means pixels), per_feature for feature
+    vectors (F,), per_channel (axis 1 of each sample) for anything with more axes."""
+    if np.issubdtype(dtype, np.integer) and dtype != np.uint8:
+        return "none"
+    return "per_feature" if len(shape) == 1 else "per_channel"
+
+
+def normaliser(mean: list[float], std: list[float], ndim: int = 4) -> tuple[np.ndarray, np.ndarray]:
+    """(shift, scale) float32 arrays broadcasting over batches of `ndim` axes along axis 1
+    ((1, C, 1, 1) for images, (1, F) for features): x_norm = (x - shift) * scale.
 
     The one formula every reader uses (NumPy here, torch at batch time), so all paths give the
     same float32 values.
     """
-    shift = np.asarray(mean, np.float64).reshape(1, -1, 1, 1).astype(np.float32)
-    scale = (1.0 / np.asarray(std, np.float64)).reshape(1, -1, 1, 1).astype(np.float32)
+    shape = (1, -1, *([1] * (ndim - 2)))
+    shift = np.asarray(mean, np.float64).reshape(shape).astype(np.float32)
+    scale = (1.0 / np.asarray(std, np.float64)).reshape(shape).astype(np.float32)
     return shift, scale
 
 
 def normalise(x: np.ndarray, mean: list[float], std: list[float]) -> np.ndarray:
-    """Raw images (N, C, H, W) as normalised float32 (a new array)."""
-    shift, scale = normaliser(mean, std)
+    """Raw samples (N, C, ...) as normalised float32 (a new array); with no statistics
+    (normalisation none: token ids) the samples as they are."""
+    if not mean:
+        return x
+    shift, scale = normaliser(mean, std, x.ndim)
     out = x.astype(np.float32)
     out -= shift
     out *= scale
@@ -107,19 +129,20 @@ def split_shards(path: Path, split: Split, verify: bool = False) -> list[dict[st
 
 
 def load_raw_split(path: Path, split: Split, verify: bool = False) -> tuple[np.ndarray, np.ndarray]:
-    """Raw images (N, C, H, W) as stored (uint8 or float32) and labels (N,) int64, in memory."""
+    """Raw inputs (N, ...) as stored and targets (N, ...), in memory."""
     shards = split_shards(path, split, verify)
     if not shards:
         manifest = load_manifest(path)
         shape = (0, *manifest["shape"])
-        return np.empty(shape, manifest["dtype"]["x"]), np.empty((0,), np.int64)
+        y_shape = (0, *manifest.get("target_shape", ()))
+        return np.empty(shape, manifest["dtype"]["x"]), np.empty(y_shape, manifest["dtype"]["y"])
     images = np.concatenate([open_npy(path / s["x"]) for s in shards])
     labels = np.concatenate([open_npy(path / s["y"]) for s in shards])
     return np.ascontiguousarray(images), np.ascontiguousarray(labels)
 
 
 def load_split(path: Path, split: Split, verify: bool = False) -> tuple[np.ndarray, np.ndarray]:
-    """Normalised images (N, C, H, W) float32 and labels (N,) int64 of one split, in memory.
+    """Normalised inputs (N, ...) (token ids as stored) and targets of one split, in memory.
 
     For small splits (evaluation, benchmarks); training streams (tasks.train.streaming).
     verify=True checks each shard's sha256 against the manifest first (DataError on mismatch).

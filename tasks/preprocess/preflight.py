@@ -7,6 +7,10 @@ arrays of Python objects, keys, shapes, dtypes, label ranges and class counts. A
 here reports in about a second instead of after the Prefect server and the dask cluster have
 started. What needs every pixel decoded (truncated images, NaN/inf) is still found by the
 preprocess stage itself, on the workers. Messages match the stage's own for the same problem.
+
+`probe_spec` says what the data will look like (a DataSpec) from the same headers; for a
+source plug-in it lists the parts and reads the first one here, so an import error, a raising
+read() or unusable arrays also report before any work starts.
 """
 
 import zipfile
@@ -18,15 +22,22 @@ from PIL import Image, UnidentifiedImageError
 
 from trainflow.tasks.errors import DataError
 from trainflow.tasks.preprocess.config import PreprocessConfig
+from trainflow.tasks.preprocess.dataset import normalisation_of
 from trainflow.tasks.preprocess.npz import _npz_labels
+from trainflow.tasks.preprocess.plugin_source import (
+    classes_of,
+    list_parts,
+    open_source,
+    read_arrays,
+)
 from trainflow.tasks.preprocess.sources import (
-    _GRAY_MODES,
     _check_same_size,
     _class_dirs,
     _class_images,
     _npz_files,
 )
-from trainflow.tasks.spec import DataSpec, image_classification
+from trainflow.tasks.preprocess.worker_sources import check_headers, list_folder, probe_headers
+from trainflow.tasks.spec import DataSpec
 
 MIN_SAMPLES = 10  # as tasks/preprocess/validate.py: fewer cannot be split into train/val/test
 _ZIP_MAGIC = b"PK\x03\x04"
@@ -45,27 +56,54 @@ class ArrayHeader:
     dtype: np.dtype
 
 
-MNIST_SHAPE = (1, 28, 28)
-"""The bundled MNIST's image shape (and it has 10 classes): known without parsing it."""
-
-
 def preflight_source(cfg: PreprocessConfig) -> None:
     """DataError naming the file and the fix when cfg's raw data is unusable on its face."""
-    probe_spec(cfg)
-
-
-def probe_spec(cfg: PreprocessConfig) -> DataSpec:
-    """What the model will be told about cfg's data, from the headers preflight_source checks
-    (no pixel read); DataError naming the file and the fix when the data is unusable."""
     if cfg.source == "folder":
-        shape, classes = _check_folder(_required_path(cfg), cfg.image_size)
+        _check_folder(_required_path(cfg), cfg.image_size)
     elif cfg.source == "npz":
-        shape, classes = _check_npz_files(_required_path(cfg))
-    elif cfg.source == "mnist":
-        shape, classes = MNIST_SHAPE, 10
-    else:
-        shape, classes = cfg.synthetic_shape, cfg.synthetic_classes
-    return image_classification(shape, classes)
+        _check_npz_files(_required_path(cfg))
+
+
+def probe_spec(cfg: PreprocessConfig, objective: str = "classification") -> DataSpec:
+    """What the dataset of cfg will look like, for a model factory and an objective's checks,
+    from headers only (a plug-in: its first part). DataError naming the file or part."""
+    if cfg.is_plugin:
+        return _plugin_spec(cfg, objective)
+    shape, classes = _image_facts(cfg)
+    return DataSpec(tuple(shape), "float32", objective, classes, (), "int64")  # type: ignore[arg-type]
+
+
+def _image_facts(cfg: PreprocessConfig) -> tuple[tuple[int, ...], int]:
+    """(C, H, W) and the class count of a built-in source."""
+    if cfg.source == "mnist":
+        return (1, 28, 28), 10
+    if cfg.source == "synthetic":
+        return tuple(cfg.synthetic_shape), cfg.synthetic_classes
+    path = _required_path(cfg)
+    if cfg.source == "folder":
+        listing = list_folder(path)
+        channels, size = check_headers(listing.files, probe_headers(listing.files), cfg.image_size)
+        return (channels, *size), len(listing.classes)
+    headers = [read_npz_header(f, want_classes=i == 0) for i, f in enumerate(_npz_files(path))]
+    names = headers[0].names
+    return headers[0].shape, len(names) if names else max(int(h.labels.max()) for h in headers) + 1
+
+
+def _plugin_spec(cfg: PreprocessConfig, objective: str) -> DataSpec:
+    """The spec of a source plug-in's first part (the vocabulary: of that part alone)."""
+    plugin = open_source(cfg)
+    x, y = read_arrays(plugin, list_parts(plugin)[0])
+    shape = tuple(x.shape[1:])
+    max_id = int(x.max()) if x.dtype == np.int64 else -1
+    _classes, n = classes_of(plugin, y, max_id)
+    return DataSpec(
+        sample_shape=shape,
+        sample_dtype="int64" if normalisation_of(shape, x.dtype) == "none" else "float32",
+        objective=objective,  # type: ignore[arg-type]
+        num_classes=n,
+        target_shape=tuple(y.shape[1:]),
+        target_dtype=str(y.dtype),
+    )
 
 
 def _required_path(cfg: PreprocessConfig) -> Path:
@@ -79,50 +117,42 @@ def _required_path(cfg: PreprocessConfig) -> Path:
 # --- folder ---------------------------------------------------------------------------------
 
 
-def _check_folder(root: Path, image_size: tuple[int, int] | None) -> tuple[tuple[int, ...], int]:
-    """Class folders with images whose headers say they are images of one size; the (C, H, W)
-    the stage will make of them and the number of classes."""
+def _check_folder(root: Path, image_size: tuple[int, int] | None) -> None:
+    """Class folders with images whose headers say they are images of one size."""
     classes = _class_dirs(root)
     first: tuple[Path, tuple[int, ...]] | None = None
     count = 0
-    colour = False
     for class_dir in classes:
         files = _class_images(class_dir)
         for file in files:
-            size, gray = _image_size(file)
-            colour = colour or not gray
+            size = _image_size(file)
             first = first or (file, size)
             if image_size is None:
                 _check_same_size(file, size, first)
         count += len(files)
     _check_count(count, str(root))  # in the stage's order: counts, then classes
     _check_classes([c.name for c in classes], str(root))
-    height, width = image_size or (first[1] if first else (0, 0))
-    return (3 if colour else 1, height, width), len(classes)
 
 
-def _image_size(file: Path) -> tuple[tuple[int, int], bool]:
-    """(height, width) from the image's header and whether the stage reads it as grayscale;
-    DataError for empty or non-image files."""
+def _image_size(file: Path) -> tuple[int, int]:
+    """(height, width) from the image's header; DataError for empty or non-image files."""
     if file.stat().st_size == 0:
         raise DataError(f"image file {str(file)!r} is empty (0 bytes): remove or replace it")
     try:
         with Image.open(file) as img:  # lazy: reads the header, decodes nothing
             width, height = img.size
-            gray = img.mode in _GRAY_MODES
     except (OSError, SyntaxError, ValueError, UnidentifiedImageError) as exc:
         raise DataError(
             f"cannot read image {str(file)!r} (corrupt or not an image): {exc}"
         ) from exc
-    return (height, width), gray
+    return height, width
 
 
 # --- npz ------------------------------------------------------------------------------------
 
 
-def _check_npz_files(path: Path) -> tuple[tuple[int, ...], int]:
-    """Every .npz file: an archive of numeric 'images' and integer 'labels' that agree; their
-    (C, H, W) and the number of classes."""
+def _check_npz_files(path: Path) -> None:
+    """Every .npz file: an archive of numeric 'images' and integer 'labels' that agree."""
     files = _npz_files(path)
     first_shape: tuple[Path, tuple[int, ...]] | None = None
     classes: list[str] | None = None
@@ -152,7 +182,6 @@ def _check_npz_files(path: Path) -> tuple[tuple[int, ...], int]:
     empty = [names[i] for i in np.flatnonzero(counts == 0)]
     if empty:
         raise DataError(f"{path}: classes without any sample: {empty[:10]}")
-    return first_shape[1] if first_shape else (), len(names)
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,8 @@ class RawData:
     """(N,) int64, each in range(len(classes))."""
     classes: list[str]
     """Class names; label i is classes[i]."""
+    num_classes: int | None = None
+    """Vocabulary size of per-position integer targets (None: len(classes) or float)."""
 
 
 class LazyImages(Protocol):
@@ -71,14 +73,20 @@ class LazyImages(Protocol):
 
 @dataclass(frozen=True)
 class RawSource:
-    """Raw samples as the preprocess stage reads them: lazy except for in-memory sources."""
+    """Raw samples as the preprocess stage reads them: lazy except for in-memory sources.
+
+    Built-in sources give images and class labels; source plug-ins any sample shape and
+    targets (tasks.preprocess.plugin_source)."""
 
     images: "np.ndarray | LazyImages"
-    """(N, C, H, W), uint8 or float32, in memory, on disk or generated on demand."""
+    """Inputs (N, ...): (N, C, H, W) uint8 or float32 images, (N, F) float32 features or
+    (N, T) int64 token ids; in memory, on disk or generated on demand."""
     labels: np.ndarray
-    """(N,) int64, each in range(len(classes))."""
+    """Targets (N, ...): int64 classes (N,), int64 ids per position (N, T), float32 values."""
     classes: list[str]
-    """Class names; label i is classes[i]."""
+    """Class names; label i is classes[i] (empty for float targets or unnamed ids)."""
+    num_classes: int | None = None
+    """Classes or vocabulary size (None: len(classes); float targets: None)."""
 
 
 def load_source(cfg: PreprocessConfig) -> RawSource:
@@ -102,7 +110,12 @@ def load_raw(cfg: PreprocessConfig) -> RawData:
 
 
 def fingerprint(cfg: PreprocessConfig) -> str:
-    """sha256 hex of the raw content: changes whenever any input byte changes."""
+    """sha256 hex of the raw content: changes whenever any input byte changes (for a source
+    plug-in: whenever any part's own fingerprint changes)."""
+    if cfg.is_plugin:
+        from trainflow.tasks.preprocess.plugin_source import plugin_fingerprint
+
+        return plugin_fingerprint(cfg)
     digest = hashlib.sha256(f"{_FINGERPRINT_VERSION}\n{cfg.source}\n".encode())
     if cfg.source == "mnist":
         raw = _load_mnist(cfg)

@@ -9,22 +9,40 @@ MIN_SAMPLES = 10
 _CHECK_ROWS = 4096  # rows per finiteness check: bounded temporaries at any data size
 
 
-def validate_raw(raw: RawData | RawSource, origin: str) -> None:
-    """Raise DataError (prefixed with origin) unless raw is a usable labelled image set."""
-    _check_shapes(raw, origin)
+def validate_raw(raw: RawData | RawSource, origin: str, images: bool = True) -> None:
+    """Raise DataError (prefixed with origin) unless raw is a usable data set.
+
+    images=True (the built-in sources): (N, C, H, W) inputs and class labels. Else (source
+    plug-ins) inputs of any sample shape and targets that are classes (N,), ids per position
+    (N, T) or floats of any shape; float targets were checked finite by the workers.
+    """
+    _check_shapes(raw, origin, images)
     _check_values(raw, origin)
-    _check_labels(raw, origin)
+    if images or is_class_labels(raw.labels):
+        _check_labels(raw, origin)
+    elif np.issubdtype(raw.labels.dtype, np.integer):
+        _check_ids(raw, origin)
 
 
-def _check_shapes(raw: RawData | RawSource, origin: str) -> None:
-    if raw.images.ndim != 4:
+def is_class_labels(targets: np.ndarray) -> bool:
+    """True for one integer class per sample: (N,) integers."""
+    return targets.ndim == 1 and np.issubdtype(targets.dtype, np.integer)
+
+
+def _check_shapes(raw: RawData | RawSource, origin: str, images: bool) -> None:
+    if images and raw.images.ndim != 4:
         raise DataError(f"{origin}: images have shape {raw.images.shape}; expected (N, C, H, W)")
-    if raw.labels.ndim != 1 or len(raw.labels) != len(raw.images):
+    if raw.images.ndim < 2:
         raise DataError(
-            f"{origin}: {len(raw.images)} images but labels of shape {raw.labels.shape}"
+            f"{origin}: inputs have shape {raw.images.shape}; expected (N, ...) with at least "
+            "one axis per sample, e.g. (N, F) features: reshape scalars to (N, 1)"
         )
+    if (images and raw.labels.ndim != 1) or len(raw.labels) != len(raw.images):
+        what = "images but labels" if images else "samples but targets"
+        raise DataError(f"{origin}: {len(raw.images)} {what} of shape {raw.labels.shape}")
     if min(raw.images.shape[1:]) < 1:
-        raise DataError(f"{origin}: images have an empty dimension: {raw.images.shape}")
+        what = "images" if images else "samples"
+        raise DataError(f"{origin}: {what} have an empty dimension: {raw.images.shape}")
     if len(raw.images) < MIN_SAMPLES:
         raise DataError(
             f"{origin}: only {len(raw.images)} samples; at least {MIN_SAMPLES} are needed "
@@ -54,6 +72,17 @@ def _first_nonfinite(images: np.ndarray) -> int | None:
         if len(bad):
             return start + int(bad[0])
     return None
+
+
+def _check_ids(raw: RawData | RawSource, origin: str) -> None:
+    """Integer targets per position: ids in [0, num_classes)."""
+    low, high = int(raw.labels.min()), int(raw.labels.max())
+    n = raw.num_classes or high + 1
+    if low < 0 or high >= n:
+        raise DataError(
+            f"{origin}: target ids range over [{low}, {high}] but the vocabulary has {n} "
+            f"entries (ids must lie in [0, {n - 1}])"
+        )
 
 
 def _check_labels(raw: RawData | RawSource, origin: str) -> None:

@@ -139,7 +139,7 @@ def write_shards(
             raw = _raw_blocks(images, shard.rows, xp)
             blocks = _with_moments(raw, xp, add) if moments else map(to_numpy, raw)
             x_sha = _write_npy(out / x_name, x_shape, np.dtype(images.dtype), blocks, flusher)
-            labels = np.ascontiguousarray(shard.labels, dtype=np.int64)
+            labels = np.ascontiguousarray(shard.labels)  # int64 classes/ids or float32
             y_sha = _write_npy(out / y_name, labels.shape, labels.dtype, iter([labels]), flusher)
             entries.append(
                 {"x": x_name, "y": y_name, "n": len(labels), "x_sha256": x_sha, "y_sha256": y_sha}

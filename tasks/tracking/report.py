@@ -54,8 +54,12 @@ def summary_markdown(
         "",
         "| | |",
         "|---|---|",
-        f"| test accuracy | **{result.test_accuracy:.4f}** |",
-        f"| macro F1 | {result.metrics.get('test_macro_f1', float('nan')):.4f} |",
+        f"| {result.headline.replace('_', ' ')} | **{result.headline_value:.4f}** |",
+        *[
+            f"| macro F1 | {v:.4f} |"
+            for v in [result.metrics.get("test_macro_f1")]
+            if v is not None
+        ],
         f"| dataset hash | `{dataset.content_hash[:16]}` ({samples} samples) |",
         f"| model | `{result.model_uri or 'not logged'}` |",
         f"| registered version | {registered_text(result.registry)} |",
@@ -64,6 +68,12 @@ def summary_markdown(
         f"| MLflow run | [{link}]({link}) |",
     ]
     return "\n".join(lines) + "\n"
+
+
+def _macro_f1_line(result: EvalResult) -> list[str]:
+    """The macro F1 row, for objectives that have one (classification)."""
+    f1 = result.metrics.get("test_macro_f1")
+    return [] if f1 is None else [f"| macro F1 | {f1:.4f} |"]
 
 
 def registered_text(reg: RegistryResult | None) -> str:

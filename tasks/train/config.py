@@ -12,14 +12,20 @@ class TrainConfig(StrictModel):
 
     model: str = Field("reference_cnn", min_length=1)
     """The model factory: a built-in (reference_cnn: the founding material's CNN; resnet: a
-    small residual net), an import path 'package.module:factory', or a name an installed
-    package registers under the entry-point group 'trainflow.models'
-    (trainflow.tasks.train.model_plugins)."""
+    small residual net, both for images; mlp: a multi-layer perceptron over any float input;
+    token_conv: a small causal convolutional net over token ids), an import path
+    'package.module:factory', or a name an installed package registers under the entry-point
+    group 'trainflow.models' (trainflow.tasks.train.model_plugins)."""
     model_args: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments of the factory, a JSON object: --set train.model_args='{"depth":4}'."""
     width: int | None = Field(None, ge=4, le=1024)
     """Shorthand of model_args.width, passed to factories that take a `width` argument (the
     resnet's base channel width, 32 when unset; reference_cnn takes none)."""
+    objective: str = "classification"
+    """classification, regression or sequence (trainflow.tasks.objectives), an import path
+    'package.module:Objective' or an entry-point name (group trainflow.objectives)."""
+    objective_args: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of the objective, e.g. {"loss": "l1"} for regression."""
     epochs: int = Field(8, ge=1, le=10_000)
     """Passes over the training split."""
     batch_size: int = Field(64, ge=1, le=65_536)

@@ -19,7 +19,7 @@ import torch
 
 from trainflow.tasks.errors import ConfigError
 from trainflow.tasks.preprocess.dataset import load_raw_split, read_manifest
-from trainflow.tasks.train.normalise import Normaliser
+from trainflow.tasks.train.normalise import Normaliser, normaliser_of
 from trainflow.tasks.train.prefetch import Batch, Prefetcher
 from trainflow.tasks.train.streaming import ShardRows, StreamedSplit
 
@@ -58,9 +58,9 @@ class Split:
     """One split's samples and labels, on the device or in host memory."""
 
     x: torch.Tensor
-    """(N, C, H, W) samples: raw uint8/float32 (with `normaliser`), or already normalised."""
+    """(N, ...) samples: raw (with `normaliser`), already normalised, or token ids."""
     y: torch.Tensor
-    """int64 (N,) class labels."""
+    """(N, ...) targets: int64 classes or ids per position, or float32 values."""
     normaliser: Normaliser | None = None
     """Applied to every batch on its device; None for samples already normalised."""
     _prefetchers: dict[tuple[torch.device, int], Prefetcher] = field(
@@ -200,16 +200,17 @@ def load_split_to(
     only the prefetcher's two staging buffers are. A streamed split reads nothing here.
     """
     ref = read_manifest(path)
+    channels_last = channels_last and len(ref.shape) == 3  # images only
     rows = ShardRows(path, split, channels_last)
     nbytes = len(rows) * (rows.dtype.itemsize * int(torch.tensor(ref.shape).prod()) + 8)
     on_device = place_on_device(placement, device, nbytes)
+    normaliser = normaliser_of(ref)
     if placement == "stream" or (placement == "auto" and not on_device):
-        return StreamedSplit(rows, ref.mean, ref.std)
+        return StreamedSplit(rows, normaliser)
     x_np, y_np = load_raw_split(path, split)
     x, y = torch.from_numpy(x_np), torch.from_numpy(y_np)
     if channels_last:
         x = x.contiguous(memory_format=torch.channels_last)
-    normaliser = Normaliser.of(ref.mean, ref.std)
     if on_device:
         return Split(x.to(device), y.to(device), normaliser)
     return Split(x, y, normaliser)

@@ -19,7 +19,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from trainflow.cluster.snapshot import code_first
 from trainflow.tasks.errors import ConfigError
 from trainflow.tasks.hashing import sha256_file
+from trainflow.tasks.objectives import Objective, is_better, make_objective
 from trainflow.tasks.preprocess.ref import DatasetRef, dataset_spec
+from trainflow.tasks.spec import DataSpec
 from trainflow.tasks.tracking.handed import handed_through
 from trainflow.tasks.tracking.logger import MetricLogger, make_logger
 from trainflow.tasks.tracking.packages import package_lock_hash
@@ -112,6 +114,7 @@ class Progress:
     step: int = 0
     history: list[dict[str, float]] = field(default_factory=list)
     best_metric: float = -1.0
+    """The objective's selection metric (val_<select>) of the best epoch so far."""
     best_epoch: int = 0
     logged_epochs: int = 0
     """Epochs whose metrics reached the logger's flush: later ones are re-logged on resume."""
@@ -122,6 +125,16 @@ class TrainingJob(submitit.helpers.Checkpointable):
 
     def __init__(self, spec: TrainJobSpec) -> None:
         self.spec = spec
+
+    @property
+    def data_spec(self) -> DataSpec:
+        """What the model and the objective are told about the dataset."""
+        return dataset_spec(self.spec.dataset, self.spec.train.objective)
+
+    def objective(self) -> Objective:
+        """The objective train.objective names, built for the dataset."""
+        cfg = self.spec.train
+        return make_objective(cfg.objective, self.data_spec, cfg.objective_args)
 
     def __call__(self) -> CheckpointRef | None:
         """Set up, resume if a checkpoint exists, train the remaining epochs, clean up."""
@@ -140,7 +153,7 @@ class TrainingJob(submitit.helpers.Checkpointable):
             torch.manual_seed(cfg.seed)
             random.seed(cfg.seed)
             policy = resolve_precision(cfg.precision, dist.device)
-            model = build_model(cfg, dataset_spec(spec.dataset))  # after the seed: same weights
+            model = build_model(cfg, self.data_spec)  # after the seed: same weights
             nhwc = use_channels_last(cfg.channels_last, dist.device, narrowest_conv(model))
             train, val = self._load("train", dist, nhwc), self._load("val", dist, nhwc)
             if dist.is_main:
@@ -199,7 +212,7 @@ class TrainingJob(submitit.helpers.Checkpointable):
 
     def _count_flops(self, trainer: Trainer, policy: PrecisionPolicy) -> FlopFacts:
         """FLOPs per sample and the device's peak, for MFU (tasks.train.throughput)."""
-        data = dataset_spec(self.spec.dataset)
+        data = self.data_spec
         model, device = unwrap(trainer.model), trainer.dist.device
         facts = count_flops(model, data.sample_shape, data.sample_dtype, device, policy.name)
         print(
@@ -235,6 +248,7 @@ class TrainingJob(submitit.helpers.Checkpointable):
             scaler=policy.make_scaler(),
             policy=policy,
             dist=dist,
+            objective=self.objective(),
             peak_lr=cfg.lr,
             total_steps=cfg.epochs * steps,
             cuda_graphs=uses_cuda_graphs(cfg, dist.device),
@@ -300,7 +314,13 @@ class TrainingJob(submitit.helpers.Checkpointable):
         steps = progress.step - first_step
         metrics |= epoch_throughput(samples, steps, clock.seconds, dist, self._flops)
         val_metrics = evaluate_split(
-            trainer.model, val, 4 * cfg.batch_size, trainer.policy, dist, trainer.cuda_graphs
+            trainer.model,
+            val,
+            4 * cfg.batch_size,
+            trainer.policy,
+            dist,
+            trainer.objective,
+            trainer.cuda_graphs,
         )
         metrics |= {f"val_{k}": v for k, v in val_metrics.items()}
         metrics["epoch_time_s"] = time.perf_counter() - started
@@ -326,8 +346,12 @@ class TrainingJob(submitit.helpers.Checkpointable):
         if flush:
             progress.logged_epochs = epoch
         best_meta = None
-        if metrics["val_accuracy"] > progress.best_metric:
-            progress.best_metric, progress.best_epoch = metrics["val_accuracy"], epoch
+        select = f"val_{trainer.objective.select}"
+        value = metrics[select]
+        if progress.best_epoch == 0 or is_better(
+            trainer.objective, select, value, progress.best_metric
+        ):
+            progress.best_metric, progress.best_epoch = value, epoch
             best_meta = self._best_meta(progress)
         extra = {**asdict(progress), "run": self._run_identity()}
         state = host_copy(training_state(trainer.model, trainer.optimizer, trainer.scaler, extra))
@@ -339,12 +363,7 @@ class TrainingJob(submitit.helpers.Checkpointable):
             if best_meta is not None:
                 save_best_weights(state["model"], self.spec.out_dir / "best.pt", best_meta)
             save_checkpoint(state, self.checkpoint_dir)
-            print(
-                f"epoch {epoch}/{cfg.epochs} loss {metrics['train_loss']:.4f} "
-                f"acc {metrics['train_accuracy']:.4f} val_acc {metrics['val_accuracy']:.4f} "
-                f"{metrics['samples_per_s']:.0f} samples/s",
-                flush=True,
-            )
+            print(f"epoch {epoch}/{cfg.epochs} {_progress_line(metrics)}", flush=True)
 
         recorder.submit(write)
 
@@ -357,7 +376,7 @@ class TrainingJob(submitit.helpers.Checkpointable):
             "metrics": dict(progress.history[-1]),
             "train": self.spec.train.model_dump(mode="json"),
             "shape": list(ref.shape),
-            "num_classes": len(ref.classes),
+            "num_classes": ref.n_classes,
             "dataset_hash": ref.content_hash,
         }
 
@@ -378,6 +397,18 @@ class TrainingJob(submitit.helpers.Checkpointable):
             history_path=history_path,
             package_lock_hash=package_lock_hash(),
         )
+
+
+def _progress_line(metrics: dict[str, float]) -> str:
+    """`loss 0.1234 acc 0.9000 val_loss ... 1234 samples/s`: the objective's metrics."""
+    short = {"accuracy": "acc", "token_accuracy": "tok_acc", "perplexity": "ppl"}
+    parts = []
+    for name, value in metrics.items():
+        split, _, metric = name.partition("_")
+        if split in ("train", "val") and "_" not in metric.removeprefix("token_"):
+            label = short.get(metric, metric)
+            parts.append(f"{label if split == 'train' else 'val_' + label} {value:.4f}")
+    return " ".join(parts) + f" {metrics['samples_per_s']:.0f} samples/s"
 
 
 def _memory_of(data: Split, dist: DistContext) -> str:

@@ -1,7 +1,8 @@
 """The training and evaluation loops of one epoch.
 
-Loss and accuracy are summed on the device and read once per epoch (one all_reduce, one
-host sync): an ``.item()`` per step would stall the GPU queue every step.
+The loss is the objective's (tasks.objectives); its metrics are summed on the device and read
+once per epoch (one all_reduce, one host sync): an ``.item()`` per step would stall the GPU
+queue every step.
 """
 
 import math
@@ -9,9 +10,9 @@ import time
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from trainflow.tasks.objectives import Objective
 from trainflow.tasks.train.checkpoint import unwrap
 from trainflow.tasks.train.config import TrainConfig
 from trainflow.tasks.train.data import SplitData as Split
@@ -38,6 +39,8 @@ class Trainer:
     """Autocast dtype of forward passes."""
     dist: DistContext
     """Rank layout and device."""
+    objective: Objective
+    """Loss and metrics."""
     peak_lr: float
     """Learning rate at step 0."""
     total_steps: int
@@ -84,23 +87,20 @@ def cosine_lr(step: int, total_steps: int, peak_lr: float) -> float:
     return 0.5 * peak_lr * (1.0 + math.cos(math.pi * progress))
 
 
-def _train_step(
-    trainer: Trainer, x: torch.Tensor, y: torch.Tensor, lr: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One optimiser step; returns the batch's summed loss and correct count (on device)."""
+def _train_step(trainer: Trainer, x: torch.Tensor, y: torch.Tensor, lr: float) -> torch.Tensor:
+    """One optimiser step; returns the batch's metric sums (on device)."""
     for group in trainer.optimizer.param_groups:
         group["lr"] = lr
     if trainer.cuda_graphs:
         torch.compiler.cudagraph_mark_step_begin()
     with trainer.policy.autocast():
-        logits = trainer.model(x)
-        loss = F.cross_entropy(logits, y)
+        output = trainer.model(x)
+        loss = trainer.objective.loss(output, y)
     trainer.optimizer.zero_grad(set_to_none=True)
     trainer.scaler.scale(loss).backward()
     trainer.scaler.step(trainer.optimizer)
     trainer.scaler.update()
-    correct = (logits.detach().argmax(dim=1) == y).sum()
-    return loss.detach().float() * y.shape[0], correct
+    return trainer.objective.sums(output.detach(), y)
 
 
 def train_epoch(
@@ -112,31 +112,27 @@ def train_epoch(
 ) -> tuple[dict[str, float], int]:
     """Train over `batches` starting at global `step`; returns (metrics, next step).
 
-    Metrics: train_loss, train_accuracy, samples_per_s (all ranks together), lr. `clock`
-    stops when this rank's last step is done, before the ranks meet (tasks.train.throughput).
+    Metrics: train_<the objective's metrics> (train_loss, train_accuracy...), samples_per_s
+    (all ranks together), lr. `clock` stops when this rank's last step is done, before the
+    ranks meet (tasks.train.throughput).
     """
     device = trainer.dist.device
     trainer.model.train()
-    sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss, correct, count
+    objective = trainer.objective
+    sums = torch.zeros(objective.sums_size + 1, dtype=torch.float64, device=device)
     lr = cosine_lr(step, trainer.total_steps, trainer.peak_lr)
     start = time.perf_counter()
     for x, y in data.batches(batches, device):
         lr = cosine_lr(step, trainer.total_steps, trainer.peak_lr)
-        loss_sum, correct = _train_step(trainer, x, y, lr)
-        sums[0] += loss_sum
-        sums[1] += correct
-        sums[2] += y.shape[0]
+        sums[:-1] += _train_step(trainer, x, y, lr)
+        sums[-1] += y.shape[0]
         step += 1
     if clock is not None:
         clock.stop()
-    loss, correct, count = all_reduce_sum(sums, trainer.dist).tolist()
+    *totals, count = all_reduce_sum(sums, trainer.dist).tolist()
     elapsed = time.perf_counter() - start
-    metrics = {
-        "train_loss": loss / max(count, 1),
-        "train_accuracy": correct / max(count, 1),
-        "samples_per_s": count / max(elapsed, 1e-9),
-        "lr": lr,
-    }
+    metrics = {f"train_{k}": v for k, v in objective.metrics(totals).items()}
+    metrics |= {"samples_per_s": count / max(elapsed, 1e-9), "lr": lr}
     return metrics, step
 
 
@@ -147,24 +143,22 @@ def evaluate_split(
     batch_size: int,
     policy: PrecisionPolicy,
     dist: DistContext,
+    objective: Objective,
     cuda_graphs: bool = False,
 ) -> dict[str, float]:
-    """Mean loss and accuracy of `model` on all of `data`, each rank taking a share.
+    """The objective's metrics of `model` on all of `data`, each rank taking a share.
 
     Runs the unwrapped module: ranks may hold different batch counts here, and a DDP forward
     would wait for its peers.
     """
     net = unwrap(model)
     net.eval()
-    sums = torch.zeros(3, dtype=torch.float64, device=dist.device)
+    sums = torch.zeros(objective.sums_size, dtype=torch.float64, device=dist.device)
     batches = eval_batches(data, batch_size, dist.rank, dist.world_size)
     for x, y in data.batches(batches, dist.device):
         if cuda_graphs:
             torch.compiler.cudagraph_mark_step_begin()
         with policy.autocast():
-            logits = net(x)
-        sums[0] += F.cross_entropy(logits.float(), y, reduction="sum")
-        sums[1] += (logits.argmax(dim=1) == y).sum()
-        sums[2] += y.shape[0]
-    loss, correct, count = all_reduce_sum(sums, dist).tolist()
-    return {"loss": loss / max(count, 1), "accuracy": correct / max(count, 1)}
+            output = net(x)
+        sums += objective.sums(output, y)
+    return objective.metrics(all_reduce_sum(sums, dist).tolist())

@@ -25,6 +25,8 @@ MODEL_GROUP = "trainflow.models"
 BUILTIN_MODELS = {
     "reference_cnn": "trainflow.tasks.train.models:reference_cnn",
     "resnet": "trainflow.tasks.train.models:resnet",
+    "mlp": "trainflow.tasks.train.models:mlp",
+    "token_conv": "trainflow.tasks.train.models:token_conv",
 }
 """Short names of our own factories (import paths, resolved like a user's)."""
 CHECK_BATCH = 2

@@ -1,9 +1,12 @@
-"""The built-in networks (the founding material's CNN and a small ResNet), their factories, and
-how any built model is placed on its device (memory format, compilation).
+"""The built-in networks and their factories: the founding material's CNN and a small ResNet
+for images, an MLP for feature vectors and a small causal convolutional net for token
+sequences; and how any built model is placed on its device (memory format, compilation).
 
-The factories `reference_cnn` and `resnet` are registered in tasks.train.model_plugins and
-built through the same resolver as a user's factory.
+The factories are registered in tasks.train.model_plugins and built through the same resolver
+as a user's factory.
 """
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -118,10 +121,64 @@ def _image_classes(spec: DataSpec, name: str) -> tuple[int, int, int]:
     if spec.objective != "classification" or len(spec.sample_shape) != 3:
         raise ConfigError(
             f"train.model={name} classifies images (C, H, W), but the data are {spec.objective} "
-            f"of samples shaped {spec.sample_shape}: choose a model for this data (train.model)"
+            f"of samples shaped {spec.sample_shape}: use train.model=mlp (features), "
+            "token_conv (token ids) or a model of your own (train.model=package.module:factory)"
         )
     channels, height, width = spec.sample_shape
     return channels, height, width
+
+
+class MLP(nn.Module):
+    """Flatten -> [Linear -> ReLU] x depth -> Linear to the objective's output shape."""
+
+    def __init__(self, spec: DataSpec, hidden: int = 64, depth: int = 2) -> None:
+        super().__init__()
+        self.out_shape = spec.output_shape(1)[1:]
+        layers: list[nn.Module] = [nn.Flatten()]
+        width = math.prod(spec.sample_shape)
+        for _ in range(depth):
+            layers += [nn.Linear(width, hidden), nn.ReLU()]
+            width = hidden
+        layers.append(nn.Linear(width, math.prod(self.out_shape)))
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(batch, *output_shape): logits or values."""
+        return self.net(x).reshape(x.shape[0], *self.out_shape)
+
+
+class TokenConv(nn.Module):
+    """Embedding -> two causal 1-D convolutions (kernel 3, left padding) -> logits per
+    position: position t sees tokens <= t only, so it can learn next-token prediction."""
+
+    def __init__(self, spec: DataSpec, dim: int = 64) -> None:
+        super().__init__()
+        vocab = int(spec.num_classes or 0)
+        self.embed = nn.Embedding(vocab, dim)
+        self.convs = nn.ModuleList(nn.Conv1d(dim, dim, 3) for _ in range(2))
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(batch, T, vocabulary) logits for (batch, T) token ids."""
+        h = self.embed(x).transpose(1, 2)
+        for conv in self.convs:
+            h = h + F.relu(conv(F.pad(h, (2, 0))))
+        return self.head(h.transpose(1, 2))
+
+
+def mlp(spec: DataSpec, hidden: int = 64, depth: int = 2) -> nn.Module:
+    """Factory of the built-in `mlp`: any float input, any objective's output shape."""
+    return MLP(spec, hidden=hidden, depth=depth)
+
+
+def token_conv(spec: DataSpec, dim: int = 64) -> nn.Module:
+    """Factory of the built-in `token_conv`: next-token logits per position for token ids."""
+    if spec.num_classes is None or spec.sample_dtype != "int64":
+        raise ConfigError(
+            f"train.model=token_conv reads token ids, but the data are {spec.sample_dtype} "
+            f"samples shaped {spec.sample_shape}: use train.model=mlp or a model of your own"
+        )
+    return TokenConv(spec, dim=dim)
 
 
 NHWC_MIN_CHANNELS_CPU = 8

@@ -1,12 +1,14 @@
-"""Normalisation at batch time: shards hold raw pixels, the device turns them into float32.
+"""Normalisation at batch time: shards hold raw inputs, the device turns them into float32.
 
-(x - mean) * (1 / std) per channel, with the float32 constants of
-tasks.preprocess.dataset.normaliser: the same values as NumPy readers give, on any device.
+(x - mean) * (1 / std) per channel (images) or per feature (feature vectors), with the float32
+constants of tasks.preprocess.dataset.normaliser: the same values as NumPy readers give, on any
+device. Token ids are not normalised (`normaliser_of` gives None).
 """
 
 import torch
 
 from trainflow.tasks.preprocess.dataset import normaliser
+from trainflow.tasks.preprocess.ref import DatasetRef
 
 
 class Normaliser:
@@ -18,9 +20,9 @@ class Normaliser:
         self._on: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @classmethod
-    def of(cls, mean: list[float], std: list[float]) -> "Normaliser":
-        """The normaliser of a dataset's manifest statistics."""
-        shift, scale = normaliser(mean, std)
+    def of(cls, mean: list[float], std: list[float], ndim: int = 4) -> "Normaliser":
+        """The normaliser of a dataset's manifest statistics, for batches of `ndim` axes."""
+        shift, scale = normaliser(mean, std, ndim)
         return cls(torch.from_numpy(shift), torch.from_numpy(scale))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -31,3 +33,10 @@ class Normaliser:
         out = x.to(torch.float32, copy=True)
         out.sub_(shift).mul_(scale)
         return out
+
+
+def normaliser_of(ref: DatasetRef) -> Normaliser | None:
+    """The normaliser the dataset's manifest asks for; None for normalisation none."""
+    if ref.normalisation == "none":
+        return None
+    return Normaliser.of(ref.mean, ref.std, 1 + len(ref.shape))

@@ -38,8 +38,8 @@ class Rows(Protocol):
         ...
 
     @property
-    def labels_dtype(self) -> torch.dtype:
-        """dtype of the labels."""
+    def labels_like(self) -> torch.Tensor:
+        """A tensor of one target, shaped (1, ...), in the targets' dtype."""
         ...
 
     def gather(self, index: torch.Tensor, x_out: torch.Tensor, y_out: torch.Tensor) -> None:
@@ -48,7 +48,7 @@ class Rows(Protocol):
 
 
 class TensorRows:
-    """Rows of host tensors `x` (N, C, H, W) and `y` (N,)."""
+    """Rows of host tensors `x` (N, ...) and `y` (N, ...)."""
 
     def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
         """Rows of x and y (host tensors)."""
@@ -62,9 +62,9 @@ class TensorRows:
         return self._x[:1]
 
     @property
-    def labels_dtype(self) -> torch.dtype:
-        """dtype of y."""
-        return self._y.dtype
+    def labels_like(self) -> torch.Tensor:
+        """The first target's shape and dtype."""
+        return self._y[:1]
 
     def gather(self, index: torch.Tensor, x_out: torch.Tensor, y_out: torch.Tensor) -> None:
         """index_select straight into the staging buffers (whole samples, memory order)."""
@@ -109,7 +109,7 @@ class Prefetcher:
         self.capacity = capacity
         self._rows = rows
         pin = device.type == "cuda"
-        labels = torch.empty(1, dtype=rows.labels_dtype)
+        labels = rows.labels_like
         self._slots = [
             _Slot(_staging(rows.like, capacity, pin), _staging(labels, capacity, pin))
             for _ in range(2)

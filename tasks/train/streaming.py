@@ -66,8 +66,10 @@ class ShardRows:
         counts = [f.rows for f in self._y]
         self._starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         self.sample_shape = tuple(int(v) for v in manifest["shape"])
+        self.target_shape = tuple(int(v) for v in manifest.get("target_shape", ()))
         self.dtype = np.dtype(manifest["dtype"]["x"])
-        self._channels_last = channels_last
+        self.target_dtype = np.dtype(manifest["dtype"].get("y", "int64"))
+        self._channels_last = channels_last and len(self.sample_shape) == 3
 
     def __len__(self) -> int:
         return int(self._starts[-1])
@@ -83,21 +85,21 @@ class ShardRows:
         return like.contiguous(memory_format=torch.channels_last) if self._channels_last else like
 
     @property
-    def labels_dtype(self) -> torch.dtype:
-        """int64."""
-        return torch.int64
+    def labels_like(self) -> torch.Tensor:
+        """One target's shape and dtype."""
+        return torch.empty((1, *self.target_shape), dtype=_torch_dtype(self.target_dtype))
 
     def gather(self, index: torch.Tensor, x_out: torch.Tensor, y_out: torch.Tensor) -> None:
         """Copy the rows at `index` (global, host int64) into x_out/y_out, in index order."""
         rows = index.numpy()
         owner = np.searchsorted(self._starts, rows, side="right") - 1
         x_rows = np.empty((len(rows), *self.sample_shape), self.dtype)
-        y_rows = np.empty(len(rows), np.int64)
+        y_rows = np.empty((len(rows), *self.target_shape), self.target_dtype)
         for shard in np.unique(owner):
             mine = np.flatnonzero(owner == shard)
             local = rows[mine] - self._starts[shard]
             x_part = np.empty((len(mine), *self.sample_shape), self.dtype)
-            y_part = np.empty(len(mine), np.int64)
+            y_part = np.empty((len(mine), *self.target_shape), self.target_dtype)
             self._x[shard].read(local, x_part)
             self._y[shard].read(local, y_part)
             x_rows[mine], y_rows[mine] = x_part, y_part
@@ -108,10 +110,10 @@ class ShardRows:
 class StreamedSplit:
     """One split read batch by batch from memory-mapped shards, normalised on the device."""
 
-    def __init__(self, rows: ShardRows, mean: list[float], std: list[float]) -> None:
-        """Batches of `rows`, normalised with the dataset's per-channel mean and std."""
+    def __init__(self, rows: ShardRows, normaliser: Normaliser | None) -> None:
+        """Batches of `rows`, normalised with `normaliser` (None: as stored, token ids)."""
         self.rows = rows
-        self._normaliser = Normaliser.of(mean, std)
+        self._normaliser = normaliser
         self._prefetchers: dict[tuple[torch.device, int], Prefetcher] = {}
 
     def __len__(self) -> int:
@@ -136,7 +138,7 @@ class StreamedSplit:
         if key not in self._prefetchers:
             self._prefetchers[key] = Prefetcher.of_rows(self.rows, device, capacity)
         for x, y in self._prefetchers[key](indices):
-            yield self._normaliser(x), y
+            yield (x if self._normaliser is None else self._normaliser(x)), y
 
 
 def _torch_dtype(dtype: np.dtype) -> torch.dtype:

@@ -41,7 +41,7 @@ def train_task(
     logger = get_run_logger()
     # Model/data mismatches (e.g. images too small) fail here, before anything is queued;
     # built on the meta device: nothing allocated on the flow's host.
-    params = check_model(spec.train, dataset_spec(spec.dataset)).parameters
+    params = check_model(spec.train, dataset_spec(spec.dataset, spec.train.objective)).parameters
     # A checkpoint holds weights and two Adam moments; two of them and best.pt may coexist.
     need = 4 * params * 7
     check_cluster(cluster)
@@ -65,7 +65,7 @@ def train_array_task(
     """Train every spec as one job array; per element its checkpoint or its error text."""
     logger = get_run_logger()
     for spec in specs:
-        check_model(spec.train, dataset_spec(spec.dataset))
+        check_model(spec.train, dataset_spec(spec.dataset, spec.train.objective))
     check_cluster(cluster)
     executor = make_executor(cluster, job_dir)
     jobs = executor.map_array(ArrayTrainingJob(), specs)
