@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 import torch
 
+from trainflow.flows.config import build_config
+from trainflow.flows.preflight import preflight
 from trainflow.tasks.errors import DataError
 from trainflow.tasks.objectives import Objective, check_data, is_better, make_objective
 from trainflow.tasks.plugins import PluginError
@@ -152,3 +154,16 @@ def test_a_users_objective_resolves_like_ours_and_its_errors_name_it(tmp_path: P
     finally:
         sys.path.remove(str(tmp_path))
         sys.modules.pop("my_objective", None)
+
+
+@pytest.mark.parametrize(
+    ("objective", "fix"),
+    [("regression", "needs float targets"), ("sequence", "targets with a time axis")],
+)
+def test_preflight_refuses_an_objective_the_data_does_not_fit(
+    tmp_path: Path, objective: str, fix: str
+) -> None:
+    cfg = build_config("tiny", [f"workdir={tmp_path}", f"train.objective={objective}"])
+    with pytest.raises(DataError, match=fix):
+        preflight(cfg)  # before any server, cluster or job
+    preflight(build_config("tiny", [f"workdir={tmp_path}"]))  # classification fits
