@@ -16,6 +16,8 @@ from trainflow.tasks.errors import DataError
 from trainflow.tasks.objectives import Objective, check_data, is_better, make_objective
 from trainflow.tasks.plugins import PluginError
 from trainflow.tasks.spec import DataSpec
+from trainflow.tasks.train.ref import CheckpointRef
+from trainflow.tasks.train.sweep import best_element
 
 REGRESSION = DataSpec((5,), "float32", "regression", None, (3,), "float32")
 SEQUENCE = DataSpec((6,), "int64", "sequence", 7, (6,), "int64")
@@ -167,3 +169,15 @@ def test_preflight_refuses_an_objective_the_data_does_not_fit(
     with pytest.raises(DataError, match=fix):
         preflight(cfg)  # before any server, cluster or job
     preflight(build_config("tiny", [f"workdir={tmp_path}"]))  # classification fits
+
+
+def test_a_sweep_picks_the_best_element_in_the_objectives_direction(tmp_path: Path) -> None:
+    def ref(loss: float) -> CheckpointRef:
+        metrics = {"val_loss": loss}
+        return CheckpointRef(
+            path=tmp_path, sha256="", epoch=1, step=1, metrics=metrics, history_path=tmp_path
+        )
+
+    outcomes = [ref(0.5), "failed", ref(0.2), ref(0.9)]
+    assert best_element(outcomes, "val_loss", higher_is_better=False) == 2
+    assert best_element(outcomes, "val_loss", higher_is_better=True) == 3
