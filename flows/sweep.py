@@ -21,7 +21,8 @@ from trainflow.flows.pipeline import (
 )
 from trainflow.flows.preflight import preflight, user_modules
 from trainflow.tasks.errors import JobError
-from trainflow.tasks.preprocess.ref import DatasetRef
+from trainflow.tasks.objectives import make_objective
+from trainflow.tasks.preprocess.ref import DatasetRef, dataset_spec
 from trainflow.tasks.tracking.lineage import log_dataset_input
 from trainflow.tasks.tracking.pipeline_runs import PipelineRuns
 from trainflow.tasks.tracking.stage_logs import log_checkpoint
@@ -35,7 +36,8 @@ class SweepSummary(PipelineSummary):
     """A pipeline summary plus the grid's outcome."""
 
     best_overrides: dict[str, Any]
-    """The grid element that won (highest validation accuracy) and was evaluated."""
+    """The grid element that won (the objective's best validation metric: highest accuracy,
+    lowest loss) and was evaluated."""
     val_accuracy: list[float | None]
     """Best validation accuracy per grid element (None: the element failed)."""
 
@@ -68,7 +70,13 @@ def run_sweep(
         dataset, cached = preprocess_stage(runs, base, t, paths)
         with timed(t, "train"):
             outcomes = _train_elements(runs, base, elements, dataset, paths)
-        best = best_element(outcomes)
+        objective = make_objective(
+            base.train.objective,
+            dataset_spec(dataset, base.train.objective),
+            base.train.objective_args,
+        )
+        select = f"val_{objective.select}"  # val_accuracy, val_loss...
+        best = best_element(outcomes, select, objective.higher_is_better(select))
         best_ckpt = outcomes[best]
         assert isinstance(best_ckpt, CheckpointRef)
         element, best_cfg = elements[best]

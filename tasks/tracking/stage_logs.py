@@ -17,6 +17,10 @@ def log_dataset(client: MlflowClient, run_id: str, ref: DatasetRef, cached: bool
         "dataset.classes": ",".join(ref.classes)[:6000],
         "dataset.mean": str([round(m, 6) for m in ref.mean]),
         "dataset.std": str([round(s, 6) for s in ref.std]),
+        "dataset.dtype": ref.sample_dtype,
+        "dataset.normalisation": ref.normalisation,
+        "dataset.target": f"{ref.target_dtype} {list(ref.target_shape)}",
+        "dataset.num_classes": str(ref.n_classes),
     }
     metrics = [Metric(f"n_{split}", float(n), 0, 0) for split, n in ref.counts.items()]
     client.log_batch(

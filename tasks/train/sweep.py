@@ -20,10 +20,13 @@ class ArrayTrainingJob(submitit.helpers.Checkpointable):
         return TrainingJob(spec)()
 
 
-def best_element(outcomes: list[Any], metric: str = "val_accuracy") -> int:
-    """Index of the completed element with the highest validation metric (first on ties)."""
+def best_element(
+    outcomes: list[Any], metric: str = "val_accuracy", higher_is_better: bool = True
+) -> int:
+    """Index of the completed element with the best validation metric (first on ties)."""
+    sign = 1.0 if higher_is_better else -1.0
     scored = [
-        (o.metrics.get(metric, float("-inf")), -i)
+        (sign * o.metrics[metric] if metric in o.metrics else float("-inf"), -i)
         for i, o in enumerate(outcomes)
         if isinstance(o, CheckpointRef)
     ]

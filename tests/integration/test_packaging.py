@@ -111,7 +111,7 @@ def test_a_pipeline_runs_from_a_user_project_with_its_own_tasks_and_cluster(
     tmp_path: Path,
 ) -> None:
     project = _user_project(tmp_path)
-    trainflow = Path(sys.executable).with_name("trainflow")
+    trainflow = str(Path(sys.executable).with_name("trainflow"))
     argv = [trainflow, "run", "--preset", "tiny", "--set", f"workdir={tmp_path / 'work'}"]
     out = subprocess.run(argv, cwd=project, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]

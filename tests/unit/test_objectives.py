@@ -10,10 +10,14 @@ import numpy as np
 import pytest
 import torch
 
+from trainflow.flows.config import build_config
+from trainflow.flows.preflight import preflight
 from trainflow.tasks.errors import DataError
 from trainflow.tasks.objectives import Objective, check_data, is_better, make_objective
 from trainflow.tasks.plugins import PluginError
 from trainflow.tasks.spec import DataSpec
+from trainflow.tasks.train.ref import CheckpointRef
+from trainflow.tasks.train.sweep import best_element
 
 REGRESSION = DataSpec((5,), "float32", "regression", None, (3,), "float32")
 SEQUENCE = DataSpec((6,), "int64", "sequence", 7, (6,), "int64")
@@ -152,3 +156,28 @@ def test_a_users_objective_resolves_like_ours_and_its_errors_name_it(tmp_path: P
     finally:
         sys.path.remove(str(tmp_path))
         sys.modules.pop("my_objective", None)
+
+
+@pytest.mark.parametrize(
+    ("objective", "fix"),
+    [("regression", "needs float targets"), ("sequence", "targets with a time axis")],
+)
+def test_preflight_refuses_an_objective_the_data_does_not_fit(
+    tmp_path: Path, objective: str, fix: str
+) -> None:
+    cfg = build_config("tiny", [f"workdir={tmp_path}", f"train.objective={objective}"])
+    with pytest.raises(DataError, match=fix):
+        preflight(cfg)  # before any server, cluster or job
+    preflight(build_config("tiny", [f"workdir={tmp_path}"]))  # classification fits
+
+
+def test_a_sweep_picks_the_best_element_in_the_objectives_direction(tmp_path: Path) -> None:
+    def ref(loss: float) -> CheckpointRef:
+        metrics = {"val_loss": loss}
+        return CheckpointRef(
+            path=tmp_path, sha256="", epoch=1, step=1, metrics=metrics, history_path=tmp_path
+        )
+
+    outcomes = [ref(0.5), "failed", ref(0.2), ref(0.9)]
+    assert best_element(outcomes, "val_loss", higher_is_better=False) == 2
+    assert best_element(outcomes, "val_loss", higher_is_better=True) == 3

@@ -163,3 +163,19 @@ def test_a_source_without_the_protocol_or_module_is_one_line(user_project: Path)
         probe_spec(PreprocessConfig(source="nope:Source"))
     with pytest.raises(PluginError, match=r"the source plug-in .* raised TypeError"):
         probe_spec(_cfg("Tokens", rows=3))
+
+
+def test_the_built_in_arrays_source_goes_through_the_same_seam(
+    dask_cpu: tuple[distributed.Client, Backend], tmp_path: Path
+) -> None:
+    rng = np.random.default_rng(0)
+    for name, n in (("a", 30), ("b", 50)):
+        x = rng.normal(size=(n, 2, 3)).astype(np.float32)
+        np.savez(tmp_path / f"{name}.npz", inputs=x, targets=x.sum(axis=(1, 2)))
+    cfg = PreprocessConfig(source="arrays", source_args={"path": str(tmp_path)}, shard_size=64)
+    ref = _run(cfg, tmp_path / "out", dask_cpu)
+    assert sum(ref.counts.values()) == 80 and ref.shape == (2, 3) and ref.target_shape == ()
+    assert ref.normalisation == "per_channel" and len(ref.mean) == 2
+    np.savez(tmp_path / "b.npz", inputs=np.zeros((5, 2, 3)), labels=np.zeros(5))
+    with pytest.raises(DataError, match=r"b\.npz.*lacks \['targets'\]"):
+        _run(cfg, tmp_path / "out2", dask_cpu)
