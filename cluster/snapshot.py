@@ -17,6 +17,7 @@ snapshotted: the environment holds them. A snapshot over MAX_SNAPSHOT_BYTES is r
 
 import hashlib
 import importlib
+import importlib.util
 import os
 import subprocess
 import sys
@@ -29,9 +30,16 @@ from pathlib import Path
 from trainflow.cluster.job_folder import prepare_job_folder, private_umask
 from trainflow.tasks.errors import ConfigError
 
+_OWN = ("trainflow.flows", "trainflow.tasks", "trainflow.cluster")
 MAX_SNAPSHOT_BYTES = 64 * 2**20
 """Largest snapshot accepted (code, not data: keep data out of the code's folder)."""
-_TRAINFLOW = Path(__file__).resolve().parents[1]
+_TRAINFLOW = [
+    Path(spec.origin).resolve().parent
+    for spec in map(importlib.util.find_spec, ("trainflow", *_OWN))
+    if spec is not None and spec.origin is not None
+]
+"""trainflow's own package folders (in a checkout, the repo's flows/, tasks/, cluster/ and
+trainflow/: a user project inside the checkout, such as examples/, is still the user's)."""
 
 
 @dataclass(frozen=True)
@@ -145,7 +153,7 @@ def _module_root(name: str) -> tuple[Path, list[str]] | None:
 
 def _installed(path: Path) -> bool:
     prefixes = {sysconfig.get_paths()[k] for k in ("purelib", "platlib", "stdlib", "platstdlib")}
-    places = [Path(p).resolve() for p in prefixes] + [_TRAINFLOW]
+    places = [Path(p).resolve() for p in prefixes] + _TRAINFLOW
     return any(path.is_relative_to(place) for place in places) or "site-packages" in path.parts
 
 

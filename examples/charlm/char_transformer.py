@@ -42,6 +42,10 @@ class CharTransformer(nn.Module):
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
         self.head.weight = self.tokens.weight  # tied: fewer parameters, better on small data
+        # Small embeddings (GPT-2's 0.02): with N(0, 1) the tied output layer starts with
+        # logits of size ~sqrt(dim), a loss far above the uniform guess's log(vocabulary).
+        nn.init.normal_(self.tokens.weight, std=0.02)
+        nn.init.normal_(self.positions.weight, std=0.02)
         self.mask: Tensor
         mask = torch.triu(torch.full((context, context), float("-inf")), diagonal=1)
         self.register_buffer("mask", mask, persistent=False)

@@ -133,3 +133,18 @@ def test_code_path_restores_sys_path(tmp_path: Path) -> None:
     with code_path([tmp_path]):
         assert sys.path[0] == str(tmp_path)
     assert sys.path == before
+
+
+def test_a_user_project_inside_trainflows_checkout_is_the_users(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """examples/ lives in trainflow's repo but is a user's project: only trainflow's package
+    folders count as trainflow's own (the repo root once did, and examples ran unsnapshotted)."""
+    folder = Path(__file__).resolve().parents[2] / "examples" / "diabetes"
+    monkeypatch.syspath_prepend(str(folder))
+    try:
+        roots = _files(["diabetes_mlp"])
+    finally:
+        sys.modules.pop("diabetes_mlp", None)
+    assert {"diabetes_mlp.py", "diabetes_source.py"} <= set(roots[folder])
+    assert not _files(["trainflow.tasks.spec", "trainflow.cluster.snapshot"])
