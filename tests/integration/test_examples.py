@@ -35,7 +35,7 @@ CASES = {
             "preprocess.source=diabetes_source:DiabetesCSV",
             "train.model=diabetes_mlp:build",
             "train.objective=regression",
-            "train.epochs=12",
+            "train.epochs=40",
             "train.batch_size=16",
         ],
         {"test_r2", "test_rmse", "test_mae", "test_loss"},
