@@ -77,10 +77,10 @@ def test_a_queued_and_requeued_job_trains_the_submitted_code(project: Path, tmp_
         out_dir=tmp_path / "run",
         code=code.paths,
     )
+    hold = ["sbatch", "--parsable", "-N", "2", "--exclusive", "-o", "/dev/null"]
     blocker = subprocess.run(
-        ["sbatch", "--parsable", "-N", "2", "--exclusive", "-o", "/dev/null", "--wrap", "sleep 600"],
-        capture_output=True, text=True, check=True, timeout=30,
-    ).stdout.strip()  # fmt: skip
+        [*hold, "--wrap", "sleep 600"], capture_output=True, text=True, check=True, timeout=30
+    ).stdout.strip()
     try:
         _wait("the blocker to run", lambda: _squeue_state(blocker) == "RUNNING")
         gate = tmp_path / "gate-2"
