@@ -109,7 +109,7 @@ def test_a_pipeline_runs_from_a_user_project_with_its_own_tasks_and_cluster(
     project = _user_project(tmp_path)
     (project / "my_models.py").write_text(_MY_MODELS)
     store = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    trainflow = Path(sys.executable).with_name("trainflow")
+    trainflow = str(Path(sys.executable).with_name("trainflow"))
     argv = [trainflow, "run", "--preset", "tiny", "--set", f"workdir={tmp_path / 'work'}"]
     argv += ["--set", "train.model=my_models:build", "--set", 'train.model_args={"depth": 2}']
     argv += ["--set", f"tracking.tracking_uri={store}"]

@@ -141,7 +141,7 @@ def test_entry_points_of_an_installed_distribution(
 @pytest.mark.parametrize("source", ["folder", "npz", "synthetic"])
 def test_the_probe_tells_the_model_what_the_stage_will_write(tmp_path: Path, source: str) -> None:
     path = {"folder": _folder(tmp_path / "f"), "npz": _npz(tmp_path / "d.npz"), "synthetic": None}
-    cfg = PreprocessConfig(source=source, path=path[source])  # type: ignore[arg-type]
+    cfg = PreprocessConfig.model_validate({"source": source, "path": path[source]})
     raw = load_raw(cfg)
     probed = probe_spec(cfg)
     assert probed == image_classification(raw.images.shape[1:], len(raw.classes))
