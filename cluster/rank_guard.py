@@ -115,13 +115,15 @@ def _outcome(result: Path) -> str | None:
     return str(outcome)
 
 
-def _wait(child: subprocess.Popen[bytes], result: Path) -> tuple[int, bool]:
+def _wait(child: subprocess.Popen[bytes], result: Path, since: float) -> tuple[int, bool]:
     """The child's exit code, and whether it had to be killed after delivering its result.
 
     A rank whose result is written but which does not exit within HUNG_AFTER_RESULT_S is stuck
     in teardown (e.g. a process group destructor deadlocked on the GIL): its work is done,
     so it is killed and counted as exiting the way its result says (0 success, 1 error),
-    instead of holding the whole job (the local controller and srun wait for every rank)."""
+    instead of holding the whole job (the local controller and srun wait for every rank).
+    Only a result written after `since` (this attempt's start) counts: a requeued attempt
+    keeps its job id, and the last attempt's result file stays until this one replaces it."""
     written_at: float | None = None
     while True:
         try:
@@ -131,7 +133,7 @@ def _wait(child: subprocess.Popen[bytes], result: Path) -> tuple[int, bool]:
         except InterruptedError:
             continue
         if written_at is None:
-            written_at = time.monotonic() if result.exists() else None
+            written_at = time.monotonic() if _written_since(result, since) else None
             continue
         if time.monotonic() - written_at < HUNG_AFTER_RESULT_S:
             continue
@@ -147,6 +149,13 @@ def _wait(child: subprocess.Popen[bytes], result: Path) -> tuple[int, bool]:
         child.kill()
         child.wait()
         return (0 if outcome == "success" else 1), True
+
+
+def _written_since(result: Path, since: float) -> bool:
+    try:
+        return result.stat().st_mtime >= since
+    except OSError:
+        return False
 
 
 def main(command: list[str], peer_timeout_s: str) -> None:
@@ -167,7 +176,7 @@ def main(command: list[str], peer_timeout_s: str) -> None:
         "guard_pid": os.getpid(),
     }
     _write_json(folder / f"{job_id}_{task}_rank.json", where | {"started": started})
-    returncode, hung = _wait(child, folder / f"{job_id}_{task}_result.pkl")
+    returncode, hung = _wait(child, folder / f"{job_id}_{task}_result.pkl", started)
     after = oom_kills()
     ended = {
         "returncode": returncode,
