@@ -90,7 +90,7 @@ def run_pipeline(cfg: PipelineConfig) -> PipelineSummary:
             ckpt = train_task(spec, cfg.cluster, run_dir / "jobs", cfg.workdir)
             warm.join()
             log_checkpoint(runs.client, run_id, ckpt)
-        result = evaluate_stage(runs, cfg, dataset, ckpt, t)
+        result = evaluate_stage(runs, cfg, dataset, ckpt, t, code)
     return summarize(runs, dataset, cached, result, t)
 
 
@@ -148,16 +148,20 @@ def evaluate_stage(
     dataset: DatasetRef,
     ckpt: CheckpointRef,
     t: dict[str, float],
+    code: CodeSnapshot | None = None,
 ) -> EvalResult:
     """The evaluate child run for ``ckpt`` (trained by ``cfg``), then headline numbers on the
-    parent run. A registered version is tagged with the dataset hash, git commit and config hash.
+    parent run. A registered version is tagged with the dataset hash, git commit and config hash
+    (and the hash of the user's code snapshot, when the model is theirs).
     """
     tags = {
         "dataset_hash": dataset.content_hash,
         "git_commit": runs.commit,
         "config_hash": config_hash(cfg),
-    }
+    } | ({"code_snapshot": code.sha256} if code else {})
     with runs.stage("evaluate", flatten(cfg.evaluate)) as run_id, timed(t, "evaluate"):
+        if code:
+            runs.tag(run_id, {"code_snapshot": code.sha256})
         result = evaluate_task(
             cfg.evaluate, cfg.train, dataset, ckpt, runs.tracking_uri, run_id, tags
         )

@@ -76,7 +76,7 @@ def run_sweep(
             {"best_element": json.dumps(element), "config_hash": config_hash(best_cfg)},
         )
         get_run_logger().info("best element %d: %s", best, element)
-        result = evaluate_stage(runs, best_cfg, dataset, best_ckpt, t)
+        result = evaluate_stage(runs, best_cfg, dataset, best_ckpt, t, code)
     accuracies = [
         o.metrics.get("val_accuracy") if isinstance(o, CheckpointRef) else None for o in outcomes
     ]

@@ -127,7 +127,10 @@ def test_a_pipeline_runs_from_a_user_project_with_its_own_tasks_and_cluster(
     assert train.data.params["model_args.depth"] == "2"
     assert train.data.params["model_parameters"] == str(expected)
     sha = parent.data.tags["code_snapshot"]
-    assert train.data.tags["code_snapshot"] == sha
+    [evaluate] = [r for r in runs if r.info.run_name == "evaluate"]
+    assert train.data.tags["code_snapshot"] == evaluate.data.tags["code_snapshot"] == sha
+    [version] = client.search_model_versions()
+    assert version.tags["code_snapshot"] == sha  # the registered model names its code
     logged = {f.path for f in client.list_artifacts(parent.info.run_id, "code/0")}
     assert {"code/0/my_models.py", "code/0/tasks.py"} <= logged
     # Each rank built the model from the snapshot in the run's job folder, not the project.
