@@ -11,6 +11,8 @@ import torch
 from torch import nn
 
 from tests.unit.test_preprocess_sources import _folder, _npz
+from trainflow.flows.config import build_sweep
+from trainflow.flows.preflight import preflight
 from trainflow.tasks.errors import ConfigError
 from trainflow.tasks.plugins import PluginError
 from trainflow.tasks.preprocess.config import PreprocessConfig
@@ -153,3 +155,12 @@ def test_the_check_is_torch_only_on_meta() -> None:
     before = torch.zeros(1).device
     check_model(TrainConfig(), SPEC)
     assert torch.zeros(1).device == before
+
+
+def test_a_sweep_checks_every_elements_model_before_any_work(tmp_path: Path) -> None:
+    grid = {"train.model_args": [{}, {"depth": 2}]}
+    base, elements = build_sweep("tiny", [f"workdir={tmp_path / 'work'}"], grid)
+    preflight(base)  # the base alone is fine
+    with pytest.raises(PluginError, match="unexpected keyword argument 'depth'"):
+        preflight(base, [cfg.train for _, cfg in elements])
+    assert not (tmp_path / "work").exists()
