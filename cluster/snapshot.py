@@ -11,8 +11,9 @@ What belongs to a module's snapshot (its *root* is the sys.path folder it was im
   not ignored), read from the working tree as they are at submission;
 - else, a module inside a package: its top-level package folder (every file but __pycache__);
 - else, a top-level module: its file and the .py files beside it.
-Modules installed in site-packages (and trainflow and the standard library) are never
-snapshotted: the environment holds them. A snapshot over MAX_SNAPSHOT_BYTES is refused.
+Modules installed in site-packages, the standard library and trainflow (its modules, and a
+`trainflow/` folder beside the user's code) are never snapshotted: the environment holds them.
+A snapshot over MAX_SNAPSHOT_BYTES is refused.
 """
 
 import hashlib
@@ -30,16 +31,8 @@ from pathlib import Path
 from trainflow.cluster.job_folder import prepare_job_folder, private_umask
 from trainflow.tasks.errors import ConfigError
 
-_OWN = ("trainflow.flows", "trainflow.tasks", "trainflow.cluster")
 MAX_SNAPSHOT_BYTES = 64 * 2**20
 """Largest snapshot accepted (code, not data: keep data out of the code's folder)."""
-_TRAINFLOW = [
-    Path(spec.origin).resolve().parent
-    for spec in map(importlib.util.find_spec, ("trainflow", *_OWN))
-    if spec is not None and spec.origin is not None
-]
-"""trainflow's own package folders (in a checkout, the repo's flows/, tasks/, cluster/ and
-trainflow/: a user project inside the checkout, such as examples/, is still the user's)."""
 
 
 @dataclass(frozen=True)
@@ -61,7 +54,7 @@ class CodeSnapshot:
     paths: list[Path]
     """One folder per root, in plan order."""
     sha256: str
-    """Hash over every file's relative path and bytes (the MLflow tag code_snapshot)."""
+    """Hash over every file's relative path and bytes (the MLflow tag code_snapshot_hash)."""
     folder: Path
     """The snapshot's folder (logged as the parent run's artifact code/)."""
 
@@ -74,6 +67,11 @@ def plan_snapshot(modules: Iterable[str]) -> SnapshotPlan:
         found = _module_root(name)
         if found is not None:
             roots.setdefault(found[0], set()).update(_files(name, *found))
+    # Never a copy of trainflow itself (a project inside a trainflow checkout): first on
+    # sys.path it would shadow the installed trainflow.
+    roots = {
+        root: {f for f in files if f.split("/")[0] != "trainflow"} for root, files in roots.items()
+    }
     plan = SnapshotPlan({root: sorted(files) for root, files in roots.items()})
     size = plan.size
     if size > MAX_SNAPSHOT_BYTES:
@@ -139,6 +137,8 @@ def code_path(paths: Iterable[Path]) -> Iterator[None]:
 def _module_root(name: str) -> tuple[Path, list[str]] | None:
     """(the sys.path folder `name` was imported from, its dotted parts), or None when it is
     installed, trainflow's own, or has no file."""
+    if name.split(".")[0] == "trainflow":
+        return None
     module = sys.modules.get(name) or importlib.import_module(name)
     file = getattr(module, "__file__", None)
     if file is None:
@@ -153,7 +153,7 @@ def _module_root(name: str) -> tuple[Path, list[str]] | None:
 
 def _installed(path: Path) -> bool:
     prefixes = {sysconfig.get_paths()[k] for k in ("purelib", "platlib", "stdlib", "platstdlib")}
-    places = [Path(p).resolve() for p in prefixes] + _TRAINFLOW
+    places = [Path(p).resolve() for p in prefixes]
     return any(path.is_relative_to(place) for place in places) or "site-packages" in path.parts
 
 

@@ -177,8 +177,8 @@ def _sweep(args: argparse.Namespace) -> int:
     from trainflow.flows.config import build_sweep, parse_override
 
     grid = {".".join(path): value for path, value in map(parse_override, args.grid)}
-    base, _ = build_sweep(args.preset, args.overrides, grid)  # fail fast, before Prefect
-    preflight(base)
+    base, elements = build_sweep(args.preset, args.overrides, grid)  # fail fast, before Prefect
+    preflight(base, [cfg.train for _, cfg in elements])
     _prepare_flow_process()
     from trainflow.flows.sweep import sweep
 

@@ -7,6 +7,7 @@ deployment run does not go through the command line).
 """
 
 import os
+from collections.abc import Iterable
 from pathlib import Path
 
 from trainflow.cluster.dask_slurm_checks import check_dask_workers
@@ -18,17 +19,21 @@ from trainflow.tasks.objectives import check_data
 from trainflow.tasks.plugins import resolve
 from trainflow.tasks.preprocess.plugin_source import GROUP as SOURCE_GROUP
 from trainflow.tasks.preprocess.preflight import preflight_source, probe_spec
+from trainflow.tasks.train.config import TrainConfig
 from trainflow.tasks.train.model_plugins import ModelReport, check_model
 
 
-def preflight(cfg: PipelineConfig) -> ModelReport:
+def preflight(cfg: PipelineConfig, sweep: Iterable[TrainConfig] = ()) -> ModelReport:
     """ConfigError or DataError (what is wrong and the fix) before any expensive work; what
-    the model check found (built on the meta device: nothing allocated)."""
+    the model check found (built on the meta device: nothing allocated). `sweep`: the train
+    configs of a sweep's elements, whose models are checked against the same data."""
     check_workdir(cfg.workdir)
     preflight_source(cfg.preprocess)
     spec = probe_spec(cfg.preprocess, cfg.train.objective)
     check_data(cfg.train.objective, cfg.train.objective_args, spec)  # objective vs data
     model = check_model(cfg.train, spec)
+    for train in sweep:
+        check_model(train, spec)
     plan_snapshot(user_modules(cfg, model))  # a code folder too big to snapshot
     check_cluster(cfg.cluster)  # a Slurm request that can never run, or no Slurm to reach
     check_dask_workers(cfg.cluster.dask)  # the same for dask worker jobs

@@ -58,7 +58,7 @@ def run_sweep(
     base: PipelineConfig, elements: list[tuple[dict[str, Any], PipelineConfig]]
 ) -> SweepSummary:
     """The sweep body for validated configs (must run inside a flow)."""
-    modules = user_modules(base, preflight(base))
+    modules = user_modules(base, preflight(base, [cfg.train for _, cfg in elements]))
     modules += [resolve_factory(cfg.train).target.partition(":")[0] for _, cfg in elements]
     runs = PipelineRuns(base.tracking, base.workdir, f"{base.name}-sweep")
     grid_text = json.dumps([e for e, _ in elements])

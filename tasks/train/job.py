@@ -81,6 +81,10 @@ _MAY_CHANGE_ON_RESUME = {
 }
 
 
+_OLD_WIDTH_DEFAULT = 32
+"""train.width's default before model plug-ins (now None: the resnet factory's own 32)."""
+
+
 class TrainJobSpec(BaseModel):
     """Everything a training job needs; small and picklable (it travels to the cluster)."""
 
@@ -285,6 +289,8 @@ class TrainingJob(submitit.helpers.Checkpointable):
         # A field added after the checkpoint was written counts as having its default.
         defaults = TrainConfig().model_dump(mode="json", exclude=_MAY_CHANGE_ON_RESUME)
         saved = {**defaults, **saved}
+        if saved.get("width") == _OLD_WIDTH_DEFAULT and current.get("width") is None:
+            saved["width"] = None  # written before model plug-ins: the same network
         changed = sorted(k for k in current.keys() | saved.keys() if current.get(k) != saved.get(k))
         if changed:
             raise ConfigError(

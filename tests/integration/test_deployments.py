@@ -120,6 +120,7 @@ def stack(tmp_path: Path) -> Iterator[Stack]:
         PREFECT_API_URL=api,
         PREFECT_HOME=str(state / "prefect-home"),
         PREFECT_WORKER_QUERY_SECONDS="2",  # the worker picks up runs sooner
+        PYTHONPATH=str(tmp_path / "user code"),  # where the worker finds a user's model plug-in
     )
     env.pop("MLFLOW_TRACKING_URI", None)
     stack = Stack(state, env, api, f"http://127.0.0.1:{mlflow_port}")
@@ -158,7 +159,10 @@ def test_deployment_run_completes_and_logs_to_the_stack_mlflow(
     assert "deployed trainflow-pipeline/nightly" in stack.sh("deploy")
 
     work = tmp_path / "work"
-    flow_run = stack.run_deployment("adhoc", {"workdir": str(work)})
+    (tmp_path / "user code").mkdir()
+    (tmp_path / "user code" / "deploy_models.py").write_text(_DEPLOY_MODELS)
+    model = {"train.model": "deploy_models:build", "train.model_args": {"hidden": 6}}
+    flow_run = stack.run_deployment("adhoc", {"workdir": str(work), **model})
     assert stack.final_state(flow_run, 300) == "COMPLETED", stack.log("worker")
 
     runs = _mlflow_runs(stack.mlflow)
@@ -174,6 +178,13 @@ def test_deployment_run_completes_and_logs_to_the_stack_mlflow(
     }
     statuses = {name: r.info.status for name, r in children.items()}
     assert statuses == {"preprocess": "FINISHED", "train": "FINISHED", "evaluate": "FINISHED"}
+    # The user's model, found on the worker's PYTHONPATH, trained from the run's snapshot.
+    params = children["train"].data.params
+    assert params["model_factory"] == "deploy_models:build" and params["model_args.hidden"] == "6"
+    assert params["model_parameters"] == str(256 * 6 + 6 + 6 * 4 + 4)
+    assert (
+        children["train"].data.tags["code_snapshot_hash"] == parent.data.tags["code_snapshot_hash"]
+    )
     server = MlflowClient(stack.mlflow)
     plots = [f.path for f in server.list_artifacts(children["evaluate"].info.run_id)]
     assert "confusion_matrix.png" in plots  # what the UI shows
@@ -200,6 +211,17 @@ def test_deployment_run_completes_and_logs_to_the_stack_mlflow(
     stack.sh("down")
     assert stack.processes() == []
     assert "stopped" in stack.sh("status")
+
+
+_DEPLOY_MODELS = """\
+from torch import nn
+
+
+def build(spec, hidden=4):
+    c, h, w = spec.sample_shape
+    return nn.Sequential(nn.Flatten(), nn.Linear(c * h * w, hidden), nn.ReLU(),
+                         nn.Linear(hidden, spec.num_classes))
+"""
 
 
 def _training(work: Path) -> registry.ActiveJob | None:

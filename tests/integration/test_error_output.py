@@ -17,7 +17,10 @@ pytestmark = pytest.mark.integration
 
 
 def _run(
-    *overrides: str, debug: bool = False, env_add: dict[str, str] | None = None
+    *overrides: str,
+    debug: bool = False,
+    env_add: dict[str, str] | None = None,
+    cwd: Path | None = None,
 ) -> subprocess.CompletedProcess[str]:
     argv = [sys.executable, "-m", "trainflow.flows.cli", *(["--debug"] if debug else []), "run"]
     argv += ["--preset", "tiny"]
@@ -28,7 +31,7 @@ def _run(
     if api:
         env["PREFECT_API_URL"] = api
     env.update(env_add or {})
-    return subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env)
+    return subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env, cwd=cwd)
 
 
 def _mixed_sizes(tmp: Path) -> tuple[Path, str]:
@@ -119,3 +122,51 @@ def test_a_rank_that_raises_any_python_error_says_what_in_one_line(failing_workd
     text = out.stdout + out.stderr
     assert "Traceback" not in text and "File " not in text  # in the rank's log, not the console
     assert "Traceback (most recent call last)" in log.read_text()
+
+
+_USER_MODELS = """\
+from torch import nn
+
+
+def wrong_width(spec):
+    return nn.Sequential(nn.Flatten(), nn.LazyLinear(spec.num_classes + 1))
+
+
+def raises(spec, depth=1):
+    raise ValueError(f"depth {depth} is too deep")
+
+
+NOT_CALLABLE = 3
+"""
+
+
+@pytest.mark.parametrize(
+    ("model", "message"),
+    [
+        ("no_such_models:build", "no module named 'no_such_models'"),
+        ("user_models:NOT_CALLABLE", "'NOT_CALLABLE' in "),
+        ("user_models:raises", "raised ValueError: depth 4 is too deep at "),
+        ("user_models:wrong_width", "gives (2, 4) for a batch of 2"),
+    ],
+)
+def test_a_model_plugin_mistake_is_refused_alone_before_any_server_starts(
+    tmp_path: Path, model: str, message: str
+) -> None:
+    """Run from the user's project folder, as a user would: the module is found there."""
+    (tmp_path / "user_models.py").write_text(_USER_MODELS)
+    work = tmp_path / "work"
+    out = _run(
+        f"train.model={model}",
+        'train.model_args={"depth": 4}' if model.endswith("raises") else "train.model_args={}",
+        "preprocess.source=synthetic",
+        "preprocess.synthetic_classes=3",
+        f"workdir={work}",
+        cwd=tmp_path,
+    )
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.count("\n") == 1 and out.stderr.startswith("trainflow: error: "), out.stderr
+    assert message in out.stderr and "Traceback" not in out.stderr
+    if model.startswith("user_models"):
+        assert str(tmp_path / "user_models.py") in out.stderr
+    assert out.stdout == ""
+    assert not work.exists()  # no Prefect server, MLflow store or dask cluster was started

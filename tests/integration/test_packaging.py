@@ -3,6 +3,7 @@
 so a user project with its own `tasks.py` and `cluster/` runs a whole pipeline."""
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from mlflow.tracking import MlflowClient
 
 pytestmark = pytest.mark.integration
 
@@ -36,7 +38,7 @@ print(trainflow.tasks.train.job.__file__)
 def _user_project(tmp_path: Path) -> Path:
     project = tmp_path / "user project"
     (project / "cluster").mkdir(parents=True)
-    (project / "tasks.py").write_text('OWNER = "user"\n')
+    (project / "tasks.py").write_text('OWNER = "user"\nHIDDEN = 8\n')
     (project / "cluster" / "__init__.py").write_text('OWNER = "user"\n')
     return project
 
@@ -110,10 +112,54 @@ def test_a_wheel_install_holds_trainflow_only(tmp_path: Path) -> None:
 def test_a_pipeline_runs_from_a_user_project_with_its_own_tasks_and_cluster(
     tmp_path: Path,
 ) -> None:
+    """...and trains the user's own model: a factory in my_models.py that imports the user's
+    tasks.py, found in the folder `trainflow run` starts in, snapshotted and run from the copy."""
     project = _user_project(tmp_path)
+    (project / "my_models.py").write_text(_MY_MODELS)
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
     trainflow = str(Path(sys.executable).with_name("trainflow"))
     argv = [trainflow, "run", "--preset", "tiny", "--set", f"workdir={tmp_path / 'work'}"]
+    argv += ["--set", "train.model=my_models:build", "--set", 'train.model_args={"depth": 2}']
+    argv += ["--set", f"tracking.tracking_uri={store}"]
     out = subprocess.run(argv, cwd=project, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "== trainflow summary ==" in out.stdout, out.stdout[-3000:]
     assert "test accuracy" in out.stdout
+    expected = 256 * 8 + 8 + 8 * 8 + 8 + 8 * 4 + 4  # 1x16x16 synthetic images, 4 classes
+    assert f"model my_models:build: {expected:,} parameters" in out.stdout
+
+    client = MlflowClient(store)
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    [parent] = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    [train] = [r for r in runs if r.info.run_name == "train"]
+    assert train.data.params["model_args.depth"] == "2"
+    assert train.data.params["model_parameters"] == str(expected)
+    sha = parent.data.tags["code_snapshot_hash"]
+    [evaluate] = [r for r in runs if r.info.run_name == "evaluate"]
+    assert train.data.tags["code_snapshot_hash"] == evaluate.data.tags["code_snapshot_hash"] == sha
+    [version] = client.search_model_versions()
+    assert version.tags["code_snapshot_hash"] == sha  # the registered model names its code
+    logged = {f.path for f in client.list_artifacts(parent.info.run_id, "code/0")}
+    assert {"code/0/my_models.py", "code/0/tasks.py"} <= logged
+    # Each rank built the model from the snapshot in the run's job folder, not the project.
+    snapshot = tmp_path / "work" / "runs" / parent.info.run_id / "jobs" / "code" / "0"
+    built = re.findall(r"\[rank\d[^]]*\] built by (\S+) owned by (\w+)", out.stdout + out.stderr)
+    assert built and set(built) == {(str(snapshot / "my_models.py"), "user")}, built
+
+
+_MY_MODELS = """\
+import math
+
+from torch import nn
+
+from tasks import HIDDEN, OWNER
+
+
+def build(spec, depth=1):
+    print(f"built by {__file__} owned by {OWNER}", flush=True)
+    width, layers = math.prod(spec.sample_shape), [nn.Flatten()]
+    for _ in range(depth):
+        layers += [nn.Linear(width, HIDDEN), nn.ReLU()]
+        width = HIDDEN
+    return nn.Sequential(*layers, nn.Linear(width, spec.num_classes))
+"""

@@ -150,16 +150,22 @@ def pipeline_runs(workdir: Path) -> tuple[Run, dict[str, Run]]:
 
 
 def _completed_pipeline(
-    tmp_path: Path, prefect_api: str, *sbatch_options: str
+    tmp_path: Path,
+    prefect_api: str,
+    *sbatch_options: str,
+    sets: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
 ) -> tuple[str, Run, dict[str, Run], str]:
-    """Submit pipeline.sbatch (preset tiny) with these sbatch options, wait until it completes,
-    and check its parent and stage runs finished; returns (job id, parent, stages, job log)."""
+    """Submit pipeline.sbatch (preset tiny, plus `sets` overrides) with these sbatch options and
+    `env` exported, wait until it completes, and check its parent and stage runs finished;
+    returns (job id, parent, stages, job log)."""
     argv = [
         *(f"--chdir={REPO}", f"--output={tmp_path}/%j.out", *sbatch_options),
         *(str(TEMPLATES / "pipeline.sbatch"), "--preset", "tiny"),
         *("--set", f"workdir={tmp_path}/work"),
+        *(item for value in sets for item in ("--set", value)),
     ]
-    with submitted(argv, job_env(PREFECT_API_URL=prefect_api)) as job_id:
+    with submitted(argv, job_env(PREFECT_API_URL=prefect_api, **(env or {}))) as job_id:
         out = tmp_path / f"{job_id}.out"
         assert wait_ended(job_id, out) == ("COMPLETED", "0:0"), _tail(out)
     parent, kids = pipeline_runs(tmp_path / "work")
@@ -191,9 +197,24 @@ def test_pipeline_template_runs_a_whole_pipeline_in_one_allocation(
 def test_pipeline_template_spreads_dask_workers_over_a_two_node_allocation(
     tmp_path: Path, prefect_api: str
 ) -> None:
-    job_id, parent, _kids, log = _completed_pipeline(
-        tmp_path, prefect_api, "--nodes=2", "--ntasks=2", "--cpus-per-task=2"
+    # With the user's own model, found on the exported PYTHONPATH: every rank, on both nodes,
+    # builds it from the run's snapshot.
+    (tmp_path / "user code").mkdir()
+    (tmp_path / "user code" / "sbatch_models.py").write_text(_SBATCH_MODELS)
+    job_id, parent, kids, log = _completed_pipeline(
+        tmp_path,
+        prefect_api,
+        *("--nodes=2", "--ntasks=2", "--cpus-per-task=2"),
+        sets=("train.model=sbatch_models:build", 'train.model_args={"hidden": 6}'),
+        env={"PYTHONPATH": str(tmp_path / "user code")},
     )
+    assert kids["train"].data.params["model_parameters"] == str(256 * 6 + 6 + 6 * 4 + 4)
+    snapshot = tmp_path / "work" / "runs" / parent.info.run_id / "jobs" / "code" / "0"
+    built = set(re.findall(r"\[rank(\d)@(tfnode\d)\] built from (\S+)", log))
+    assert {(rank, node) for rank, node, _ in built} == {
+        ("0", "tfnode1"), ("1", "tfnode1"), ("2", "tfnode2"), ("3", "tfnode2")
+    }, log  # fmt: skip
+    assert {file for _, _, file in built} == {str(snapshot / "sbatch_models.py")}
     assert parent.data.params["cluster.dask.executor"] == "allocation"
     assert "nodes 2" in log
     # Asked of each worker: one per node, both inside this job (a step, not a new job).
@@ -206,6 +227,18 @@ def test_pipeline_template_spreads_dask_workers_over_a_two_node_allocation(
     assert any(s.startswith("trainflow-train-") and s.endswith("|tfnode[1-2]") for s in steps)
     ranks = set(re.findall(r"\[rank(\d)@(tfnode\d)\] ", log))
     assert ranks == {("0", "tfnode1"), ("1", "tfnode1"), ("2", "tfnode2"), ("3", "tfnode2")}, log
+
+
+_SBATCH_MODELS = """\
+from torch import nn
+
+
+def build(spec, hidden=4):
+    print(f"built from {__file__}", flush=True)
+    c, h, w = spec.sample_shape
+    return nn.Sequential(nn.Flatten(), nn.Linear(c * h * w, hidden), nn.ReLU(),
+                         nn.Linear(hidden, spec.num_classes))
+"""
 
 
 def test_pipeline_template_signal_stops_the_flow_and_marks_runs_killed(

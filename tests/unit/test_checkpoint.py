@@ -168,6 +168,17 @@ def test_a_checkpoint_of_another_run_is_not_resumed(dataset: DatasetRef, tmp_pat
         TrainingJob(other)()
 
 
+def test_a_checkpoint_written_before_model_plugins_still_resumes(
+    dataset: DatasetRef, tmp_path: Path
+) -> None:
+    """Such checkpoints recorded train.width=32 (then its default) and no model_args."""
+    job = TrainingJob(_spec(dataset, tmp_path, epochs=1))
+    saved = {k: v for k, v in job._run_identity().items() if k != "model_args"}
+    job._check_same_run({**saved, "width": 32}, tmp_path / "old.pt")
+    with pytest.raises(ConfigError, match=r"other settings \(width\)"):
+        job._check_same_run({**saved, "width": 8}, tmp_path / "old.pt")
+
+
 def _one_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor) -> None:
     loss = model(x).square().mean()
     optimizer.zero_grad()

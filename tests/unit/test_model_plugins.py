@@ -11,6 +11,8 @@ import torch
 from torch import nn
 
 from tests.unit.test_preprocess_sources import _folder, _npz
+from trainflow.flows.config import build_sweep
+from trainflow.flows.preflight import preflight
 from trainflow.tasks.errors import ConfigError
 from trainflow.tasks.plugins import PluginError
 from trainflow.tasks.preprocess.config import PreprocessConfig
@@ -141,7 +143,7 @@ def test_entry_points_of_an_installed_distribution(
 @pytest.mark.parametrize("source", ["folder", "npz", "synthetic"])
 def test_the_probe_tells_the_model_what_the_stage_will_write(tmp_path: Path, source: str) -> None:
     path = {"folder": _folder(tmp_path / "f"), "npz": _npz(tmp_path / "d.npz"), "synthetic": None}
-    cfg = PreprocessConfig(source=source, path=path[source])  # type: ignore[arg-type]
+    cfg = PreprocessConfig.model_validate({"source": source, "path": path[source]})
     raw = load_raw(cfg)
     probed = probe_spec(cfg)
     assert probed == image_classification(raw.images.shape[1:], len(raw.classes))
@@ -153,3 +155,12 @@ def test_the_check_is_torch_only_on_meta() -> None:
     before = torch.zeros(1).device
     check_model(TrainConfig(), SPEC)
     assert torch.zeros(1).device == before
+
+
+def test_a_sweep_checks_every_elements_model_before_any_work(tmp_path: Path) -> None:
+    grid = {"train.model_args": [{}, {"depth": 2}]}
+    base, elements = build_sweep("tiny", [f"workdir={tmp_path / 'work'}"], grid)
+    preflight(base)  # the base alone is fine
+    with pytest.raises(PluginError, match="unexpected keyword argument 'depth'"):
+        preflight(base, [cfg.train for _, cfg in elements])
+    assert not (tmp_path / "work").exists()

@@ -67,8 +67,14 @@ def test_in_git_the_files_git_knows_of_not_the_ignored_ones(project: Path) -> No
     assert "nets/table.json" not in files
 
 
-def test_installed_and_trainflows_own_modules_are_not_snapshotted() -> None:
+def test_installed_and_trainflows_own_modules_are_not_snapshotted(project: Path) -> None:
     assert _files(["pytest", "json", "trainflow.tasks.train.models"]) == {}
+    # A project inside a trainflow checkout: its modules are copied, trainflow's folder never.
+    (project / "trainflow").mkdir()
+    (project / "trainflow" / "__init__.py").write_text("")
+    subprocess.run(["git", "init", "-q"], cwd=project, check=True)
+    files = _files(["my_models"])[project]
+    assert "my_models.py" in files and not any(f.startswith("trainflow") for f in files)
 
 
 def test_a_snapshot_too_big_is_refused_in_one_line(
