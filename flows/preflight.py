@@ -11,14 +11,18 @@ from pathlib import Path
 from trainflow.cluster.dask_slurm_checks import check_dask_workers
 from trainflow.cluster.slurm_checks import check_cluster
 from trainflow.flows.config import PipelineConfig
+from trainflow.tasks.diskspace import require_space
 from trainflow.tasks.errors import ConfigError
 from trainflow.tasks.preprocess.preflight import preflight_source
+from trainflow.tasks.preprocess.size import preprocess_need
 
 
 def preflight(cfg: PipelineConfig) -> None:
     """ConfigError or DataError (what is wrong and the fix) before any expensive work."""
     check_workdir(cfg.workdir)
     preflight_source(cfg.preprocess)
+    datasets = cfg.workdir / "datasets"  # a dataset the workdir's disk cannot hold: now
+    require_space("preprocess", datasets, preprocess_need(cfg.preprocess, datasets))
     check_cluster(cfg.cluster)  # a Slurm request that can never run, or no Slurm to reach
     check_dask_workers(cfg.cluster.dask)  # the same for dask worker jobs
 
