@@ -126,3 +126,27 @@ def test_a_failed_jobs_tracebacks_show_only_with_debug(
     err = capsys.readouterr().err
     assert err.endswith("trainflow: error: job 7 failed in rank 1: rank 1 raised DataError: x\n")
     assert ("----- rank 1 -----" in err) is debug
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        OSError(24, "Too many open files"),
+        JobError("job 7 failed in rank 1: rank 1 raised OSError: [Errno 24] Too many open files"),
+    ],
+)
+def test_too_many_open_files_anywhere_is_one_line_naming_the_limit(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], error: Exception
+) -> None:
+    from trainflow.flows import cli
+
+    def failing(args: object) -> int:
+        raise error
+
+    monkeypatch.setenv("TRAINFLOW_DEBUG", "0")
+    monkeypatch.setattr(cli, "_run", failing)
+    assert cli.main(["run", "--preset", "tiny"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("trainflow: error: ")
+    assert "too many open files: this process may hold" in err and "ulimit -n" in err
+    assert "preprocess again" not in err
