@@ -202,7 +202,7 @@ def read_npy_into(file: Path, out: np.ndarray) -> None:
                 raise ValueError(
                     f"it holds {dtype}{list(shape)}, the manifest says {out.dtype}{list(out.shape)}"
                 )
-            view = memoryview(out.reshape(-1).view(np.uint8))
+            view = memoryview(out.reshape(-1).view(np.uint8).data)
             got = handle.readinto(view)
             if got != out.nbytes:
                 raise ValueError(f"it is truncated: {got} of {out.nbytes} bytes of data")

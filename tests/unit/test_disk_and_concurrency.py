@@ -116,9 +116,8 @@ def test_evaluation_refuses_a_disk_too_small_for_the_model_it_logs(
         path=weights, sha256="-", epoch=1, step=1, metrics={}, history_path=disk / "history.json"
     )
     dataset = write_dataset(tmp_path / "ds")
-    args = (EvaluateConfig(), TrainConfig(), dataset, ckpt, "sqlite:///unused.db", "run", {})
     with pytest.raises(DiskFullError) as err:
-        evaluate_task.fn(*args)
+        evaluate_task.fn(EvaluateConfig(), TrainConfig(), dataset, ckpt, "sqlite:///x.db", "r", {})
     message = str(err.value)
     assert message.startswith(f"evaluate: not enough space on the disk of {disk} (")
     assert "about 1.2 MiB needed" in message
