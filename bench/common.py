@@ -12,7 +12,8 @@ RESULTS = Path(__file__).parent / "results"
 
 
 def machine_name() -> str:
-    """The GPU's name when CUDA is usable, else the CPU model (what the results are about)."""
+    """The GPU's name when CUDA is usable, else the CPU model and whether it computes bf16
+    natively (what the results are about)."""
     try:
         import torch
 
@@ -20,10 +21,12 @@ def machine_name() -> str:
             return str(torch.cuda.get_device_name(0))
     except ImportError:
         pass
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
+    from trainflow.tasks.train.native_bf16 import cpu_bf16, this_cpu
+
+    cpu = this_cpu()  # "AMD EPYC" names CPUs with and without bf16: results differ by 1.5x
+    if cpu.model == "unnamed CPU":
+        return platform.processor() or platform.machine()
+    return f"{cpu.model} ({'native bf16' if cpu_bf16(cpu)[0] else 'no native bf16'})"
 
 
 def slug(text: str) -> str:

@@ -220,8 +220,9 @@ def wait_for_jobs(
 
 def _outcome(job: submitit.Job[Any], node_failed: set[str]) -> Any:
     """Task 0's result of an ended job, or the JobError it failed with: the lost rank, or the
-    rank that raised and what it raised, named (tracebacks in its detail). JobError, before any pickle is loaded (loading
-    one runs code), when the job folder or a result pickle is not private to this user."""
+    rank that raised and what it raised, named (tracebacks in its detail). JobError, before
+    any pickle is loaded (loading one runs code), when the job folder or a result pickle is
+    not private to this user."""
     check_private(job.paths.folder, [job.task(k).paths.result_pickle for k in range(job.num_tasks)])
     ends = rank_ends(job)
     failure = failure_message(job, ends)

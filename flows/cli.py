@@ -16,6 +16,7 @@ from trainflow.flows.config import PRESETS, PipelineConfig, build_config
 from trainflow.flows.error_output import DEBUG_ENV, debug_enabled
 from trainflow.flows.preflight import preflight
 from trainflow.tasks.errors import ConfigError, JobError, TrainflowError
+from trainflow.tasks.limits import open_files_advice, too_many_open_files
 
 _DEBUG_HELP = "show tracebacks of errors (also: TRAINFLOW_DEBUG=1)"
 
@@ -271,7 +272,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             traceback.print_exc()
             if isinstance(err, JobError) and err.detail:  # a failed job's remote tracebacks
                 print(err.detail, file=sys.stderr)
-        print(f"trainflow: error: {err}", file=sys.stderr)
+        advice = ""  # a rank's EMFILE reaches here as what it raised: add the limit's advice
+        if too_many_open_files(err) and "ulimit" not in str(err):
+            advice = f"; {open_files_advice()}"
+        print(f"trainflow: error: {err}{advice}", file=sys.stderr)
+        return 2
+    except OSError as err:  # EMFILE in this process, wherever it came from: one line
+        if not too_many_open_files(err) or debug_enabled():
+            raise
+        print(f"trainflow: error: {open_files_advice()} ({err})", file=sys.stderr)
         return 2
 
 

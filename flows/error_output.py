@@ -4,10 +4,10 @@ Prefect logs a failing task or flow with its traceback, then echoes the error in
 state messages, and `trainflow run` prints it once more at the end. For a TrainflowError (bad
 input, config, a failed job: its message already says what is wrong and how to fix it) that is
 noise around the one line that matters. This filter keeps those records off the console; the
-Prefect API still receives them, so the Prefect UI shows the failure in full. The tracebacks in the ranks' logs, which the
-training task forwards line by line, are kept off the console the same way: the job's error
-line says what the rank raised and where its log is. Set TRAINFLOW_DEBUG=1
-(`trainflow --debug ...`) to see everything.
+Prefect API still receives them, so the Prefect UI shows the failure in full. The tracebacks
+in the ranks' logs, which the training task forwards line by line, are kept off the console
+the same way: the job's error line says what the rank raised and where its log is. Set
+TRAINFLOW_DEBUG=1 (`trainflow --debug ...`) to see everything.
 """
 
 import logging

@@ -14,11 +14,13 @@ from trainflow.cluster.dask_slurm_checks import check_dask_workers
 from trainflow.cluster.slurm_checks import check_cluster
 from trainflow.cluster.snapshot import plan_snapshot
 from trainflow.flows.config import PipelineConfig
+from trainflow.tasks.diskspace import require_space
 from trainflow.tasks.errors import ConfigError
 from trainflow.tasks.objectives import check_data
 from trainflow.tasks.plugins import resolve
 from trainflow.tasks.preprocess.plugin_source import GROUP as SOURCE_GROUP
 from trainflow.tasks.preprocess.preflight import preflight_source, probe_spec
+from trainflow.tasks.preprocess.size import preprocess_need
 from trainflow.tasks.train.config import TrainConfig
 from trainflow.tasks.train.model_plugins import ModelReport, check_model
 
@@ -35,6 +37,8 @@ def preflight(cfg: PipelineConfig, sweep: Iterable[TrainConfig] = ()) -> ModelRe
     for train in sweep:
         check_model(train, spec)
     plan_snapshot(user_modules(cfg, model))  # a code folder too big to snapshot
+    datasets = cfg.workdir / "datasets"  # a dataset the workdir's disk cannot hold: now
+    require_space("preprocess", datasets, preprocess_need(cfg.preprocess, datasets))
     check_cluster(cfg.cluster)  # a Slurm request that can never run, or no Slurm to reach
     check_dask_workers(cfg.cluster.dask)  # the same for dask worker jobs
     return model

@@ -1,11 +1,13 @@
 """A full disk reported as one line: the stage, the path, the space free and roughly needed.
 
 Without this, a full working folder ends a run with `OSError: [Errno 28] No space left on
-device` under several tracebacks, from wherever the write happened (a dask worker, a training
-rank, SQLite).
+device` (or numpy's errno-less short write) under several tracebacks, from wherever the write
+happened (a dask worker, a training rank, SQLite). Where a stage's size is known beforehand,
+require_space refuses the workdir before the stage writes anything.
 """
 
 import errno
+import re
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -16,6 +18,9 @@ from trainflow.tasks.errors import TrainflowError
 _FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
 # How the same error reads once it is text (a remote rank's traceback) or SQLite's wording.
 _FULL_TEXTS = ("No space left on device", "Disk quota exceeded", "database or disk is full")
+# A short write that carries no errno: numpy's np.save/tofile ("3920000 requested and 2174848
+# written") when fwrite stops at a full disk.
+_SHORT_WRITE = re.compile(r"\b\d+ requested and \d+ written\b")
 
 
 class DiskFullError(TrainflowError):
@@ -30,7 +35,9 @@ def is_disk_full(exc: BaseException) -> bool:
         seen.add(id(current))
         if isinstance(current, OSError) and current.errno in _FULL_ERRNOS:
             return True
-        if any(text in str(current) for text in _FULL_TEXTS):
+        # A failed job's rank tracebacks (JobError.detail) hold the chain its one line cuts.
+        text = f"{current}\n{getattr(current, 'detail', '')}"
+        if any(full in text for full in _FULL_TEXTS) or _SHORT_WRITE.search(text):
             return True
         current = current.__cause__ or current.__context__
     return False
@@ -47,6 +54,18 @@ def disk_stage(stage: str, path: Path, need_bytes: int | None = None) -> Iterato
         if not is_disk_full(exc):
             raise
         raise DiskFullError(disk_full_message(stage, path, need_bytes)) from exc
+
+
+def require_space(stage: str, path: Path, need_bytes: int | None) -> None:
+    """DiskFullError before `stage` writes about `need_bytes` under `path` when the disk there
+    has less free (pre-flight: nothing has been written yet). None: the size is unknown."""
+    free = shutil.disk_usage(_existing(path)).free
+    if need_bytes is not None and free < need_bytes:
+        raise DiskFullError(
+            f"{stage}: not enough space on the disk of {path} ({_size(free)} free, about "
+            f"{_size(need_bytes)} needed): free some space there, or set workdir to a folder "
+            "on a larger disk"
+        )
 
 
 def disk_full_message(stage: str, path: Path, need_bytes: int | None) -> str:

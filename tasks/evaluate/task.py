@@ -3,7 +3,7 @@
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from trainflow.tasks.diskspace import disk_stage
+from trainflow.tasks.diskspace import disk_stage, require_space
 from trainflow.tasks.evaluate.config import EvaluateConfig
 from trainflow.tasks.evaluate.run import EvalResult, run_evaluate
 from trainflow.tasks.preprocess.ref import DatasetRef
@@ -23,5 +23,7 @@ def evaluate_task(
 ) -> EvalResult:
     """Test metrics, plots, the logged model and its registered version for the best checkpoint."""
     # The logged model is a copy of the best weights; plots and metrics are small.
-    with disk_stage("evaluate", ckpt.path.parent, 2 * ckpt.path.stat().st_size):
+    need = 2 * ckpt.path.stat().st_size
+    require_space("evaluate", ckpt.path.parent, need)  # before the model is exported
+    with disk_stage("evaluate", ckpt.path.parent, need):
         return run_evaluate(cfg, train, dataset, ckpt, tracking_uri, run_id, version_tags)

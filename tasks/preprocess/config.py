@@ -31,8 +31,9 @@ class PreprocessConfig(StrictModel):
     """Share of samples held out for the final test."""
     seed: int = 0
     """Seed of the deterministic train/val/test split (and of the synthetic generator)."""
-    shard_size: int = Field(4096, ge=64, le=1_000_000)
-    """Samples per written shard (dask tasks group whole shards into ~64 MiB of output)."""
+    shard_size: int = Field(4096, ge=1, le=1_000_000)
+    """Samples per written shard (dask tasks group whole shards into ~64 MiB of output). Any
+    shard count works with few files open; tiny shards cost a file pair and an fsync each."""
     synthetic_samples: int = Field(2000, ge=10, le=10_000_000)
     """Number of samples the synthetic source generates."""
     synthetic_classes: int = Field(4, ge=2, le=1000)

@@ -1,5 +1,6 @@
-"""Roughly how much disk a preprocessed dataset takes, for a full disk's error message."""
+"""How much disk preprocessing takes, for pre-flight and for a full disk's error message."""
 
+import json
 import math
 from pathlib import Path
 
@@ -9,14 +10,31 @@ _MNIST = (5000, 1 * 28 * 28)
 
 
 def dataset_bytes(cfg: PreprocessConfig) -> int | None:
-    """float32 images plus int64 labels for the generated and bundled sources; for files, the
+    """Bytes written at the peak: float32 samples plus int64 labels for the generated source;
+    MNIST's uint8 pixels twice (the staged copy beside the shards) plus labels; for files, the
     size of the source files (a lower bound: decoded images are larger); None if unknown."""
     if cfg.source == "synthetic":
         return cfg.synthetic_samples * (4 * math.prod(cfg.synthetic_shape) + 8)
     if cfg.source == "mnist":
         n, pixels = _MNIST
-        return n * (4 * pixels + 8)
+        return n * (2 * pixels + 8)
     return _tree_bytes(cfg.path) if cfg.path else None
+
+
+def preprocess_need(cfg: PreprocessConfig, out_root: Path) -> int | None:
+    """What preprocessing `cfg` will write under `out_root`, known before it starts: the
+    generated and bundled sources' exact sizes; 0 when a dataset of this config is there
+    already (the cache serves it); None for files, whose decoded size needs their pixels."""
+    if cfg.source not in ("synthetic", "mnist"):
+        return None
+    wanted = cfg.model_dump(mode="json")
+    for manifest in out_root.glob("*/manifest.json") if out_root.is_dir() else []:
+        try:
+            if json.loads(manifest.read_text()).get("config") == wanted:
+                return 0
+        except (OSError, ValueError):
+            continue
+    return dataset_bytes(cfg)
 
 
 def _tree_bytes(path: Path) -> int:

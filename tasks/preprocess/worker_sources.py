@@ -25,6 +25,7 @@ import numpy as np
 from PIL import Image
 
 from trainflow.tasks.errors import DataError
+from trainflow.tasks.limits import open_files_advice, too_many_open_files
 from trainflow.tasks.preprocess.image_array import FourDimImages
 from trainflow.tasks.preprocess.sources import (
     _GRAY_MODES,
@@ -48,11 +49,16 @@ class Failure:
 
 
 def run_guarded(fn: Callable[..., T], *args: Any) -> "T | Failure":
-    """fn(*args), or a Failure holding the message of the DataError it raised."""
+    """fn(*args), or a Failure holding the message of the DataError it raised (or of the
+    worker's open-files limit, reached: its advice is the limit, not the data)."""
     try:
         return fn(*args)
     except DataError as exc:
         return Failure(str(exc))
+    except OSError as exc:
+        if not too_many_open_files(exc):
+            raise
+        return Failure(f"preprocess (a dask worker): {open_files_advice()}")
 
 
 # --- folder -----------------------------------------------------------------------------------

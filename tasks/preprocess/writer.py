@@ -13,6 +13,7 @@ import functools
 import hashlib
 import io
 import os
+from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -230,16 +231,30 @@ def _start_writeback(handle: BinaryIO, offset: int, length: int) -> None:
         os.posix_fadvise(handle.fileno(), offset, length, os.POSIX_FADV_DONTNEED)
 
 
+MAX_UNSYNCED = 16
+"""Written files a worker holds open while they wait for their fsync: with tiny shards the
+writer outruns fsync, and an unbounded queue ran out of file descriptors (EMFILE under
+`ulimit -n 256` with 3,750 shards). The writer waits for the oldest beyond this many."""
+
+
 class _Flusher:
     """fsync and close written files on a background thread: the disk writes one shard while
-    the worker computes the next. Leaving the block waits for all (and re-raises failures)."""
+    the worker computes the next, at most MAX_UNSYNCED files open. Leaving the block waits for
+    all (and re-raises failures)."""
 
     def __init__(self) -> None:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="fsync")
         self._pending: list[Future[None]] = []
+        self._open: deque[Future[None]] = deque()
 
     def submit(self, handle: BinaryIO) -> None:
-        self._pending.append(self._pool.submit(_sync_and_close, handle))
+        future = self._pool.submit(_sync_and_close, handle)
+        self._pending.append(future)
+        self._open.append(future)
+        while self._open and self._open[0].done():
+            self._open.popleft()
+        if len(self._open) > MAX_UNSYNCED:
+            self._open.popleft().result()  # its file is closed now (a failure raises here)
 
     def __enter__(self) -> "_Flusher":
         return self

@@ -100,3 +100,21 @@ def make_logger(
     if rank == 0 and tracking_uri and run_id:
         return MlflowLogger(tracking_uri, run_id, out_dir)
     return NullLogger()
+
+
+def log_run_params(tracking_uri: str | None, run_id: str | None, params: dict[str, str]) -> None:
+    """Log params only the job learns where it runs (the precision picked, and why) on its
+    run. Never raises: a requeued job that picked otherwise (MLflow keeps a param's first
+    value) or an unreachable server is a warning line."""
+    if not (tracking_uri and run_id):
+        return
+    try:
+        from mlflow.tracking import MlflowClient
+
+        from trainflow.tasks.tracking.runs import log_params
+
+        log_params(MlflowClient(tracking_uri), run_id, params)
+    except Exception as exc:
+        said = (str(exc).splitlines() or [""])[0][:300]
+        name = type(exc).__name__
+        print(f"warning: params {sorted(params)} not logged: {name}: {said}", flush=True)

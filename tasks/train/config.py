@@ -38,8 +38,10 @@ class TrainConfig(StrictModel):
     weight_decay: float = Field(1e-4, ge=0.0, le=1.0)
     """Decoupled weight decay."""
     precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
-    """auto: bf16 autocast where the device supports it, else fp16 + GradScaler on GPU,
-    else fp32. bf16/fp16 force that dtype; fp32 disables autocast."""
+    """auto: bf16 autocast where the device computes bf16 natively (CPU flags avx512_bf16 or
+    amx_bf16, GPU compute capability >= 8.0), else fp16 + GradScaler on GPU, else fp32; the
+    job log and the train run's params (precision.used, precision.reason) say which and why.
+    bf16/fp16 force that dtype; fp32 disables autocast."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """auto: cuda when the rank sees a GPU, else cpu."""
     seed: int = 0

@@ -9,16 +9,18 @@ holds only its batches. The data order of an epoch depends only on (seed, epoch)
 which is what makes a resumed run take exactly the batches the interrupted one would have taken.
 """
 
+import math
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol
 
+import numpy as np
 import torch
 
 from trainflow.tasks.errors import ConfigError
-from trainflow.tasks.preprocess.dataset import load_raw_split, read_manifest
+from trainflow.tasks.preprocess.dataset import load_manifest, load_raw_split, read_manifest
 from trainflow.tasks.train.normalise import Normaliser, normaliser_of
 from trainflow.tasks.train.prefetch import Batch, Prefetcher
 from trainflow.tasks.train.streaming import ShardRows, StreamedSplit
@@ -201,12 +203,12 @@ def load_split_to(
     """
     ref = read_manifest(path)
     channels_last = channels_last and len(ref.shape) == 3  # images only
-    rows = ShardRows(path, split, channels_last)
-    nbytes = len(rows) * (rows.dtype.itemsize * int(torch.tensor(ref.shape).prod()) + 8)
+    dtype_x = load_manifest(path, check_files=False).get("dtype", {}).get("x", "float32")
+    nbytes = ref.counts[split] * (np.dtype(dtype_x).itemsize * math.prod(ref.shape) + 8)
     on_device = place_on_device(placement, device, nbytes)
     normaliser = normaliser_of(ref)
     if placement == "stream" or (placement == "auto" and not on_device):
-        return StreamedSplit(rows, normaliser)
+        return StreamedSplit(ShardRows(path, split, channels_last), normaliser)
     x_np, y_np = load_raw_split(path, split)
     x, y = torch.from_numpy(x_np), torch.from_numpy(y_np)
     if channels_last:

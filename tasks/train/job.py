@@ -23,7 +23,7 @@ from trainflow.tasks.objectives import Objective, is_better, make_objective
 from trainflow.tasks.preprocess.ref import DatasetRef, dataset_spec
 from trainflow.tasks.spec import DataSpec
 from trainflow.tasks.tracking.handed import handed_through
-from trainflow.tasks.tracking.logger import MetricLogger, make_logger
+from trainflow.tasks.tracking.logger import MetricLogger, log_run_params, make_logger
 from trainflow.tasks.tracking.packages import package_lock_hash
 from trainflow.tasks.tracking.system_metrics import node_monitor, tag_in_background
 from trainflow.tasks.train.checkpoint import (
@@ -197,9 +197,13 @@ class TrainingJob(submitit.helpers.Checkpointable):
     def _announce(
         self, dist: DistContext, policy: PrecisionPolicy, nhwc: bool, data: Split
     ) -> None:
-        """Print where and how this run trains (rank 0's first log lines)."""
+        """Print where and how this run trains (rank 0's first log lines); the precision
+        picked, and why, also go to the train run's params."""
         cfg = self.spec.train
         graphs = uses_cuda_graphs(cfg, dist.device)
+        print(f"precision {policy.name}: {policy.reason}", flush=True)
+        params = {"precision.used": policy.name, "precision.reason": policy.reason}
+        log_run_params(self.spec.tracking_uri, self.spec.run_id, params)
         print(
             f"training {cfg.model} on {dist.world_size} rank(s): device {dist.device}, "
             f"backend {dist.backend}, precision {policy.name}, channels_last "

@@ -11,10 +11,11 @@ whole file into the rank's RSS (the kernel maps page-cache folios larger than a 
 fault-around adds 64 KiB per fault), so the mapped pages grew with the dataset. With pread a
 rank holds two staging buffers, one batch of read rows, and the per-epoch permutation (8
 bytes per sample); the page cache is the kernel's, shared by the ranks of a node and
-reclaimable.
+reclaimable. At most OPEN_SHARDS shard files are open at once, whatever the shard count.
 """
 
 import os
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -22,47 +23,77 @@ import numpy as np
 import torch
 
 from trainflow.tasks.preprocess.dataset import Split as SplitName
-from trainflow.tasks.preprocess.dataset import load_manifest, open_npy, split_shards
+from trainflow.tasks.preprocess.dataset import load_manifest, npy_header, shard_error
 from trainflow.tasks.train.normalise import Normaliser
 from trainflow.tasks.train.prefetch import Batch, Prefetcher
 
+OPEN_SHARDS = 64
+"""Shard files a split keeps open at once (least recently read closed first): the rows of a
+batch come from at most batch-size shards, so a split of any shard count stays far below any
+`ulimit -n`, and a mostly sequential read (evaluation) reopens nothing."""
+
 
 class _ShardFile:
-    """One .npy shard opened for reads of whole rows at known offsets."""
+    """One .npy shard: its layout from its header, read in whole rows at known offsets."""
 
     def __init__(self, file: Path) -> None:
-        header = open_npy(file)  # checks and parses the header; the mapping is dropped
-        self.rows, self.offset = len(header), int(getattr(header, "offset", 0))
-        self.row_bytes = header.dtype.itemsize * int(np.prod(header.shape[1:]))
-        self.fd = os.open(file, os.O_RDONLY)
-        del header
+        shape, dtype, self.offset = npy_header(file)  # checks the header; closed again
+        self.file, self.rows = file, int(shape[0]) if shape else 0
+        self.row_bytes = dtype.itemsize * int(np.prod(shape[1:]))
 
-    def read(self, local: np.ndarray, out: np.ndarray) -> None:
-        """Rows `local` into `out` (contiguous, len(local) rows); one pread per run of
-        consecutive rows (a shuffled batch: one per row; evaluation's ordered batches: one)."""
+    def read(self, fd: int, local: np.ndarray, out: np.ndarray) -> None:
+        """Rows `local` into `out` (contiguous, len(local) rows) from this shard opened as
+        `fd`; one pread per run of consecutive rows (a shuffled batch: one per row;
+        evaluation's ordered batches: one)."""
         view = memoryview(out.reshape(-1).view(np.uint8).data)
         size = self.row_bytes
         cuts = (np.flatnonzero(np.diff(local) != 1) + 1).tolist()
         for begin, end in zip([0, *cuts], [*cuts, len(local)], strict=True):
             row = int(local[begin])
             part = view[begin * size : end * size]
-            got = os.preadv(self.fd, [part], self.offset + row * size)
+            got = os.preadv(fd, [part], self.offset + row * size)
             if got != len(part):
-                raise OSError(f"short read at row {row}: {got} of {len(part)} bytes")
+                raise shard_error(self.file, OSError(f"short read at row {row}: {got} bytes"))
+
+
+class _OpenFiles:
+    """At most `limit` shard files open, the least recently read closed first."""
+
+    def __init__(self, limit: int = OPEN_SHARDS) -> None:
+        self._fds: OrderedDict[Path, int] = OrderedDict()
+        self._limit = limit
+
+    def fd(self, file: Path) -> int:
+        """An open descriptor of `file`, opened now if it is not open."""
+        if file in self._fds:
+            self._fds.move_to_end(file)
+            return self._fds[file]
+        while len(self._fds) >= self._limit:
+            os.close(self._fds.popitem(last=False)[1])
+        try:
+            fd = os.open(file, os.O_RDONLY)
+        except OSError as exc:
+            raise shard_error(file, exc) from exc
+        self._fds[file] = fd
+        return fd
 
     def close(self) -> None:
-        os.close(self.fd)
+        """Close every open file."""
+        while self._fds:
+            os.close(self._fds.popitem()[1])
 
 
 class ShardRows:
     """The rows of one split's shards, read batch by batch (prefetch.Rows)."""
 
     def __init__(self, path: Path, split: SplitName, channels_last: bool = False) -> None:
-        """Open every shard of `split` of the dataset at `path` (nothing is read yet)."""
-        manifest = load_manifest(path)
-        shards = split_shards(path, split)
+        """Read the headers of every shard of `split` of the dataset at `path`, one file open
+        at a time; no row is read yet."""
+        manifest = load_manifest(path, check_files=False)  # each header read says what is missing
+        shards = manifest["splits"][split]
         self._x = [_ShardFile(path / s["x"]) for s in shards]
         self._y = [_ShardFile(path / s["y"]) for s in shards]
+        self._files = _OpenFiles()
         counts = [f.rows for f in self._y]
         self._starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         self.sample_shape = tuple(int(v) for v in manifest["shape"])
@@ -75,8 +106,9 @@ class ShardRows:
         return int(self._starts[-1])
 
     def __del__(self) -> None:
-        for shard in (*getattr(self, "_x", ()), *getattr(self, "_y", ())):
-            shard.close()
+        files = getattr(self, "_files", None)
+        if files is not None:
+            files.close()
 
     @property
     def like(self) -> torch.Tensor:
@@ -100,8 +132,9 @@ class ShardRows:
             local = rows[mine] - self._starts[shard]
             x_part = np.empty((len(mine), *self.sample_shape), self.dtype)
             y_part = np.empty((len(mine), *self.target_shape), self.target_dtype)
-            self._x[shard].read(local, x_part)
-            self._y[shard].read(local, y_part)
+            x_file, y_file = self._x[shard], self._y[shard]
+            x_file.read(self._files.fd(x_file.file), local, x_part)
+            y_file.read(self._files.fd(y_file.file), local, y_part)
             x_rows[mine], y_rows[mine] = x_part, y_part
         x_out.copy_(torch.from_numpy(x_rows))  # into the staging layout (NHWC or not)
         y_out.copy_(torch.from_numpy(y_rows))

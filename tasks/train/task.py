@@ -16,7 +16,7 @@ from trainflow.cluster.jobs import wait_for_job, wait_for_jobs
 from trainflow.cluster.lost_ranks import RankLostError
 from trainflow.cluster.restarts import run_with_restarts
 from trainflow.cluster.slurm_checks import check_cluster
-from trainflow.tasks.diskspace import disk_stage
+from trainflow.tasks.diskspace import disk_stage, require_space
 from trainflow.tasks.errors import JobError
 from trainflow.tasks.preprocess.ref import dataset_spec
 from trainflow.tasks.tracking import backlog
@@ -38,12 +38,13 @@ def train_task(
     The job is recorded under workdir/active_jobs while it is watched, so that if this
     process dies, `trainflow cleanup` (or the next run) can still cancel it.
     """
-    logger = get_run_logger()
     # Model/data mismatches (e.g. images too small) fail here, before anything is queued;
     # built on the meta device: nothing allocated on the flow's host.
     params = check_model(spec.train, dataset_spec(spec.dataset, spec.train.objective)).parameters
     # A checkpoint holds weights and two Adam moments; two of them and best.pt may coexist.
     need = 4 * params * 7
+    require_space("train", spec.out_dir, need)  # before the job is queued
+    logger = get_run_logger()
     check_cluster(cluster)
     progress = EpochProgress(spec.out_dir / "checkpoints", spec.train.epochs, logger.warning)
     with disk_stage("train", spec.out_dir, need):

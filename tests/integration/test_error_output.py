@@ -4,12 +4,14 @@ cluster starts; an error found inside a stage shows as its one line, tracebacks 
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 from prefect.settings import get_current_settings
 
+from tests.disks import tmpfs
 from tests.services import service_env
 from tests.unit.test_preprocess_sources import _folder, _save_image
 
@@ -21,9 +23,10 @@ def _run(
     debug: bool = False,
     env_add: dict[str, str] | None = None,
     cwd: Path | None = None,
+    preset: str = "tiny",
 ) -> subprocess.CompletedProcess[str]:
     argv = [sys.executable, "-m", "trainflow.flows.cli", *(["--debug"] if debug else []), "run"]
-    argv += ["--preset", "tiny"]
+    argv += ["--preset", preset]
     for item in overrides:
         argv += ["--set", item]
     env = {k: v for k, v in service_env().items() if k != "TRAINFLOW_DEBUG"}
@@ -63,6 +66,27 @@ def test_bad_input_is_refused_alone_before_any_server_starts(tmp_path: Path, mak
     assert message in out.stderr and "allow_pickle" not in out.stderr
     assert out.stdout == ""
     assert not work.exists()  # no Prefect server, MLflow store or dask cluster was started
+
+
+@pytest.fixture
+def three_mib_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 3 MiB tmpfs: the disk of issue 18's demo run that ended in numpy's short write."""
+    yield from tmpfs(tmp_path / "three", "3m")
+
+
+def test_a_workdir_too_small_for_the_dataset_is_refused_before_any_server(
+    three_mib_disk: Path,
+) -> None:
+    # The demo's MNIST takes ~7.5 MiB at its peak (staged pixels beside the shards): known
+    # before anything is read, so no server, dask cluster or half-written file.
+    out = _run(f"workdir={three_mib_disk}/work", preset="demo")
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.count("\n") == 1, out.stderr
+    assert out.stderr.startswith(
+        f"trainflow: error: preprocess: not enough space on the disk of {three_mib_disk}/work/"
+        "datasets (3.0 MiB free, about 7.5 MiB needed): free some space there, or set workdir"
+    )
+    assert not any(three_mib_disk.iterdir())
 
 
 def test_an_error_inside_a_stage_shows_once_without_tracebacks(tmp_path: Path) -> None:

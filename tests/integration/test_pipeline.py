@@ -5,6 +5,7 @@ from pathlib import Path
 
 import mlflow
 import pytest
+import torch
 from mlflow.tracking import MlflowClient
 from prefect.artifacts import Artifact
 from prefect.client.schemas.objects import Artifact as ArtifactResponse
@@ -13,6 +14,8 @@ from trainflow.flows.config import build_config, config_hash
 from trainflow.flows.pipeline import PipelineSummary, pipeline
 from trainflow.tasks.tracking.packages import package_lock_hash
 from trainflow.tasks.tracking.runs import use_tracking_uri
+from trainflow.tasks.train.native_bf16 import this_cpu
+from trainflow.tasks.train.precision import resolve_precision
 
 pytestmark = pytest.mark.integration
 
@@ -63,6 +66,14 @@ def test_train_run_has_per_epoch_metrics(first: PipelineSummary) -> None:
     run_id = train.info.run_id  # type: ignore[attr-defined]
     for key in ("train_loss", "val_accuracy", "samples_per_s"):
         assert [m.step for m in client.get_metric_history(run_id, key)] == [1, 2], key
+    # What precision=auto picked on the ranks' CPU, and why (the CPU named, its flags read).
+    policy = resolve_precision("auto", torch.device("cpu"))
+    params = client.get_run(run_id).data.params
+    assert (params["precision"], params["precision.used"]) == ("auto", policy.name)
+    assert params["precision.reason"] == policy.reason and this_cpu().model in policy.reason
+    jobs = Path(first.tracking_uri.removeprefix("sqlite:///")).parent / "runs"
+    (log,) = jobs.glob(f"{first.parent_run_id}/jobs/*_0_log.out")
+    assert f"precision {policy.name}: {policy.reason}\n" in log.read_text()
 
 
 def test_evaluate_run_has_metrics_images_and_model(first: PipelineSummary) -> None:

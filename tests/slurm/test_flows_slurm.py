@@ -74,9 +74,8 @@ def test_remote_failure_fails_task_with_traceback_and_mlflow_runs(tmp_path: Path
     # The submitting host may lack GPUs that nodes have, so device=cuda is only refused in the
     # job itself: a genuine remote failure.
     overrides = [f"workdir={tmp_path}", "cluster.executor=slurm", "train.device=cuda"]
-    with pytest.raises(
-        JobError, match=r"failed in rank .* raised ConfigError: train\.device"
-    ) as err:
+    raised = r"failed in rank .* raised ConfigError: train\.device"
+    with pytest.raises(JobError, match=raised) as err:
         pipeline(preset="tiny", overrides=overrides)
     assert "Traceback" in err.value.detail
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")

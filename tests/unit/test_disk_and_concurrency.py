@@ -10,38 +10,34 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 from mlflow.tracking import MlflowClient
 
+from tests.disks import tmpfs
 from tests.services import wait_for
 from tests.unit.datasets import write_dataset
 from trainflow.cluster.config import ClusterConfig
 from trainflow.cluster.executor import make_executor
 from trainflow.cluster.jobs import wait_for_job
 from trainflow.tasks.diskspace import DiskFullError, disk_stage
+from trainflow.tasks.evaluate.config import EvaluateConfig
+from trainflow.tasks.evaluate.task import evaluate_task
+from trainflow.tasks.preprocess.writer import stage
 from trainflow.tasks.tracking.config import TrackingConfig
 from trainflow.tasks.tracking.pipeline_runs import PipelineRuns
 from trainflow.tasks.train.config import TrainConfig
 from trainflow.tasks.train.job import TrainingJob, TrainJobSpec
+from trainflow.tasks.train.ref import CheckpointRef
+from trainflow.tasks.train.task import train_task
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def _tmpfs(folder: Path, size: str) -> Iterator[Path]:
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root")
-    folder.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)], check=True)
-    try:
-        yield folder
-    finally:
-        subprocess.run(["umount", "-l", str(folder)], check=False)
 
 
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
     """A 64 KiB tmpfs: too small for an MLflow store (~1 MiB) or a checkpoint (~160 KiB)."""
-    yield from _tmpfs(tmp_path / "small", "64k")
+    yield from tmpfs(tmp_path / "small", "64k")
 
 
 def test_a_full_disk_at_the_tracking_store_is_one_line(small_disk: Path) -> None:
@@ -67,6 +63,65 @@ def test_a_full_disk_in_a_training_rank_is_one_line(small_disk: Path, tmp_path: 
     message = str(err.value)
     assert message.startswith(f"train: no space left on the disk of {spec.out_dir} (")
     assert "about 5.0 MiB needed" in message and "\n" not in message
+
+
+@pytest.fixture
+def three_mib_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 3 MiB tmpfs: the disk of issue 18's demo run that ended in numpy's short write."""
+    yield from tmpfs(tmp_path / "three", "3m")
+
+
+@pytest.fixture
+def one_mib_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 1 MiB tmpfs."""
+    yield from tmpfs(tmp_path / "one", "1m")
+
+
+def test_a_short_write_without_errno_is_the_disk_full_line(three_mib_disk: Path) -> None:
+    # numpy's np.save stops at a full disk with "3920000 requested and 3145600 written", no
+    # errno: MNIST's staged pixels (tasks.preprocess.writer.stage) on a 3 MiB disk.
+    folder = three_mib_disk
+    images = np.zeros((5000, 1, 28, 28), np.uint8)
+    with pytest.raises(DiskFullError) as err, disk_stage("preprocess", folder, 7_880_000):
+        stage(images, folder)
+    assert "requested and" in str(err.value.__cause__) and err.value.__cause__.errno is None  # type: ignore[union-attr]
+    message = str(err.value)
+    assert message.startswith(f"preprocess: no space left on the disk of {folder} (")
+    assert "about 7.5 MiB needed" in message and "\n" not in message
+
+
+def test_training_refuses_a_disk_too_small_for_its_checkpoints(
+    small_disk: Path, tmp_path: Path
+) -> None:
+    dataset = write_dataset(tmp_path / "ds")
+    spec = TrainJobSpec(
+        train=TrainConfig(device="cpu"), dataset=dataset, out_dir=small_disk / "run"
+    )
+    jobs = tmp_path / "jobs"
+    with pytest.raises(DiskFullError) as err:
+        train_task.fn(spec, ClusterConfig(ranks_per_node=1), jobs, tmp_path / "wd")
+    message = str(err.value)
+    assert message.startswith(f"train: not enough space on the disk of {spec.out_dir} (")
+    assert "needed): free some space there" in message and "\n" not in message
+    assert not any(small_disk.iterdir()) and not jobs.exists()  # refused before the job
+
+
+def test_evaluation_refuses_a_disk_too_small_for_the_model_it_logs(
+    one_mib_disk: Path, tmp_path: Path
+) -> None:
+    disk = one_mib_disk
+    weights = disk / "best.pt"
+    weights.write_bytes(b"w" * (600 << 10))  # the best weights: 600 KiB, the model as much again
+    ckpt = CheckpointRef(
+        path=weights, sha256="-", epoch=1, step=1, metrics={}, history_path=disk / "history.json"
+    )
+    dataset = write_dataset(tmp_path / "ds")
+    with pytest.raises(DiskFullError) as err:
+        evaluate_task.fn(EvaluateConfig(), TrainConfig(), dataset, ckpt, "sqlite:///x.db", "r", {})
+    message = str(err.value)
+    assert message.startswith(f"evaluate: not enough space on the disk of {disk} (")
+    assert "about 1.2 MiB needed" in message
+    assert [p.name for p in disk.iterdir()] == ["best.pt"]  # nothing written
 
 
 _START = """

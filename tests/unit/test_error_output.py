@@ -61,26 +61,30 @@ def test_debug_keeps_everything(
     assert "Traceback" in stream.getvalue() and stream.getvalue().count("c0.png") == 3
 
 
-_RANK_LOG = """[rank1] submitit ERROR (2026-11-24 01:21:42,775) - Submitted job triggered an exception
-[rank1] Traceback (most recent call last):
-[rank1]   File "/x/data.py", line 10, in open_npy
-[rank1]     return np.load(file)
-[rank1]            ^^^^^^^^^^^^^
-[rank1] OSError: [Errno 24] Too many open files
-[rank1] 
-[rank1] The above exception was the direct cause of the following exception:
-[rank1] 
-[rank0@n2] epoch 1/2 loss 0.5
-[rank1] Traceback (most recent call last):
-[rank1]   File "/x/job.py", line 3, in __call__
-[rank1] trainflow.tasks.errors.DataError: cannot read shard '/d/train-00001.x.npy'
-[rank1] rank_guard: a line after the traceback
-[rank0] [rank0]: Traceback (most recent call last):
-[rank0] [rank0]:   File "/x/loop.py", line 3, in step
-[rank0] [rank0]: torch._inductor.exc.InductorError: InvalidCxxCompiler: No working C++ compiler
-[rank0] 
-[rank0] [rank0]: Set TORCHDYNAMO_VERBOSE=1 for the internal stack trace
-[rank0] submitit ERROR (2026-11-24 01:21:46,088) - Submitted job triggered an exception"""
+_RANK_LOG = "\n".join(
+    [
+        "[rank1] submitit ERROR (2026-11-24 01:21:42,775) - Submitted job triggered an exception",
+        "[rank1] Traceback (most recent call last):",
+        '[rank1]   File "/x/data.py", line 10, in open_npy',
+        "[rank1]     return np.load(file)",
+        "[rank1]            ^^^^^^^^^^^^^",
+        "[rank1] OSError: [Errno 24] Too many open files",
+        "[rank1] ",
+        "[rank1] The above exception was the direct cause of the following exception:",
+        "[rank1] ",
+        "[rank0@n2] epoch 1/2 loss 0.5",
+        "[rank1] Traceback (most recent call last):",
+        '[rank1]   File "/x/job.py", line 3, in __call__',
+        "[rank1] trainflow.tasks.errors.DataError: cannot read shard '/d/train-00001.x.npy'",
+        "[rank1] rank_guard: a line after the traceback",
+        "[rank0] [rank0]: Traceback (most recent call last):",
+        '[rank0] [rank0]:   File "/x/loop.py", line 3, in step',
+        "[rank0] [rank0]: torch._inductor.exc.InductorError: InvalidCxxCompiler: No compiler",
+        "[rank0] ",
+        "[rank0] [rank0]: Set TORCHDYNAMO_VERBOSE=1 for the internal stack trace",
+        "[rank0] submitit ERROR (2026-11-24 01:21:46,088) - Submitted job triggered an exception",
+    ]
+)
 
 
 @pytest.mark.parametrize("debug", ["", "1"])
@@ -122,3 +126,27 @@ def test_a_failed_jobs_tracebacks_show_only_with_debug(
     err = capsys.readouterr().err
     assert err.endswith("trainflow: error: job 7 failed in rank 1: rank 1 raised DataError: x\n")
     assert ("----- rank 1 -----" in err) is debug
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        OSError(24, "Too many open files"),
+        JobError("job 7 failed in rank 1: rank 1 raised OSError: [Errno 24] Too many open files"),
+    ],
+)
+def test_too_many_open_files_anywhere_is_one_line_naming_the_limit(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], error: Exception
+) -> None:
+    from trainflow.flows import cli
+
+    def failing(args: object) -> int:
+        raise error
+
+    monkeypatch.setenv("TRAINFLOW_DEBUG", "0")
+    monkeypatch.setattr(cli, "_run", failing)
+    assert cli.main(["run", "--preset", "tiny"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("trainflow: error: ")
+    assert "too many open files: this process may hold" in err and "ulimit -n" in err
+    assert "preprocess again" not in err

@@ -3,8 +3,10 @@
 import pytest
 import torch
 
+import trainflow.tasks.train.native_bf16 as native_bf16
 import trainflow.tasks.train.precision as precision
 from trainflow.tasks.errors import ConfigError
+from trainflow.tasks.train.native_bf16 import cpu_bf16, cuda_bf16, parse_cpuinfo, this_cpu
 from trainflow.tasks.train.precision import PrecisionPolicy, resolve_precision
 
 CPU = torch.device("cpu")
@@ -34,20 +36,86 @@ def test_bf16_on_a_cpu_with_bf16_autocasts_without_scaling() -> None:
     assert not policy.make_scaler().is_enabled()
 
 
-def test_auto_on_cpu_is_bf16_exactly_when_the_cpu_has_it() -> None:
-    expected = "bf16" if precision.cpu_supports_bf16() else "fp32"
-    assert resolve_precision("auto", CPU).name == expected
+# Real flag lines. An AMD EPYC (Zen 4) with avx512_bf16, as lscpu printed it:
+EPYC_ZEN4 = """Model name: AMD EPYC 9254 24-Core Processor
+Flags: fpu vme de pse tsc msr pae mce cx8 apic sep mtrr pge mca cmov pat pse36 clflush mmx fxsr sse sse2 ht syscall nx mmxext fxsr_opt pdpe1gb rdtscp lm constant_tsc rep_good amd_lbr_v2 nopl nonstop_tsc cpuid extd_apicid aperfmperf rapl pni pclmulqdq monitor ssse3 fma cx16 sse4_1 sse4_2 movbe popcnt aes xsave avx f16c rdrand lahf_lm cmp_legacy svm extapic cr8_legacy abm sse4a misalignsse 3dnowprefetch osvw ibs skinit wdt tce topoext perfctr_core perfctr_nb bpext perfctr_llc mwaitx cpb cat_l3 cdp_l3 hw_pstate ssbd mba perfmon_v2 ibrs ibpb stibp ibrs_enhanced vmmcall fsgsbase bmi1 avx2 smep bmi2 erms invpcid cqm rdt_a avx512f avx512dq rdseed adx smap avx512ifma clflushopt clwb avx512cd sha_ni avx512bw avx512vl xsaveopt xsavec xgetbv1 xsaves cqm_llc cqm_occup_llc cqm_mbm_total cqm_mbm_local avx512_bf16 clzero irperf xsaveerptr rdpru wbnoinvd cppc arat npt lbrv svm_lock nrip_save tsc_scale vmcb_clean flushbyasid decodeassists pausefilter pfthreshold avic v_vmsave_vmload vgif x2avic v_spec_ctrl vnmi avx512vbmi umip pku ospke avx512_vbmi2 gfni vaes vpclmulqdq avx512_vnni avx512_bitalg avx512_vpopcntdq rdpid overflow_recov succor smca fsrm flush_l1d
+"""  # noqa: E501
+# An Intel Xeon (Cascade Lake) with avx512f and avx512_vnni, neither avx512_bf16 nor AMX: where
+# oneDNN answers True and emulates bf16 (/proc/cpuinfo, first processor):
+XEON_CLX = """processor       : 0
+vendor_id       : GenuineIntel
+cpu family      : 6
+model           : 85
+model name      : Intel(R) Xeon(R) Gold 6226R CPU @ 2.90GHz
+stepping        : 7
+flags           : fpu vme de pse tsc msr pae mce cx8 apic sep mtrr pge mca cmov pat pse36 clflush mmx fxsr sse sse2 ss syscall nx pdpe1gb rdtscp lm constant_tsc arch_perfmon nopl xtopology tsc_reliable nonstop_tsc cpuid tsc_known_freq pni pclmulqdq ssse3 fma cx16 pcid sse4_1 sse4_2 x2apic movbe popcnt tsc_deadline_timer aes xsave avx f16c rdrand hypervisor lahf_lm abm 3dnowprefetch ssbd ibrs ibpb stibp ibrs_enhanced fsgsbase tsc_adjust bmi1 avx2 smep bmi2 invpcid avx512f avx512dq rdseed adx smap clflushopt clwb avx512cd avx512bw avx512vl xsaveopt xsavec xgetbv1 xsaves arat pku ospke avx512_vnni md_clear flush_l1d arch_capabilities
+bugs            : spectre_v1 spectre_v2 spec_store_bypass swapgs
+
+processor       : 1
+model name      : Intel(R) Xeon(R) Gold 6226R CPU @ 2.90GHz
+"""  # noqa: E501
+# The machine these tests were written on: an AMD EPYC (Zen 1) under KVM, AVX2, no AVX-512.
+EPYC_ZEN1 = """model name\t: AMD EPYC Processor
+flags\t\t: fpu vme de pse tsc msr pae mce cx8 apic sep mtrr pge mca cmov pat pse36 clflush mmx fxsr sse sse2 ht syscall nx mmxext fxsr_opt pdpe1gb rdtscp lm constant_tsc rep_good nopl xtopology nonstop_tsc cpuid extd_apicid tsc_known_freq pni pclmulqdq ssse3 fma cx16 sse4_1 sse4_2 x2apic movbe popcnt tsc_deadline_timer aes xsave avx f16c rdrand hypervisor lahf_lm cmp_legacy cr8_legacy abm sse4a misalignsse 3dnowprefetch osvw topoext ssbd ibpb vmmcall fsgsbase tsc_adjust bmi1 avx2 smep bmi2 rdseed adx smap clflushopt sha_ni xsaveopt xsavec xgetbv1 clzero xsaveerptr virt_ssbd arat
+"""  # noqa: E501
 
 
-def test_auto_on_a_cpu_without_bf16_falls_back_to_fp32(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(precision, "cpu_supports_bf16", lambda: False)
-    assert resolve_precision("auto", CPU).name == "fp32"
+@pytest.mark.parametrize(
+    ("cpuinfo", "native", "model", "why"),
+    [
+        (EPYC_ZEN4, True, "AMD EPYC 9254 24-Core Processor", "natively (avx512_bf16)"),
+        (XEON_CLX, False, "Intel(R) Xeon(R) Gold 6226R CPU @ 2.90GHz", "would be emulated"),
+        (EPYC_ZEN1, False, "AMD EPYC Processor", "no native bf16"),
+        (EPYC_ZEN1.replace(" arat", " arat amx_bf16 amx_tile"), True, "AMD EPYC", "(amx_bf16)"),
+        ("Features\t: fp asimd evtstrm aes pmull sha1 sha2 bf16 i8mm sve\n", True, "", "bf16"),
+    ],
+)
+def test_native_bf16_is_read_from_the_cpus_own_flags(
+    cpuinfo: str, native: bool, model: str, why: str
+) -> None:
+    cpu = parse_cpuinfo(cpuinfo)
+    assert cpu.model.startswith(model)
+    got, reason = cpu_bf16(cpu)
+    assert got is native and reason.startswith(cpu.model) and why in reason
+
+
+@pytest.mark.parametrize(("cpuinfo", "expected"), [(EPYC_ZEN4, "bf16"), (XEON_CLX, "fp32")])
+def test_auto_on_a_cpu_picks_bf16_only_where_it_is_native(
+    monkeypatch: pytest.MonkeyPatch, cpuinfo: str, expected: str
+) -> None:
+    monkeypatch.setattr(native_bf16, "this_cpu", lambda: parse_cpuinfo(cpuinfo))
+    monkeypatch.setattr(precision, "cpu_supports_bf16", lambda: True)  # oneDNN says yes to both
+    policy = resolve_precision("auto", CPU)
+    assert policy.name == expected and policy.reason.startswith("auto: ")
+    assert parse_cpuinfo(cpuinfo).model in policy.reason
+
+
+def test_auto_on_this_cpu_follows_its_flags() -> None:
+    native, why = cpu_bf16(this_cpu())
+    policy = resolve_precision("auto", CPU)
+    assert policy.name == ("bf16" if native else "fp32") and policy.reason == f"auto: {why}"
+
+
+@pytest.mark.parametrize(
+    ("capability", "native"), [((7, 0), False), ((7, 5), False), ((8, 0), True), ((9, 0), True)]
+)
+def test_a_gpu_has_native_bf16_from_ampere(capability: tuple[int, int], native: bool) -> None:
+    got, reason = cuda_bf16("GPU", capability)
+    assert got is native and f"compute capability {capability[0]}.{capability[1]}" in reason
+
+
+def test_forced_bf16_on_an_emulating_cpu_runs_and_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(native_bf16, "this_cpu", lambda: parse_cpuinfo(XEON_CLX))
+    monkeypatch.setattr(precision, "cpu_supports_bf16", lambda: True)
+    policy = resolve_precision("bf16", CPU)
+    assert policy.name == "bf16" and "would be emulated, slower than fp32" in policy.reason
 
 
 def test_bf16_where_unsupported_is_a_config_error_naming_the_fix(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(precision, "cpu_supports_bf16", lambda: False)
+    monkeypatch.setattr(native_bf16, "this_cpu", lambda: parse_cpuinfo(EPYC_ZEN1))
     with pytest.raises(ConfigError, match="precision=auto"):
         resolve_precision("bf16", CPU)
 

@@ -121,7 +121,8 @@ def test_dataset_of_the_old_format_is_rebuilt(tmp_path: Path, dask_cpu: Cluster)
     manifest = json.loads(manifest_file.read_text())
     manifest["format_version"] = 1  # as written before raw shards: normalised float32
     manifest_file.write_text(json.dumps(manifest))
-    with pytest.raises(DataError, match="not format version 2: preprocess again"):
+    rebuilt = r"not format version 2: run again \(preprocessing rebuilds it\)"
+    with pytest.raises(DataError, match=rebuilt):
         read_manifest(ref.path)
     again = _run(cfg, tmp_path, dask_cpu)
     assert again == ref and json.loads(manifest_file.read_text())["format_version"] == 2
