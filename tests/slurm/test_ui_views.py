@@ -63,6 +63,16 @@ def _read_progress(page: Page, api: str, shots: Path) -> None:
         assert json.load(r)["state_type"] == "RUNNING"
 
 
+def _drain_prefect_workers() -> None:
+    """Send Prefect's buffered logs and events while this test's server is still up: left for
+    later, they would be retried against a stopped server when the session ends."""
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    APILogWorker.drain_all()
+    EventsWorker.drain_all()
+
+
 def _in_background(work: Callable[[], None], then: Callable[[], None]) -> Callable[[], None]:
     """Run `work` on a thread, then `then` whatever happens; returns a join that re-raises."""
     errors: list[BaseException] = []
@@ -111,6 +121,7 @@ def test_uis_show_progress_node_metrics_dataset_and_the_training_view(
         finally:
             gate.touch()
             join()
+            _drain_prefect_workers()
 
         client = MlflowClient(url)
         exp = client.get_experiment_by_name(summary.experiment)
