@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import pytest
 from websockets.sync.client import ClientConnection, connect
 
 from tests.services import apt_install, background, free_port, get_json, wait_for
@@ -43,6 +44,16 @@ def install_chromium() -> tuple[Path | None, str]:
     """Chromium's path, installed with apt when missing and possible; else None and why not."""
     why = apt_install("chromium", CHROMIUM.exists)
     return (CHROMIUM, "") if why is None else (None, why)
+
+
+def require_chromium() -> Path:
+    """Debian's Chromium, installed when missing (skip the test locally, fail it in CI)."""
+    path, why = install_chromium()
+    if path is not None:
+        return path
+    if os.environ.get("CI"):
+        pytest.fail(f"no Chromium in CI: {why}", pytrace=False)
+    pytest.skip(f"no Chromium: {why}")
 
 
 class Page:

@@ -128,6 +128,8 @@ def prefect_server(
     defaults = {
         "PREFECT_HOME": str(folder / "prefect-home"),
         "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{folder}/prefect.db",
+        # The UI it serves asks this address (by default 4200's, whatever --port says).
+        "PREFECT_UI_API_URL": f"http://127.0.0.1:{port}/api",
     }
     server_env = service_env(**{**defaults, **dict(env or {})})
     argv = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1"]

@@ -13,7 +13,9 @@ from typing import Any
 import numpy as np
 from mlflow.data.dataset import Dataset
 from mlflow.data.schema import TensorDatasetSchema
-from mlflow.data.sources import LocalArtifactDatasetSource
+
+# Made when mlflow.data.sources is imported (one class per artifact scheme): mypy cannot see it.
+from mlflow.data.sources import LocalArtifactDatasetSource  # type: ignore[attr-defined]
 from mlflow.entities import DatasetInput, InputTag
 from mlflow.tracking import MlflowClient
 from mlflow.types import Schema, TensorSpec

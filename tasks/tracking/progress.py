@@ -10,6 +10,7 @@ it is said once and progress stops being updated.
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 from uuid import UUID
 
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
@@ -30,9 +31,10 @@ class EpochProgress:
         self._epoch = self._done()
         self._id: UUID | None = None
         try:
-            self._id = create_progress_artifact(
+            created = create_progress_artifact(
                 self.percent, key=key, description=self._description()
             )
+            self._id = cast(UUID, created)  # typed as sync-or-async; called sync, it is the id
         except Exception as exc:
             self._give_up(exc)
 

@@ -19,9 +19,21 @@ def ui_base(tracking_uri: str) -> str:
     return base.rstrip("/")
 
 
+MODEL_TRAINING_VIEW = "?workflowType=machine_learning"
+"""Opens the MLflow UI's model-training view. MLflow 3.17's UI shows every experiment in the
+view of its global GenAI / Model training switch (remembered per browser, GenAI at first) and
+ignores the experiment's mlflow.experimentKind tag; this URL parameter overrides the switch."""
+
+
 def run_link(tracking_uri: str, experiment_id: str, run_id: str) -> str:
-    """The MLflow UI address of a run."""
-    return f"{ui_base(tracking_uri)}/#/experiments/{experiment_id}/runs/{run_id}"
+    """The MLflow UI address of a run, in the model-training view."""
+    route = f"#/experiments/{experiment_id}/runs/{run_id}"
+    return f"{ui_base(tracking_uri)}/{route}{MODEL_TRAINING_VIEW}"
+
+
+def experiment_link(tracking_uri: str, experiment_id: str) -> str:
+    """The MLflow UI address of an experiment's runs, in the model-training view."""
+    return f"{ui_base(tracking_uri)}/#/experiments/{experiment_id}{MODEL_TRAINING_VIEW}"
 
 
 def artifact_link(tracking_uri: str, run_id: str, path: str) -> str:
@@ -33,7 +45,12 @@ def runs_and_plots_markdown(
     tracking_uri: str, experiment_id: str, stage_ids: dict[str, str]
 ) -> str:
     """A link per stage run and the evaluate run's headline plots, shown from MLflow."""
-    lines = ["", "## MLflow runs", ""]
+    lines = [
+        "",
+        "## MLflow runs",
+        "",
+        f"- experiment: {experiment_link(tracking_uri, experiment_id)}",
+    ]
     for stage, run_id in stage_ids.items():
         link = run_link(tracking_uri, experiment_id, run_id)
         lines.append(f"- {stage}: [{run_id}]({link})")

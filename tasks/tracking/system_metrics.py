@@ -49,6 +49,9 @@ def node_monitor(
         yield None
         return
     node = node_name()
+    # Imported here, on this thread: the monitor, the metric sender and the tag thread import
+    # parts of MLflow, and threads importing one package at once can see it half initialised.
+    import_mlflow_parts()
     started: list[Any] = []
     # Started on a thread: resuming reads the run's last step from the server, and a server
     # that is down must not hold up training.
@@ -64,6 +67,13 @@ def node_monitor(
         starter.join(STOP_WAIT_S)
         if started and started[0] is not None:
             _stop(started[0])
+
+
+def import_mlflow_parts() -> None:
+    """Import what the threads of this module use (call before starting them)."""
+    import mlflow.entities
+    import mlflow.system_metrics.system_metrics_monitor
+    import mlflow.tracking  # noqa: F401
 
 
 def _start(tracking_uri: str, run_id: str, node: str, interval_s: float) -> Any:
@@ -133,10 +143,11 @@ def _stop(monitor: Any) -> None:
 def tag_in_background(tracking_uri: str, run_id: str, tags: dict[str, str]) -> None:
     """Set tags on a run from a daemon thread: training never waits; a failure is one line."""
 
-    def send() -> None:
-        from mlflow.entities import RunTag
-        from mlflow.tracking import MlflowClient
+    import_mlflow_parts()  # on this thread: see node_monitor
+    from mlflow.entities import RunTag
+    from mlflow.tracking import MlflowClient
 
+    def send() -> None:
         try:
             batch = [RunTag(k, v) for k, v in tags.items()]
             MlflowClient(tracking_uri).log_batch(run_id, tags=batch)

@@ -123,6 +123,42 @@ def test_first_model_is_registered_as_the_champion(first: PipelineSummary) -> No
     assert ev.data.tags["champion"] == "true"  # type: ignore[attr-defined]
 
 
+def test_train_run_shows_throughput_per_rank_mfu_and_system_metrics(
+    first: PipelineSummary,
+) -> None:
+    client = MlflowClient(first.tracking_uri)
+    train = client.get_run(_children(client, first)["train"].info.run_id)  # type: ignore[attr-defined]
+    for key in ("rank_samples_per_s_min", "rank_step_time_s_max", "achieved_flops_per_s", "mfu"):
+        assert [m.step for m in client.get_metric_history(train.info.run_id, key)] == [1, 2], key
+    m = train.data.metrics
+    assert m["rank_samples_per_s_min"] <= m["rank_samples_per_s_median"]
+    assert m["rank_samples_per_s_median"] <= m["rank_samples_per_s_max"]
+    assert 0 < m["mfu"] < 1
+    assert train.data.tags["mfu_peak"].startswith("measured")  # a CPU here
+    # One node (the local executor): one monitor, named by the host.
+    nodes = {k.split("/")[1] for k in m if k.startswith("system/")}
+    assert len(nodes) == 1
+    assert f"system/{nodes.pop()}/cpu_utilization_percentage" in m
+
+
+def test_prefect_shows_training_progress_and_the_summary_links_each_stage(
+    first: PipelineSummary,
+) -> None:
+    # Before the later tests' runs: the newest artifacts are this run's.
+    progress = Artifact.get("train-progress")
+    assert isinstance(progress, ArtifactResponse) and progress.type == "progress"
+    assert float(str(progress.data)) == 100.0
+    assert progress.description == "training: epoch 2 of 2 checkpointed"
+    summary = Artifact.get("trainflow-summary")
+    assert isinstance(summary, ArtifactResponse)
+    text = str(summary.data)
+    client = MlflowClient(first.tracking_uri)
+    for stage, run in _children(client, first).items():
+        assert f"- {stage}: [{run.info.run_id}](" in text  # type: ignore[attr-defined]
+    evaluate = _children(client, first)["evaluate"].info.run_id  # type: ignore[attr-defined]
+    assert f"get-artifact?path=training_curves.png&run_uuid={evaluate})" in text
+
+
 def test_second_run_hits_the_preprocess_cache(first: PipelineSummary, workdir: Path) -> None:
     second = pipeline(preset="tiny", overrides=[f"workdir={workdir}"])
     assert second.preprocess_cached
@@ -173,38 +209,3 @@ def test_every_stage_run_logs_the_dataset_and_the_model_carries_its_lineage(
         assert tags["dataset_hash"] == first.dataset_hash
         assert tags["config_hash"] == config_hash(build_config("tiny"))
         assert tags["git_commit"]
-
-
-def test_train_run_shows_throughput_per_rank_mfu_and_system_metrics(
-    first: PipelineSummary,
-) -> None:
-    client = MlflowClient(first.tracking_uri)
-    train = client.get_run(_children(client, first)["train"].info.run_id)  # type: ignore[attr-defined]
-    for key in ("rank_samples_per_s_min", "rank_step_time_s_max", "achieved_flops_per_s", "mfu"):
-        assert [m.step for m in client.get_metric_history(train.info.run_id, key)] == [1, 2], key
-    m = train.data.metrics
-    assert m["rank_samples_per_s_min"] <= m["rank_samples_per_s_median"]
-    assert m["rank_samples_per_s_median"] <= m["rank_samples_per_s_max"]
-    assert 0 < m["mfu"] < 1
-    assert train.data.tags["mfu_peak"].startswith("measured")  # a CPU here
-    # One node (the local executor): one monitor, named by the host.
-    nodes = {k.split("/")[1] for k in m if k.startswith("system/")}
-    assert len(nodes) == 1
-    assert f"system/{nodes.pop()}/cpu_utilization_percentage" in m
-
-
-def test_prefect_shows_training_progress_and_the_summary_links_each_stage(
-    first: PipelineSummary,
-) -> None:
-    progress = Artifact.get("train-progress")
-    assert isinstance(progress, ArtifactResponse) and progress.type == "progress"
-    assert float(str(progress.data)) == 100.0
-    assert progress.description == "training: epoch 2 of 2 checkpointed"
-    summary = Artifact.get("trainflow-summary")
-    assert isinstance(summary, ArtifactResponse)
-    text = str(summary.data)
-    client = MlflowClient(first.tracking_uri)
-    for stage, run in _children(client, first).items():
-        assert f"- {stage}: [{run.info.run_id}](" in text  # type: ignore[attr-defined]
-    evaluate = _children(client, first)["evaluate"].info.run_id  # type: ignore[attr-defined]
-    assert f"get-artifact?path=training_curves.png&run_uuid={evaluate})" in text

@@ -28,14 +28,16 @@ def test_dataset_input_shows_digest_source_schema_and_profile(tmp_path: Path) ->
     exp = client.create_experiment("e", artifact_location=(tmp_path / "a").as_uri())
     run_id = client.create_run(exp).info.run_id
     log_dataset_input(client, run_id, _ref(tmp_path), "training")
-    (logged,) = client.get_run(run_id).inputs.dataset_inputs
+    inputs = client.get_run(run_id).inputs
+    assert inputs is not None
+    (logged,) = inputs.dataset_inputs
     ds = logged.dataset
     assert (ds.name, ds.digest, ds.source_type) == ("ds-abc", "f" * 32, "local")
     assert json.loads(ds.source) == {"uri": str(tmp_path / "ds-abc")}
-    profile = json.loads(ds.profile)
+    profile = json.loads(str(ds.profile))
     counts = {"num_samples": 100, "train": 80, "val": 10, "test": 10}
     assert profile == {**counts, "classes": ["a", "b"], "content_hash": "f" * 64}
-    spec = json.loads(ds.schema)["mlflow_tensorspec"]
+    spec = json.loads(str(ds.schema))["mlflow_tensorspec"]
     features = json.loads(spec["features"])
     assert features[0]["tensor-spec"] == {"dtype": "float32", "shape": [-1, 1, 28, 28]}
     assert [(t.key, t.value) for t in logged.tags] == [("mlflow.data.context", "training")]
