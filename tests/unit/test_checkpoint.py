@@ -156,6 +156,16 @@ def test_a_resumed_job_logs_every_epoch_to_mlflow_exactly_once(
         "samples_per_s",
         "epoch_time_s",
         "lr",
+        # throughput over ranks and model FLOP utilisation (tasks.train.throughput)
+        *(
+            f"rank_{m}_{s}"
+            for m in ("samples_per_s", "step_time_s")
+            for s in ("min", "median", "max")
+        ),
+        "slowest_rank",
+        "achieved_flops_per_s",
+        "model_flops_per_sample",
+        "mfu",
     }
 
 
