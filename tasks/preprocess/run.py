@@ -6,6 +6,7 @@ import logging
 import os
 import shutil
 import uuid
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,8 @@ __all__ = ["dataset_dir", "read_manifest", "run_preprocess", "split_indices"]
 
 log = logging.getLogger(__name__)
 
+Progress = Callable[[int, int], None]
+"""Told (tasks done, tasks in all) as the shard-writing tasks finish."""
 TASK_BYTES = 64 << 20
 """Output bytes per dask task: ~100 ms of work for a CPU core, so dask's ~1 ms per task is noise."""
 
@@ -59,8 +62,10 @@ def run_preprocess(
     client: distributed.Client,
     backend: str,
     cache_key: str,
+    progress: Progress | None = None,
 ) -> DatasetRef:
-    """Write the dataset of cfg under out_root/<cache_key[:16]>/ and return its reference.
+    """Write the dataset of cfg under out_root/<cache_key[:16]>/ and return its reference;
+    `progress(done, total)` is told of each shard-writing task that finishes.
 
     Everything is written to a temporary folder that is renamed into place only when complete;
     an existing valid dataset with the same key is returned as it is.
@@ -79,7 +84,7 @@ def run_preprocess(
                 return read_manifest(final)
             except DataError as exc:
                 log.warning("rewriting invalid dataset %s: %s", final, exc)
-        _write_dataset(cfg, source, tmp, client, backend, cache_key)
+        _write_dataset(cfg, source, tmp, client, backend, cache_key, progress)
         return _publish(tmp, final)
     finally:
         _remove(tmp)
@@ -166,6 +171,7 @@ def _write_dataset(
     client: distributed.Client,
     backend: str,
     cache_key: str,
+    progress: Progress | None = None,
 ) -> None:
     """Shards of every split plus manifest.json (written last) into out.
 
@@ -201,7 +207,8 @@ def _write_dataset(
         ]
         for name, groups in tasks.items()
     }
-    done = dict(zip(futures, _gather(client, list(futures.values())), strict=True))
+    written = _gather(client, list(futures.values()), progress)
+    done = dict(zip(futures, written, strict=True))
     for scratch in out.glob(".raw-*.npy"):
         scratch.unlink()
     shards = {name: [entry for group in done[name] for entry in group[0]] for name in SPLITS}
@@ -240,7 +247,9 @@ def _task_count(rows: int, images: ImageRows) -> int:
     return max(1, round(rows * row_bytes / TASK_BYTES))
 
 
-def _gather(client: distributed.Client, groups: list[list[Any]]) -> list[list[Any]]:
+def _gather(
+    client: distributed.Client, groups: list[list[Any]], progress: Progress | None = None
+) -> list[list[Any]]:
     """Results of groups of futures; on any failure the rest are cancelled, then it raises.
 
     A task's bad-input error comes back as a Failure value (run_guarded): the first one to
@@ -248,10 +257,12 @@ def _gather(client: distributed.Client, groups: list[list[Any]]) -> list[list[An
     """
     flat = [future for group in groups for future in group]
     try:
-        for future in distributed.as_completed(flat):
+        for done, future in enumerate(distributed.as_completed(flat), 1):
             result = future.result()
             if isinstance(result, Failure):
                 raise DataError(result.message)
+            if progress is not None:
+                progress(done, len(flat))
         results = iter(client.gather(flat))
     except BaseException:
         client.cancel(flat)

@@ -23,6 +23,7 @@ from trainflow.tasks.preprocess.ref import DatasetRef
 from trainflow.tasks.preprocess.run import run_preprocess
 from trainflow.tasks.preprocess.size import dataset_bytes
 from trainflow.tasks.preprocess.sources import fingerprint
+from trainflow.tasks.tracking.progress import TaskProgress
 
 
 def dataset_key(cfg: PreprocessConfig) -> str:
@@ -67,7 +68,8 @@ def preprocess_task(
         )
         if dask.executor != "local":
             log.info("dask workers (Slurm): %s", worker_placement(client))
-        ref = run_preprocess(cfg, out_root, client, backend, cache_key)
+        progress = TaskProgress(log.warning)
+        ref = run_preprocess(cfg, out_root, client, backend, cache_key, progress)
     log.info(
         "dataset %s: %s samples of shape %s, %d classes, hash %s",
         ref.path,

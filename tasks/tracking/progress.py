@@ -1,4 +1,5 @@
-"""The training's progress as a Prefect progress artifact, updated each epoch.
+"""Progress of the long stages as Prefect progress artifacts: training, updated each epoch,
+and preprocessing, by shard-writing tasks done.
 
 The flow side learns how far a job got from what the job already writes for resuming: one
 checkpoint per epoch, renamed into place (``epoch-NNNNNN.pt``), on the filesystem that the
@@ -8,6 +9,7 @@ resumed job starts from the epoch it reached. A Prefect API error never fails th
 it is said once and progress stops being updated.
 """
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from pathlib import Path
 from typing import cast
@@ -19,16 +21,16 @@ from trainflow.tasks.train.checkpoint import checkpoints
 
 TRAIN_KEY = "train-progress"
 """Key of the train stage's progress artifact (Prefect: lowercase letters, digits, dashes)."""
+PREPROCESS_KEY = "preprocess-progress"
+"""Key of the preprocess stage's progress artifact."""
 
 
-class EpochProgress:
-    """A progress artifact showing the share of a run's epochs that are checkpointed."""
+class _Artifact(ABC):
+    """One progress artifact; a Prefect API error is said once and ends the updates.
+    Subclasses set what `percent` reads before calling this constructor."""
 
-    def __init__(
-        self, checkpoint_dir: Path, epochs: int, warn: Callable[[str], None], key: str = TRAIN_KEY
-    ) -> None:
-        self._dir, self._epochs, self._warn = checkpoint_dir, epochs, warn
-        self._epoch = self._done()
+    def __init__(self, key: str, what: str, warn: Callable[[str], None]) -> None:
+        self._what, self._warn = what, warn
         self._id: UUID | None = None
         try:
             created = create_progress_artifact(
@@ -37,6 +39,61 @@ class EpochProgress:
             self._id = cast(UUID, created)  # typed as sync-or-async; called sync, it is the id
         except Exception as exc:
             self._give_up(exc)
+
+    @property
+    @abstractmethod
+    def percent(self) -> float:
+        """Share done, 0 to 100."""
+
+    @abstractmethod
+    def _description(self) -> str: ...
+
+    def _update(self) -> None:
+        if self._id is None:
+            return
+        try:
+            update_progress_artifact(self._id, self.percent, description=self._description())
+        except Exception as exc:
+            self._give_up(exc)
+
+    def _give_up(self, exc: Exception) -> None:
+        self._id = None
+        self._warn(f"{self._what} progress not shown in Prefect: {type(exc).__name__}: {exc}"[:400])
+
+
+class TaskProgress(_Artifact):
+    """The share of a stage's dask tasks done (preprocessing: the shard-writing tasks), updated
+    at most every `step` percent: each update costs the Prefect server a write."""
+
+    def __init__(self, warn: Callable[[str], None], step: float = 5.0) -> None:
+        self._finished, self._total, self._step, self._shown = 0, 0, step, 0.0
+        super().__init__(PREPROCESS_KEY, "preprocessing", warn)
+
+    @property
+    def percent(self) -> float:
+        """Share of the tasks done, 0 to 100 (0 until the tasks are known)."""
+        return 100.0 * self._finished / self._total if self._total else 0.0
+
+    def __call__(self, done: int, total: int) -> None:
+        """`done` of `total` tasks have finished."""
+        self._finished, self._total = done, total
+        if self.percent - self._shown >= self._step or done == total:
+            self._shown = self.percent
+            self._update()
+
+    def _description(self) -> str:
+        return f"preprocessing: {self._finished} of {self._total} shard-writing tasks done"
+
+
+class EpochProgress(_Artifact):
+    """A progress artifact showing the share of a run's epochs that are checkpointed."""
+
+    def __init__(
+        self, checkpoint_dir: Path, epochs: int, warn: Callable[[str], None], key: str = TRAIN_KEY
+    ) -> None:
+        self._dir, self._epochs = checkpoint_dir, epochs
+        self._epoch = self._done()
+        super().__init__(key, "training", warn)
 
     @property
     def percent(self) -> float:
@@ -70,15 +127,3 @@ class EpochProgress:
 
     def _description(self) -> str:
         return f"training: epoch {self._epoch} of {self._epochs} checkpointed"
-
-    def _update(self) -> None:
-        if self._id is None:
-            return
-        try:
-            update_progress_artifact(self._id, self.percent, description=self._description())
-        except Exception as exc:
-            self._give_up(exc)
-
-    def _give_up(self, exc: Exception) -> None:
-        self._id = None
-        self._warn(f"training progress not shown in Prefect: {type(exc).__name__}: {exc}"[:400])

@@ -1,5 +1,6 @@
 """The whole pipeline on the tiny preset with 2 DDP ranks, twice: the second run hits the cache."""
 
+import re
 import shutil
 from pathlib import Path
 
@@ -149,6 +150,11 @@ def test_prefect_shows_training_progress_and_the_summary_links_each_stage(
     assert isinstance(progress, ArtifactResponse) and progress.type == "progress"
     assert float(str(progress.data)) == 100.0
     assert progress.description == "training: epoch 2 of 2 checkpointed"
+    shards = Artifact.get("preprocess-progress")  # preprocessing, by shard-writing tasks
+    assert isinstance(shards, ArtifactResponse) and float(str(shards.data)) == 100.0
+    assert re.fullmatch(
+        r"preprocessing: (\d+) of \1 shard-writing tasks done", shards.description or ""
+    )
     summary = Artifact.get("trainflow-summary")
     assert isinstance(summary, ArtifactResponse)
     text = str(summary.data)
