@@ -25,7 +25,7 @@ from trainflow.tasks.spec import DataSpec
 from trainflow.tasks.tracking.handed import handed_through
 from trainflow.tasks.tracking.logger import MetricLogger, log_run_params, make_logger
 from trainflow.tasks.tracking.packages import package_lock_hash
-from trainflow.tasks.tracking.system_metrics import node_monitor, tag_in_background
+from trainflow.tasks.tracking.system_metrics import node_monitor
 from trainflow.tasks.train.checkpoint import (
     host_copy,
     restore_rng,
@@ -45,6 +45,7 @@ from trainflow.tasks.train.distributed import (
     wrap_ddp,
 )
 from trainflow.tasks.train.early_signal import deliver_held_signal
+from trainflow.tasks.train.log_lines import memory_of, progress_line
 from trainflow.tasks.train.loop import Trainer, evaluate_split, make_optimizer, train_epoch
 from trainflow.tasks.train.model_plugins import build_model
 from trainflow.tasks.train.models import (
@@ -58,9 +59,8 @@ from trainflow.tasks.train.recorder import EpochRecorder
 from trainflow.tasks.train.ref import CheckpointRef
 from trainflow.tasks.train.throughput import (
     NO_FLOPS,
-    FlopFacts,
     RankClock,
-    count_flops,
+    announce_flops,
     epoch_throughput,
 )
 from trainflow.tasks.train.warmup import prewarm_rank
@@ -164,7 +164,16 @@ class TrainingJob(submitit.helpers.Checkpointable):
                 self._announce(dist, policy, nhwc, train)
             warm.join()  # the model, optimizer and DDP import torch internals on this thread
             trainer = self._trainer(model, dist, policy, len(train))
-            self._flops = self._count_flops(trainer, policy) if dist.is_main else NO_FLOPS
+            self._flops = NO_FLOPS
+            if dist.is_main:  # counted once, on a meta copy: no memory, no compute
+                self._flops = announce_flops(
+                    unwrap(trainer.model),
+                    self.data_spec,
+                    dist.device,
+                    policy.name,
+                    spec.tracking_uri,
+                    spec.run_id,
+                )
             progress = self._resume(trainer)
             logger = recorder.closing(
                 make_logger(spec.tracking_uri, spec.run_id, dist.rank, spec.out_dir)
@@ -208,7 +217,7 @@ class TrainingJob(submitit.helpers.Checkpointable):
             f"training {cfg.model} on {dist.world_size} rank(s): device {dist.device}, "
             f"backend {dist.backend}, precision {policy.name}, channels_last "
             f"{'on' if nhwc else 'off'}, compile {'on' if cfg.compile or graphs else 'off'}, "
-            f"cuda_graphs {'on' if graphs else 'off'}, data in {_memory_of(data, dist)}",
+            f"cuda_graphs {'on' if graphs else 'off'}, data in {memory_of(data, dist)}",
             flush=True,
         )
         if cfg.cuda_graphs and not graphs:
@@ -217,24 +226,6 @@ class TrainingJob(submitit.helpers.Checkpointable):
                 "a GPU); the last partial batch of each epoch is still dropped, as on a GPU",
                 flush=True,
             )
-
-    def _count_flops(self, trainer: Trainer, policy: PrecisionPolicy) -> FlopFacts:
-        """FLOPs per sample and the device's peak, for MFU (tasks.train.throughput)."""
-        data = self.data_spec
-        model, device = unwrap(trainer.model), trainer.dist.device
-        facts = count_flops(model, data.sample_shape, data.sample_dtype, device, policy.name)
-        print(
-            f"model FLOPs per sample {facts.per_sample:.4g} (forward + backward); "
-            f"MFU peak: {facts.peak.source}",
-            flush=True,
-        )
-        if self.spec.tracking_uri and self.spec.run_id:
-            tags = {
-                "mfu_peak": facts.peak.source,
-                "model_flops_per_sample": f"{facts.per_sample:.6g}",
-            }
-            tag_in_background(self.spec.tracking_uri, self.spec.run_id, tags)
-        return facts
 
     def _trainer(
         self, built: torch.nn.Module, dist: DistContext, policy: PrecisionPolicy, n_train: int
@@ -373,7 +364,7 @@ class TrainingJob(submitit.helpers.Checkpointable):
             if best_meta is not None:
                 save_best_weights(state["model"], self.spec.out_dir / "best.pt", best_meta)
             save_checkpoint(state, self.checkpoint_dir)
-            print(f"epoch {epoch}/{cfg.epochs} {_progress_line(metrics)}", flush=True)
+            print(f"epoch {epoch}/{cfg.epochs} {progress_line(metrics)}", flush=True)
 
         recorder.submit(write)
 
@@ -407,25 +398,6 @@ class TrainingJob(submitit.helpers.Checkpointable):
             history_path=history_path,
             package_lock_hash=package_lock_hash(),
         )
-
-
-def _progress_line(metrics: dict[str, float]) -> str:
-    """`loss 0.1234 acc 0.9000 val_loss ... 1234 samples/s`: the objective's metrics."""
-    short = {"accuracy": "acc", "token_accuracy": "tok_acc", "perplexity": "ppl"}
-    parts = []
-    for name, value in metrics.items():
-        split, _, metric = name.partition("_")
-        if split in ("train", "val") and "_" not in metric.removeprefix("token_"):
-            label = short.get(metric, metric)
-            parts.append(f"{label if split == 'train' else 'val_' + label} {value:.4f}")
-    return " ".join(parts) + f" {metrics['samples_per_s']:.0f} samples/s"
-
-
-def _memory_of(data: Split, dist: DistContext) -> str:
-    """Where the training data lives, for the start-up line."""
-    if not data.on_host:
-        return f"{dist.device} memory"
-    return "pinned-prefetch host memory" if dist.device.type == "cuda" else "host memory"
 
 
 def _relog(progress: Progress, logger: MetricLogger, out_dir: Path) -> None:

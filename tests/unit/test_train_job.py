@@ -6,6 +6,7 @@ cluster.jobs.wait_for_job, as the flow does.
 
 import copy
 import json
+import re
 import signal
 import sys
 import time
@@ -169,8 +170,10 @@ def test_a_failing_debug_job_raises_job_error_with_the_traceback(
 ) -> None:
     missing = dataset.model_copy(update={"path": tmp_path / "missing"})
     spec = TrainJobSpec(train=TrainConfig(), dataset=missing, out_dir=tmp_path / "run")
-    with pytest.raises(JobError, match=r"(?s)Traceback.*DataError: no dataset at"):
+    with pytest.raises(JobError, match=r"^debug job failed: DataError: no dataset at") as err:
         wait_for_job(_debug(tmp_path).submit(TrainingJob(spec)), print)
+    assert "Traceback" not in str(err.value)  # one line; the traceback is the detail (--debug)
+    assert re.search(r"(?s)Traceback.*DataError: no dataset at", err.value.detail)
 
 
 def test_the_local_executor_gets_the_cluster_resources(tmp_path: Path) -> None:
