@@ -157,9 +157,12 @@ class AllocationJob(core.Job[core.R]):
         if process is not None and not list(folder.glob(f"{self.job_id}_*_rank.json")):
             log = folder / f"{self.job_id}_srun.log"
             said = log.read_text(errors="replace")[-2000:] if log.exists() else "(no srun log)"
+            lines = [line.strip() for line in said.splitlines() if line.strip()]
+            reason = next((x for x in reversed(lines) if "error" in x), lines[-1] if lines else "")
+            # srun's reason on the first line: error output shows a failed job in one line.
             raise utils.UncompletedJobError(
                 f"the training step (srun) ended with status {process.returncode} before any "
-                f"rank started; srun said ({log}):\n{said.rstrip()}"
+                f"rank started; srun said: {reason} (log: {log})\n{said.rstrip()}"
             )
         return super().results()
 

@@ -79,8 +79,9 @@ class TrainflowDataset(Dataset):
     @property
     def schema(self) -> TensorDatasetSchema:
         """One sample's shape and dtype (batch dimension -1) and the target's."""
-        sample = TensorSpec(np.dtype(_sample_dtype(self._ref)), (-1, *self._ref.shape), "x")
-        target = TensorSpec(np.dtype("int64"), (-1,), "y")
+        ref = self._ref  # the dtypes the shards hold (uint8 pixels, float32, int64 token ids)
+        sample = TensorSpec(np.dtype(ref.sample_dtype), (-1, *ref.shape), "x")
+        target = TensorSpec(np.dtype(ref.target_dtype), (-1, *ref.target_shape), "y")
         return TensorDatasetSchema(features=Schema([sample]), targets=Schema([target]))
 
     def to_dict(self) -> dict[str, str]:
@@ -95,11 +96,6 @@ class TrainflowDataset(Dataset):
 def dataset_digest(ref: DatasetRef) -> str:
     """The dataset input's digest: the start of trainflow's content hash."""
     return ref.content_hash[:DIGEST_CHARS]
-
-
-def _sample_dtype(ref: DatasetRef) -> str:
-    """The dtype models receive: float32 images today; a ref that names its own dtype wins."""
-    return str(getattr(ref, "sample_dtype", "float32"))
 
 
 def log_dataset_input(client: MlflowClient, run_id: str, ref: DatasetRef, context: str) -> None:

@@ -6,13 +6,18 @@ cost every rank a second of start-up.
 
 import hashlib
 import importlib.metadata
+import sysconfig
 
 
 def installed_packages() -> list[str]:
-    """'name==version' of every distribution this interpreter can import, sorted."""
+    """'name==version' of every distribution installed in this interpreter's environment
+    (its site-packages), sorted. Only there: folders a process adds to sys.path (its working
+    folder, a plug-in's project, a code snapshot) differ between the flow and the ranks and
+    are not the environment."""
+    paths = sorted({sysconfig.get_paths()[key] for key in ("purelib", "platlib")})
     found = {
         f"{(dist.metadata['Name'] or '').lower()}=={dist.version}"
-        for dist in importlib.metadata.distributions()
+        for dist in importlib.metadata.distributions(path=paths)
     }
     return sorted(found)
 

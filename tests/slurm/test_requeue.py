@@ -29,7 +29,15 @@ from trainflow.tasks.train.job import TrainingJob, TrainJobSpec
 from trainflow.tasks.train.ref import CheckpointRef
 
 EPOCHS = 8
-_NOT_COMPARED = {"samples_per_s", "epoch_time_s"}
+_TIMED = ("samples_per_s", "step_time_s")  # wall-clock figures: never equal across two runs
+_NOT_COMPARED = {
+    "samples_per_s",
+    "epoch_time_s",
+    *(f"rank_{m}_{s}" for m in _TIMED for s in ("min", "median", "max")),
+    "slowest_rank",
+    "achieved_flops_per_s",
+    "mfu",
+}
 
 
 def _train(

@@ -3,7 +3,9 @@
 import json
 from pathlib import Path
 
+import pytest
 from mlflow.tracking import MlflowClient
+from mlflow.types import TensorSpec
 
 from trainflow.tasks.preprocess.ref import DatasetRef
 from trainflow.tasks.tracking.lineage import Lineage, TrainflowDataset, log_dataset_input
@@ -39,17 +41,25 @@ def test_dataset_input_shows_digest_source_schema_and_profile(tmp_path: Path) ->
     assert profile == {**counts, "classes": ["a", "b"], "content_hash": "f" * 64}
     spec = json.loads(str(ds.schema))["mlflow_tensorspec"]
     features = json.loads(spec["features"])
-    assert features[0]["tensor-spec"] == {"dtype": "float32", "shape": [-1, 1, 28, 28]}
+    assert features[0]["tensor-spec"] == {"dtype": "uint8", "shape": [-1, 1, 28, 28]}
     assert [(t.key, t.value) for t in logged.tags] == [("mlflow.data.context", "training")]
 
 
-def test_schema_follows_a_ref_that_names_its_sample_dtype(tmp_path: Path) -> None:
-    class TokenRef(DatasetRef):
-        sample_dtype: str = "int64"
-
-    ref = TokenRef(**_ref(tmp_path).model_dump())
-    spec = TrainflowDataset(ref).schema.features.inputs[0]
-    assert str(spec.type) == "int64"
+def test_schema_follows_the_dtypes_and_shapes_the_shards_hold(tmp_path: Path) -> None:
+    """Token windows and per-position targets (a sequence dataset), not only images."""
+    tokens = {
+        "shape": (64,),
+        "sample_dtype": "int64",
+        "target_shape": (64,),
+        "target_dtype": "int64",
+    }
+    ref = _ref(tmp_path).model_copy(update=tokens)
+    schema = TrainflowDataset(ref).schema
+    assert schema.targets is not None
+    (sample,), (target,) = schema.features.inputs, schema.targets.inputs
+    assert isinstance(sample, TensorSpec) and isinstance(target, TensorSpec)
+    assert (str(sample.type), sample.shape) == ("int64", (-1, 64))
+    assert (str(target.type), target.shape) == ("int64", (-1, 64))
 
 
 def test_lineage_tags_leave_unknown_parts_out() -> None:
@@ -65,3 +75,18 @@ def test_package_lock_hash_names_the_installed_set() -> None:
     assert package_lock_hash() == package_lock_hash(packages)
     changed = [p for p in packages if not p.startswith("torch==")] + ["torch==0.0.1"]
     assert package_lock_hash(sorted(changed)) != package_lock_hash()
+
+
+def test_the_lock_hash_is_the_environments_not_the_search_paths(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A folder put on sys.path (a working folder, a plug-in's project, a code snapshot) with a
+    distribution in it leaves the hash alone: the flow and the ranks see different sys.paths
+    but one environment (the full suite once saw the two differ)."""
+    before = package_lock_hash()
+    info = tmp_path / "stray-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: stray\nVersion: 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert package_lock_hash() == before
+    assert "trainflow==0.1.0" in installed_packages()
