@@ -6,7 +6,6 @@ page text a person would read, after the single-page app has fetched its data. S
 are kept under <repo>/test-artifacts/ (and the test's tmp folder) for people to look at.
 """
 
-import os
 import re
 import sys
 from collections.abc import Iterator
@@ -17,7 +16,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 from PIL import Image
 
-from tests.browser import Page, chromium, install_chromium
+from tests.browser import Page, chromium, require_chromium
 from tests.services import background, free_port, http_status, service_env, wait_for
 from trainflow.flows.pipeline import PipelineSummary, pipeline
 
@@ -38,12 +37,7 @@ MODEL_TRAINING = "?workflowType=machine_learning"
 @pytest.fixture(scope="session")
 def chromium_binary() -> Path:
     """Debian's Chromium, installed once per session when missing (skip locally, fail in CI)."""
-    path, why = install_chromium()
-    if path is not None:
-        return path
-    if os.environ.get("CI"):
-        pytest.fail(f"no Chromium in CI: {why}", pytrace=False)
-    pytest.skip(f"no Chromium: {why}")
+    return require_chromium()
 
 
 @dataclass(frozen=True)
