@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tests.gates import GatedJob
 from tests.unit.datasets import write_dataset
 from trainflow.cluster import registry
 from trainflow.cluster.config import ClusterConfig
@@ -28,6 +29,7 @@ from trainflow.cluster.jobs import wait_for_job
 from trainflow.cluster.srun_executor import STEP_PREFIX, AllocationJob, step_ids
 from trainflow.tasks.errors import JobError
 from trainflow.tasks.preprocess.ref import DatasetRef
+from trainflow.tasks.train import task as train_task
 from trainflow.tasks.train.config import TrainConfig
 from trainflow.tasks.train.job import TrainingJob, TrainJobSpec
 from trainflow.tasks.train.task import train_with_restarts
@@ -56,11 +58,16 @@ def _steps_left(job_id: str) -> list[str]:
 
 
 def restart(dataset: DatasetRef, out: Path) -> dict[str, Any]:
-    """Lose rank 1 mid-training; the restart runs as a new step away from its node."""
+    """Lose rank 1 mid-training; the restart runs as a new step away from its node. The ranks
+    wait before epoch 3 until the kill is done (a gate), so rank 1 is alive to be killed however
+    late its epoch-2 line reaches the watcher."""
     cfg = ClusterConfig(executor="allocation", nodes=1, ranks_per_node=2, timeout_min=10)
     job_dir = out / "restart-jobs"
     lines: list[str] = []
     killed: dict[str, Any] = {}
+    gate = out / "restart-gate"
+    real_job = train_task.TrainingJob
+    setattr(train_task, "TrainingJob", lambda spec: GatedJob(spec, {3: gate}))  # noqa: B010
 
     def kill_rank1_after_epoch_2(line: str) -> None:
         lines.append(line)
@@ -68,10 +75,16 @@ def restart(dataset: DatasetRef, out: Path) -> dict[str, Any]:
             (record,) = [r for r in _records(job_dir) if r["task"] == 1]
             os.kill(int(record["pid"]), signal.SIGKILL)
             killed.update(record)
+            gate.touch()
 
     warnings: list[str] = []
     spec = _spec(dataset, out / "restart-run", epochs=6)
-    ref = train_with_restarts(spec, cfg, job_dir, out, kill_rank1_after_epoch_2, warnings.append)
+    try:
+        ref = train_with_restarts(
+            spec, cfg, job_dir, out, kill_rank1_after_epoch_2, warnings.append
+        )
+    finally:
+        setattr(train_task, "TrainingJob", real_job)  # noqa: B010
     return {
         "lines": lines,
         "warnings": warnings,
