@@ -1,0 +1,107 @@
+"""Where the suite spends its CPU: `pytest --cpu-report=FILE` (a pytest plugin, tests/conftest.py).
+
+Each xdist worker (or the one pytest process) moves itself into a cgroup v1 `cpuacct` group of
+its own, so every process a test starts (ranks, servers, dask workers, and a dev Slurm the worker
+starts, with the jobs slurmd runs) is counted with it, whatever session it runs in. A test's CPU
+is the group's `cpuacct.usage` after its teardown minus before its setup; the wall time is taken
+alongside. Each worker writes its rows to FILE.<worker>.json; the controller merges them into
+FILE (JSON) and prints the heaviest tests, the totals and how much of the wall time the CPUs were
+busy. A dev Slurm already up when the run starts runs outside the groups: stop it first
+(`trainflow cluster down`) to count its jobs.
+
+Needs root and a writable /sys/fs/cgroup/cpuacct; without them the report says so and the
+tests run as usual.
+"""
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+CPUACCT = Path("/sys/fs/cgroup/cpuacct")
+PARENT = CPUACCT / "trainflow-tests"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--cpu-report",
+        metavar="FILE",
+        default=None,
+        help="write each test's CPU seconds (its processes' cgroup) and wall seconds to FILE",
+    )
+
+
+def _worker() -> str:
+    return os.environ.get("PYTEST_XDIST_WORKER", "main")
+
+
+def _group() -> Path | None:
+    """This worker's own cpuacct group, with this process in it; None where that can't be."""
+    group = PARENT / f"{_worker()}-{os.getpid()}"
+    try:
+        group.mkdir(parents=True, exist_ok=True)
+        (group / "cgroup.procs").write_text(str(os.getpid()))
+    except OSError:
+        return None
+    return group
+
+
+class CpuReport:
+    """Per-test CPU and wall seconds of one worker's cgroup."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.group = _group()
+        self.rows: list[dict[str, Any]] = []
+        self.started = time.monotonic()
+
+    def _usage_s(self) -> float:
+        assert self.group is not None
+        return int((self.group / "cpuacct.usage").read_text()) / 1e9
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(self, item: pytest.Item) -> Any:
+        if self.group is None:
+            yield
+            return
+        cpu0, wall0 = self._usage_s(), time.monotonic()
+        yield
+        cpu, wall = self._usage_s() - cpu0, time.monotonic() - wall0
+        self.rows.append({"test": item.nodeid, "cpu_s": round(cpu, 2), "wall_s": round(wall, 2)})
+
+    def pytest_sessionfinish(self) -> None:
+        """Write this process's part (an xdist controller's has no tests, only its own CPU)."""
+        part = self.path.with_name(f"{self.path.name}.{_worker()}.json")
+        total = self._usage_s() if self.group is not None else None
+        wall = time.monotonic() - self.started
+        part.write_text(json.dumps({"rows": self.rows, "cpu_s": total, "wall_s": wall}))
+
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        if "PYTEST_XDIST_WORKER" in os.environ:
+            return
+        parts = sorted(self.path.parent.glob(f"{self.path.name}.*.json"))
+        loaded = [json.loads(p.read_text()) for p in parts]
+        rows = [row for part in loaded for row in part["rows"]]
+        write = terminalreporter.write_line
+        if not rows:
+            write(f"cpu report: nothing measured (root and {CPUACCT} are needed)")
+            return
+        rows.sort(key=lambda r: -r["cpu_s"])
+        self.path.write_text(json.dumps({"workers": loaded, "rows": rows}, indent=1))
+        cpu = sum(p["cpu_s"] or 0 for p in loaded)
+        wall = time.monotonic() - self.started
+        write(f"cpu report ({self.path}): {cpu:.0f} CPU s in {wall:.0f} s of wall time")
+        write(f"  = {cpu / wall:.2f} CPUs busy on average out of {os.cpu_count()}")
+        for row in rows[:30]:
+            write(f"  {row['cpu_s']:7.1f} CPU s {row['wall_s']:7.1f} s  {row['test']}")
+        for p in parts:
+            p.unlink()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    path = config.getoption("--cpu-report", default=None)
+    if path:
+        config.pluginmanager.register(CpuReport(Path(path).resolve()), "trainflow-cpu-report")
