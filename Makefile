@@ -51,8 +51,16 @@ bench: setup
 gpu: setup
 	$(BIN)/python -m pytest tests/gpu
 
-test: lint typecheck
-	$(BIN)/python -m pytest tests -n 2 --dist loadgroup --durations=30
+# The suite waits on servers, Slurm and rank processes about half of its time: 4 workers keep
+# both cores busy (each Slurm test file uses its worker's own 2-node dev cluster), the longest
+# files go first (tests/group_seconds.json), and mypy runs beside the tests, not before them.
+TEST_WORKERS ?= 4
+test: lint setup
+	@$(BIN)/mypy trainflow tests bench examples > .mypy.log 2>&1 & mypy=$$!; \
+	$(BIN)/python -m pytest tests -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder \
+	  --durations=30; tests=$$?; \
+	wait $$mypy; typed=$$?; echo "== mypy =="; cat .mypy.log; \
+	test $$tests -eq 0 -a $$typed -eq 0
 
 
 # The local stack (Prefect server, a process worker, MLflow server): see deploy/README.md.

@@ -1,18 +1,22 @@
-"""Shared test settings: no Prefect telemetry, no stray MLflow store in the working folder."""
+"""Shared test settings: no Prefect telemetry, no stray MLflow store in the working folder;
+one real Prefect server per test process for the tests that need one."""
 
+import json
 import os
 import signal
 import tempfile
-from pathlib import Path
+from collections.abc import Iterator
 
 import pytest
+
+from tests.cpu_report import GROUP_SECONDS
 
 pytest_plugins = ["tests.cpu_report"]
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "false")
 
-# Under pytest-xdist (make test runs two workers) each worker's `trainflow run`s get a Prefect
+# Under pytest-xdist (make test runs several workers) each worker's `trainflow run`s get a Prefect
 # home of their own: two temporary Prefect servers migrating one SQLite file at once can fail.
 if "PYTEST_XDIST_WORKER" in os.environ and "PREFECT_HOME" not in os.environ:
     os.environ["PREFECT_HOME"] = tempfile.mkdtemp(
@@ -28,10 +32,42 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups into node ids
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """xdist groups for `pytest -n 2 --dist loadgroup` (make test): a test file's tests stay on
-    one worker (module fixtures such as servers start once), and every test under tests/slurm
-    runs on one worker, one after another, since they share the dev cluster's few CPUs."""
-    slurm = Path(__file__).parent / "slurm"
+    """xdist groups for `pytest -n N --dist loadgroup` (make test): a test file's tests stay on
+    one worker (module fixtures such as servers start once; a Slurm test file uses its worker's
+    own dev cluster, tests/slurm/conftest.py). Files are ordered longest first by
+    GROUP_SECONDS (files it does not know, new ones, after them in collection order), so that
+    with --no-loadscope-reorder no long file starts last and holds the run's end alone."""
+    seconds = json.loads(GROUP_SECONDS.read_text()) if GROUP_SECONDS.exists() else {}
     for item in items:
-        group = "slurm" if item.path.is_relative_to(slurm) else item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group(group))
+        item.add_marker(pytest.mark.xdist_group(_group(item)))
+    order = {id(item): i for i, item in enumerate(items)}
+    items.sort(key=lambda item: (-seconds.get(_group(item), 0.0), order[id(item)]))
+
+
+def _group(item: pytest.Item) -> str:
+    return item.nodeid.split("::")[0]
+
+
+@pytest.fixture(scope="session")
+def prefect_api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One real `prefect server start` for this test process (each xdist worker has its own), as
+    a user's running server or the local stack's: its API URL, also set in this process's
+    settings and in os.environ, so flows run here and every `trainflow run` or served flow a
+    test starts talk to it instead of each booting a temporary server of its own (about 8 CPU
+    seconds apiece). Tests tell their runs apart by ids, never by counting all flow runs.
+    Requested by every test under tests/integration and tests/slurm (their conftest.py)."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from tests.services import prefect_server
+
+    previous = os.environ.get("PREFECT_API_URL")
+    with prefect_server(tmp_path_factory.mktemp("prefect-server")) as api:
+        os.environ["PREFECT_API_URL"] = api
+        try:
+            with temporary_settings({PREFECT_API_URL: api}):
+                yield api
+        finally:
+            if previous is None:
+                os.environ.pop("PREFECT_API_URL", None)
+            else:
+                os.environ["PREFECT_API_URL"] = previous

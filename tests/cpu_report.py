@@ -7,7 +7,8 @@ is the group's `cpuacct.usage` after its teardown minus before its setup; the wa
 alongside. Each worker writes its rows to FILE.<worker>.json; the controller merges them into
 FILE (JSON) and prints the heaviest tests, the totals and how much of the wall time the CPUs were
 busy. A dev Slurm already up when the run starts runs outside the groups: stop it first
-(`trainflow cluster down`) to count its jobs.
+(`trainflow cluster down`) to count its jobs. With --update-group-seconds it also rewrites
+tests/group_seconds.json, which orders the test files longest first (tests/conftest.py).
 
 Needs root and a writable /sys/fs/cgroup/cpuacct; without them the report says so and the
 tests run as usual.
@@ -22,6 +23,7 @@ from typing import Any
 import pytest
 
 CPUACCT = Path("/sys/fs/cgroup/cpuacct")
+GROUP_SECONDS = Path(__file__).with_name("group_seconds.json")
 PARENT = CPUACCT / "trainflow-tests"
 
 
@@ -31,6 +33,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         metavar="FILE",
         default=None,
         help="write each test's CPU seconds (its processes' cgroup) and wall seconds to FILE",
+    )
+    parser.addoption(
+        "--update-group-seconds",
+        action="store_true",
+        help=f"with --cpu-report: also rewrite {GROUP_SECONDS.name}, the test files' wall "
+        "seconds that order them longest first",
     )
 
 
@@ -52,8 +60,9 @@ def _group() -> Path | None:
 class CpuReport:
     """Per-test CPU and wall seconds of one worker's cgroup."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, update_groups: bool = False) -> None:
         self.path = path
+        self.update_groups = update_groups
         self.group = _group()
         self.rows: list[dict[str, Any]] = []
         self.started = time.monotonic()
@@ -99,9 +108,24 @@ class CpuReport:
             write(f"  {row['cpu_s']:7.1f} CPU s {row['wall_s']:7.1f} s  {row['test']}")
         for p in parts:
             p.unlink()
+        if self.update_groups:
+            GROUP_SECONDS.write_text(json.dumps(group_seconds(rows), indent=1) + "\n")
+            write(f"  wrote {GROUP_SECONDS} (the files' order in the next runs)")
+
+
+def group_seconds(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Wall seconds per test file (an xdist group), longest first; files under a second left
+    out (their order does not matter)."""
+    per_file: dict[str, float] = {}
+    for row in rows:
+        name = row["test"].split("@")[0].split("::")[0]
+        per_file[name] = per_file.get(name, 0.0) + row["wall_s"]
+    ranked = sorted(per_file.items(), key=lambda kv: -kv[1])
+    return {name: round(s, 1) for name, s in ranked if s >= 1.0}
 
 
 def pytest_configure(config: pytest.Config) -> None:
     path = config.getoption("--cpu-report", default=None)
     if path:
-        config.pluginmanager.register(CpuReport(Path(path).resolve()), "trainflow-cpu-report")
+        report = CpuReport(Path(path).resolve(), config.getoption("--update-group-seconds"))
+        config.pluginmanager.register(report, "trainflow-cpu-report")

@@ -1,13 +1,9 @@
-"""Whole flows under Prefect's test harness (a real temporary Prefect server, once per session)."""
-
-from collections.abc import Iterator
+"""Whole flows against a real Prefect server, one per test process (tests/conftest.py)."""
 
 import pytest
-from prefect.testing.utilities import prefect_test_harness
 
 
 @pytest.fixture(scope="session", autouse=True)
-def prefect_server() -> Iterator[None]:
-    """One temporary Prefect server (SQLite) for all integration tests."""
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
+def _prefect_for_all(prefect_api: str) -> str:
+    """Every integration test's flows and `trainflow run`s use the session's Prefect server."""
+    return prefect_api

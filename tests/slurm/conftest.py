@@ -1,9 +1,13 @@
 """A real Slurm cluster for every test under tests/slurm: reused if up, started if possible.
 
-A cluster this session starts is left running: the next session reuses it in a second instead of
-starting it again (`trainflow cluster down` stops it).
+Under pytest-xdist each worker has a 2-node cluster of its own (its own base folder and ports,
+`worker_cluster`), so Slurm tests run on every worker at once without sharing a queue, a job id
+sequence or the nodes' CPUs. A cluster this session starts is left running: the next session
+reuses it in a second instead of starting it again (`trainflow cluster down` with the same
+TRAINFLOW_SLURM_HOME stops it).
 """
 
+import fcntl
 import io
 import os
 from collections.abc import Iterator
@@ -11,11 +15,29 @@ from pathlib import Path
 
 import pytest
 
-from trainflow.cluster.dev.slurm import can_start, is_up, run, slurm_conf
+from trainflow.cluster.dev.slurm import can_start, is_up, run, slurm_conf, slurm_home
 
 HERE = Path(__file__).parent
 NODES = 2
 """Nodes the dev cluster emulates for these tests (as in CI and `make test`)."""
+PORT_STRIDE = 10
+"""Ports a cluster takes above its slurmctld port: +2 slurmdbd, +3 MariaDB, +3+k node k."""
+UP_LOCK = Path("/var/tmp/trainflow-slurm-up.lock")
+"""Held while a cluster starts: apt/dpkg and /etc/hosts take one writer at a time."""
+
+
+def worker_cluster() -> None:
+    """Point this xdist worker (gwN) at a cluster of its own: the base folder `<home>-gwN` and
+    the ports `<port> + 10 (N + 1)`, from TRAINFLOW_SLURM_HOME/PORT or the defaults. The one
+    pytest process of a run without xdist keeps the plain cluster."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if not worker.startswith("gw"):
+        return
+    n = int(worker[2:])
+    home = slurm_home()
+    os.environ["TRAINFLOW_SLURM_HOME"] = str(home.with_name(f"{home.name}-{worker}"))
+    port = int(os.environ.get("TRAINFLOW_SLURM_PORT") or 6817)
+    os.environ["TRAINFLOW_SLURM_PORT"] = str(port + PORT_STRIDE * (n + 1))
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -37,7 +59,10 @@ def _ensure_cluster() -> None:
     ok, why = can_start()
     if ok:
         output = io.StringIO()
-        if run("up", out=output, nodes=NODES) != 0:
+        with UP_LOCK.open("w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            started = run("up", out=output, nodes=NODES)
+        if started != 0:
             pytest.fail(f"`cluster/dev/slurm.sh up` failed:\n{output.getvalue()}", pytrace=False)
         return
     if os.environ.get("CI"):
@@ -48,6 +73,7 @@ def _ensure_cluster() -> None:
 @pytest.fixture(scope="session", autouse=True)
 def slurm_cluster() -> Iterator[Path]:
     """The slurm.conf of a usable cluster, exported as SLURM_CONF for the session."""
+    worker_cluster()
     _ensure_cluster()
     previous = os.environ.get("SLURM_CONF")
     os.environ["SLURM_CONF"] = str(slurm_conf())
@@ -56,6 +82,12 @@ def slurm_cluster() -> Iterator[Path]:
         os.environ.pop("SLURM_CONF", None)
     else:
         os.environ["SLURM_CONF"] = previous
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _prefect_for_all(prefect_api: str) -> str:
+    """Every Slurm test's flows, served flows and jobs use the session's Prefect server."""
+    return prefect_api
 
 
 @pytest.fixture

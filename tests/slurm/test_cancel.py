@@ -12,13 +12,11 @@ import re
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
 from mlflow.tracking import MlflowClient
 
-from tests.services import background, get_json, prefect_server, service_env, wait_for
+from tests.services import background, get_json, service_env, wait_for
 from trainflow.cluster import registry
 
 _LONG = [
@@ -116,13 +114,6 @@ def test_killed_flow_process_leaves_a_job_that_cleanup_cancels(tmp_path: Path) -
     )
     assert out.returncode == 0 and f"cancelled slurm job {job_id}" in out.stdout
     wait_for(lambda: not _in_squeue(job_id), 20, f"job {job_id} to leave squeue")
-
-
-@pytest.fixture
-def prefect_api(tmp_path: Path) -> Iterator[str]:
-    """A real Prefect server on a free loopback port, SQLite in tmp_path."""
-    with prefect_server(tmp_path) as api:
-        yield api
 
 
 def test_cancelling_the_prefect_flow_run_cancels_the_slurm_job(

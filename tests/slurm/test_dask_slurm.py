@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.services import background, get_json, prefect_server, service_env, wait_for
+from tests.services import background, get_json, service_env, wait_for
 from trainflow.cluster import registry
 from trainflow.cluster.config import DaskConfig
 from trainflow.cluster.dask import dask_client
@@ -175,31 +175,33 @@ def test_cleanup_cancels_the_worker_jobs_of_a_killed_flow_process(tmp_path: Path
     _no_worker_jobs_left()
 
 
-def test_cancelling_the_prefect_flow_run_cancels_the_worker_jobs(tmp_path: Path) -> None:
+def test_cancelling_the_prefect_flow_run_cancels_the_worker_jobs(
+    tmp_path: Path, prefect_api: str
+) -> None:
     """A served pipeline whose worker job pends (BeginTime) until the flow run is cancelled."""
-    with prefect_server(tmp_path) as api:
-        env = service_env(PREFECT_API_URL=api, PREFECT_HOME=str(tmp_path / "prefect-home"))
-        serve = "from trainflow.flows.pipeline import pipeline; pipeline.serve(name='dask-cancel')"
-        with background([sys.executable, "-c", serve], tmp_path / "serve.log", env, REPO):
-            overrides = [
-                "cluster.dask.executor=slurm",
-                "cluster.dask.n_workers=1",
-                "cluster.dask.mem_gb=0.5",
-                "cluster.dask.timeout_min=10",
-                'cluster.dask.sbatch_extra={"begin": "now+1hour"}',
-                f"workdir={tmp_path / 'work'}",
-            ]
-            flow_run = _deploy(env, "trainflow-pipeline/dask-cancel", overrides)
-            wait_for(lambda: _worker_jobs() or None, 240, "the flow to queue its worker job")
-            cli = [sys.executable, "-m", "prefect", "flow-run", "cancel", flow_run]
-            subprocess.run(cli, env=env, check=True, timeout=60, capture_output=True)
-            _no_worker_jobs_left()
+    api = prefect_api
+    env = service_env(PREFECT_API_URL=api, PREFECT_HOME=str(tmp_path / "prefect-home"))
+    serve = "from trainflow.flows.pipeline import pipeline; pipeline.serve(name='dask-cancel')"
+    with background([sys.executable, "-c", serve], tmp_path / "serve.log", env, REPO):
+        overrides = [
+            "cluster.dask.executor=slurm",
+            "cluster.dask.n_workers=1",
+            "cluster.dask.mem_gb=0.5",
+            "cluster.dask.timeout_min=10",
+            'cluster.dask.sbatch_extra={"begin": "now+1hour"}',
+            f"workdir={tmp_path / 'work'}",
+        ]
+        flow_run = _deploy(env, "trainflow-pipeline/dask-cancel", overrides)
+        wait_for(lambda: _worker_jobs() or None, 240, "the flow to queue its worker job")
+        cli = [sys.executable, "-m", "prefect", "flow-run", "cancel", flow_run]
+        subprocess.run(cli, env=env, check=True, timeout=60, capture_output=True)
+        _no_worker_jobs_left()
 
-            def cancelled() -> bool | None:
-                run = get_json(f"{api}/flow_runs/{flow_run}")
-                return (run and run["state"]["type"] == "CANCELLED") or None
+        def cancelled() -> bool | None:
+            run = get_json(f"{api}/flow_runs/{flow_run}")
+            return (run and run["state"]["type"] == "CANCELLED") or None
 
-            wait_for(cancelled, 60, "the flow run to be Cancelled")
+        wait_for(cancelled, 60, "the flow run to be Cancelled")
 
 
 def _deploy(env: dict[str, str], deployment: str, overrides: list[str]) -> str:

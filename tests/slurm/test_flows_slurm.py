@@ -2,22 +2,14 @@
 preprocessing on dask workers that are Slurm jobs)."""
 
 import re
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
-from prefect.testing.utilities import prefect_test_harness
 
 from trainflow.flows.pipeline import pipeline
 from trainflow.flows.sweep import sweep
 from trainflow.tasks.errors import ConfigError, JobError
-
-
-@pytest.fixture(scope="module", autouse=True)
-def prefect_server() -> Iterator[None]:
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
 
 
 def test_sweep_is_one_slurm_job_array_spread_over_both_nodes(tmp_path: Path) -> None:

@@ -21,7 +21,7 @@ from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from tests.browser import Page, chromium, require_chromium
 from tests.gates import GatedJob
-from tests.services import mlflow_server, prefect_server, wait_for
+from tests.services import mlflow_server, wait_for
 from trainflow.flows.pipeline import pipeline
 from trainflow.tasks.tracking.lineage import DIGEST_CHARS
 from trainflow.tasks.tracking.report import MODEL_TRAINING_VIEW, experiment_link
@@ -97,14 +97,14 @@ def _in_background(work: Callable[[], None], then: Callable[[], None]) -> Callab
 
 
 def test_uis_show_progress_node_metrics_dataset_and_the_training_view(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, prefect_api: str
 ) -> None:
     binary = require_chromium()
     gate = tmp_path / "gate-2"
     monkeypatch.setattr(train_task_module, "TrainingJob", lambda spec: GatedJob(spec, {2: gate}))
     with ExitStack() as stack:
         url = stack.enter_context(mlflow_server(tmp_path / "mlflow"))
-        api = stack.enter_context(prefect_server(tmp_path / "prefect"))
+        api = prefect_api
         page = stack.enter_context(chromium(binary, tmp_path / "browser"))
         page.before_each_document(HIDE_ASSISTANT)
         stack.enter_context(temporary_settings({PREFECT_API_URL: api}))

@@ -6,7 +6,7 @@ process with its dask scheduler, the dask worker, training on the `debug` execut
 the flow process: one copy of torch instead of two) runs in a new group whose limit (memory
 and memory+swap) is LIMIT; memory.max_usage_in_bytes (page cache included) proves it held.
 The Prefect server is a service the run talks to, as in production: a real `prefect server`
-outside the group, started while the data is written.
+outside the group (the test process's, tests/conftest.py).
 
 The dataset is .npz files of uint8 arrays written with NumPy (no image encoding): 3x LIMIT
 of pixels. The validation and test splits are each larger than the limit (training and
@@ -24,14 +24,11 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import pytest
 from mlflow.tracking import MlflowClient
-
-from tests.services import prefect_server
 
 ROOT = Path(__file__).resolve().parents[2]
 V1 = Path("/sys/fs/cgroup/memory")
@@ -140,30 +137,29 @@ def _run_args(raw: Path, work: Path) -> list[str]:
     return [sys.executable, "-m", "trainflow.flows.cli", "run", *flags]
 
 
-def test_whole_pipeline_on_data_3x_the_memory_limit(limited_group: Path, folder: Path) -> None:
+def test_whole_pipeline_on_data_3x_the_memory_limit(
+    limited_group: Path, folder: Path, prefect_api: str
+) -> None:
     tmp_path = folder
     procs = limited_group / "cgroup.procs"
-    with ThreadPoolExecutor(1) as pool:
-        written = pool.submit(_write_npz, tmp_path / "raw")
-        with prefect_server(tmp_path / "prefect") as api:
-            samples = written.result()
-            assert samples * int(np.prod(SAMPLE)) >= 3 * LIMIT
-            env = {
-                **os.environ,
-                "PREFECT_API_URL": api,
-                "PREFECT_HOME": str(tmp_path / "prefect-home"),
-                "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-            }
-            env.pop("MLFLOW_TRACKING_URI", None)
-            done = subprocess.run(
-                _run_args(tmp_path / "raw", tmp_path / "work"),
-                cwd=ROOT,
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=900,
-                preexec_fn=lambda: procs.write_text(str(os.getpid())),
-            )
+    samples = _write_npz(tmp_path / "raw")
+    assert samples * int(np.prod(SAMPLE)) >= 3 * LIMIT
+    env = {
+        **os.environ,
+        "PREFECT_API_URL": prefect_api,  # a service the run talks to: this test process's server
+        "PREFECT_HOME": str(tmp_path / "prefect-home"),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    }
+    env.pop("MLFLOW_TRACKING_URI", None)
+    done = subprocess.run(
+        _run_args(tmp_path / "raw", tmp_path / "work"),
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        preexec_fn=lambda: procs.write_text(str(os.getpid())),
+    )
     oom = (limited_group / "memory.oom_control").read_text()
     peak = int((limited_group / "memory.max_usage_in_bytes").read_text())
     assert done.returncode == 0, f"{oom}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
