@@ -48,6 +48,18 @@ def _group(item: pytest.Item) -> str:
     return item.nodeid.split("::")[0]
 
 
+QUIET_SERVER = {
+    f"PREFECT_SERVER_SERVICES_{service}_ENABLED": "false"
+    for service in (
+        *("LATE_RUNS", "PAUSE_EXPIRATIONS", "SCHEDULER", "FOREMAN", "REPOSSESSOR"),
+        *("CLEANUP_RECONCILER", "TRIGGERS"),
+    )
+}
+"""The test server's loops that no test uses (schedules, late runs, pauses, worker health,
+automations) are off: idle, it then takes 0.7 instead of 1.3 CPU seconds a minute (measured);
+cancellation, events and task-run recording stay on."""
+
+
 @pytest.fixture(scope="session")
 def prefect_api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """One real `prefect server start` for this test process (each xdist worker has its own), as
@@ -61,7 +73,7 @@ def prefect_api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     from tests.services import prefect_server
 
     previous = os.environ.get("PREFECT_API_URL")
-    with prefect_server(tmp_path_factory.mktemp("prefect-server")) as api:
+    with prefect_server(tmp_path_factory.mktemp("prefect-server"), env=QUIET_SERVER) as api:
         os.environ["PREFECT_API_URL"] = api
         try:
             with temporary_settings({PREFECT_API_URL: api}):

@@ -1,9 +1,11 @@
 """The Prefect deployments on the local stack, end to end.
 
-Each test brings up the real stack with deploy/stack.sh (a Prefect server on SQLite, a
+The file brings up one real stack with deploy/stack.sh (a Prefect server on SQLite, a
 process worker, an MLflow server) on free loopback ports with its state, stores and pool
-under tmp_path, registers deploy/prefect.yaml with `stack.sh deploy`, starts runs with
-`prefect deployment run` and stops everything with `stack.sh down`.
+under a temporary folder, registers deploy/prefect.yaml with `stack.sh deploy`, starts runs
+with `prefect deployment run` and stops everything with `stack.sh down`. Its tests share the
+stack (one start instead of one per test, ~25 CPU seconds) and each logs to an MLflow
+experiment of its own; the last one checks `down`.
 """
 
 import json
@@ -103,9 +105,10 @@ class Stack:
         return found
 
 
-@pytest.fixture
-def stack(tmp_path: Path) -> Iterator[Stack]:
-    """A local stack up (not yet deployed), with its own ports, pool, stores and state."""
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """A local stack up, with its own ports, pool, stores and state."""
+    tmp_path = tmp_path_factory.mktemp("stack")
     prefect_port, mlflow_port = free_port(), free_port()
     state = tmp_path / "stack"
     api = f"http://127.0.0.1:{prefect_port}/api"
@@ -133,10 +136,10 @@ def stack(tmp_path: Path) -> Iterator[Stack]:
             proc.send_signal(signal.SIGKILL)
 
 
-def _mlflow_runs(url: str) -> list[Run]:
+def _mlflow_runs(url: str, experiment: str) -> list[Run]:
     client = MlflowClient(url)
-    exp = client.get_experiment_by_name("trainflow")
-    assert exp is not None, "the run logged no experiment 'trainflow' to the stack's MLflow"
+    exp = client.get_experiment_by_name(experiment)
+    assert exp is not None, f"the run logged no experiment {experiment!r} to the stack's MLflow"
     return list(client.search_runs([exp.experiment_id]))
 
 
@@ -150,22 +153,72 @@ def _processes_mentioning(folder: Path) -> list[psutil.Process]:
     return found
 
 
+_DEPLOY_MODELS = """\
+from torch import nn
+
+
+def build(spec, hidden=4):
+    c, h, w = spec.sample_shape
+    return nn.Sequential(nn.Flatten(), nn.Linear(c * h * w, hidden), nn.ReLU(),
+                         nn.Linear(hidden, spec.num_classes))
+"""
+
+
+def _training(work: Path) -> registry.ActiveJob | None:
+    """The recorded training job once its rank 0 has finished an epoch."""
+    jobs = registry.recorded(work)
+    if not jobs:
+        return None
+    log = Path(jobs[0].folder) / f"{jobs[0].job_id}_0_log.out"
+    return jobs[0] if log.exists() and "epoch 2/" in log.read_text() else None
+
+
+def test_cancelling_a_deployment_run_stops_training_and_kills_its_runs(
+    stack: Stack, tmp_path: Path
+) -> None:
+    stack.sh("deploy")
+    work = tmp_path / "work"
+    overrides = {"workdir": str(work), "train.epochs": 5000, "tracking.experiment": "cancel"}
+    flow_run = stack.run_deployment("adhoc", overrides)
+    job = wait_for(lambda: _training(work), 240, "the training job to train an epoch")
+    assert job.executor == "local"
+    controller = psutil.Process(int(job.job_id))  # a local job's id is its controller's pid
+    assert "submitit" in " ".join(controller.cmdline())
+    assert len(_processes_mentioning(work)) >= 3  # controller and two ranks
+
+    stack.prefect("flow-run", "cancel", flow_run)
+    assert stack.final_state(flow_run, 120) == "CANCELLED"
+    wait_for(lambda: not _processes_mentioning(work), 60, "the training processes to exit")
+    assert not controller.is_running() or controller.status() == psutil.STATUS_ZOMBIE
+    assert registry.recorded(work) == []
+
+    def killed() -> dict[str, str] | None:
+        found = {r.info.run_name: r.info.status for r in _mlflow_runs(stack.mlflow, "cancel")}
+        return found if found.get("train") == "KILLED" else None
+
+    statuses = wait_for(killed, 30, "MLflow to show the train run KILLED")
+    assert statuses == {"tiny": "KILLED", "preprocess": "FINISHED", "train": "KILLED"}
+
+
 def test_deployment_run_completes_and_logs_to_the_stack_mlflow(
     stack: Stack, tmp_path: Path
 ) -> None:
+    """Last in the file: it ends with `stack.sh down`."""
     pids = {p.pid for p in stack.processes()}
     again = stack.sh("up")  # idempotent: nothing new starts
     assert again.count("already running") == 3 and {p.pid for p in stack.processes()} == pids
     assert "deployed trainflow-pipeline/nightly" in stack.sh("deploy")
 
     work = tmp_path / "work"
-    (tmp_path / "user code").mkdir()
-    (tmp_path / "user code" / "deploy_models.py").write_text(_DEPLOY_MODELS)
+    user_code = Path(stack.env["PYTHONPATH"])  # the worker's path: the stack's "user code"
+    user_code.mkdir(exist_ok=True)
+    (user_code / "deploy_models.py").write_text(_DEPLOY_MODELS)
     model = {"train.model": "deploy_models:build", "train.model_args": {"hidden": 6}}
-    flow_run = stack.run_deployment("adhoc", {"workdir": str(work), **model})
+    overrides = {"workdir": str(work), "tracking.experiment": "completes", **model}
+    flow_run = stack.run_deployment("adhoc", overrides)
     assert stack.final_state(flow_run, 300) == "COMPLETED", stack.log("worker")
 
-    runs = _mlflow_runs(stack.mlflow)
+    runs = _mlflow_runs(stack.mlflow, "completes")
     parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
     assert len(parents) == 1 and parents[0].info.status == "FINISHED"
     parent = parents[0]
@@ -211,49 +264,3 @@ def test_deployment_run_completes_and_logs_to_the_stack_mlflow(
     stack.sh("down")
     assert stack.processes() == []
     assert "stopped" in stack.sh("status")
-
-
-_DEPLOY_MODELS = """\
-from torch import nn
-
-
-def build(spec, hidden=4):
-    c, h, w = spec.sample_shape
-    return nn.Sequential(nn.Flatten(), nn.Linear(c * h * w, hidden), nn.ReLU(),
-                         nn.Linear(hidden, spec.num_classes))
-"""
-
-
-def _training(work: Path) -> registry.ActiveJob | None:
-    """The recorded training job once its rank 0 has finished an epoch."""
-    jobs = registry.recorded(work)
-    if not jobs:
-        return None
-    log = Path(jobs[0].folder) / f"{jobs[0].job_id}_0_log.out"
-    return jobs[0] if log.exists() and "epoch 2/" in log.read_text() else None
-
-
-def test_cancelling_a_deployment_run_stops_training_and_kills_its_runs(
-    stack: Stack, tmp_path: Path
-) -> None:
-    stack.sh("deploy")
-    work = tmp_path / "work"
-    flow_run = stack.run_deployment("adhoc", {"workdir": str(work), "train.epochs": 5000})
-    job = wait_for(lambda: _training(work), 240, "the training job to train an epoch")
-    assert job.executor == "local"
-    controller = psutil.Process(int(job.job_id))  # a local job's id is its controller's pid
-    assert "submitit" in " ".join(controller.cmdline())
-    assert len(_processes_mentioning(work)) >= 3  # controller and two ranks
-
-    stack.prefect("flow-run", "cancel", flow_run)
-    assert stack.final_state(flow_run, 120) == "CANCELLED"
-    wait_for(lambda: not _processes_mentioning(work), 60, "the training processes to exit")
-    assert not controller.is_running() or controller.status() == psutil.STATUS_ZOMBIE
-    assert registry.recorded(work) == []
-
-    def killed() -> dict[str, str] | None:
-        found = {r.info.run_name: r.info.status for r in _mlflow_runs(stack.mlflow)}
-        return found if found.get("train") == "KILLED" else None
-
-    statuses = wait_for(killed, 30, "MLflow to show the train run KILLED")
-    assert statuses == {"tiny": "KILLED", "preprocess": "FINISHED", "train": "KILLED"}

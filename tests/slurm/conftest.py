@@ -10,6 +10,7 @@ TRAINFLOW_SLURM_HOME stops it).
 import fcntl
 import io
 import os
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -88,6 +89,27 @@ def slurm_cluster() -> Iterator[Path]:
 def _prefect_for_all(prefect_api: str) -> str:
     """Every Slurm test's flows, served flows and jobs use the session's Prefect server."""
     return prefect_api
+
+
+@pytest.fixture(autouse=True)
+def _no_job_outlives_its_test(slurm_cluster: Path) -> Iterator[None]:
+    """After each test, cancel whatever it left in this worker's own cluster (a test that failed
+    half-way, say), so that a leftover job neither trains on through the next tests' CPU time
+    nor holds their nodes. Jobs left by a test that passed are a defect: it fails in teardown."""
+    yield
+    if os.environ.get("PYTEST_XDIST_WORKER", "").startswith("gw"):  # own cluster: all ours
+        left = _queued_jobs()
+        if left:
+            subprocess.run(["scancel", *left], capture_output=True, timeout=30)
+            pytest.fail(f"the test left Slurm job(s) {left} queued or running: cancelled")
+
+
+def _queued_jobs() -> list[str]:
+    """Ids of this cluster's jobs that are not just completing (a job a test has cancelled
+    passes through CG for up to KillWait)."""
+    argv = ["squeue", "-h", "-o", "%i %t"]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=30).stdout
+    return [line.split()[0] for line in out.splitlines() if line.split()[1:] != ["CG"]]
 
 
 @pytest.fixture
