@@ -98,6 +98,10 @@ class ResNet(nn.Module):
         self.pool = nn.AdaptiveAvgPool2d(1)
         self.fc = nn.Linear(4 * width, num_classes)
 
+    def shard_units(self) -> list[nn.Module]:
+        """The residual blocks: train.strategy=fsdp shards each on its own."""
+        return list(self.stages)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Logits of shape (batch, num_classes)."""
         x = self.stages(self.stem(x))
@@ -142,6 +146,10 @@ class MLP(nn.Module):
         layers.append(nn.Linear(width, math.prod(self.out_shape)))
         self.net = nn.Sequential(*layers)
 
+    def shard_units(self) -> list[nn.Module]:
+        """The linear layers: train.strategy=fsdp shards each on its own."""
+        return [m for m in self.net if isinstance(m, nn.Linear)]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(batch, *output_shape): logits or values."""
         return self.net(x).reshape(x.shape[0], *self.out_shape)
@@ -157,6 +165,10 @@ class TokenConv(nn.Module):
         self.embed = nn.Embedding(vocab, dim)
         self.convs = nn.ModuleList(nn.Conv1d(dim, dim, 3) for _ in range(2))
         self.head = nn.Linear(dim, vocab)
+
+    def shard_units(self) -> list[nn.Module]:
+        """The convolutions: train.strategy=fsdp shards each on its own."""
+        return list(self.convs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(batch, T, vocabulary) logits for (batch, T) token ids."""

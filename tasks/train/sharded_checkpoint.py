@@ -1,0 +1,224 @@
+"""Sharded checkpoints of train.strategy=fsdp runs (torch.distributed.checkpoint, DCP).
+
+Each rank writes only the shard of the weights and optimizer state it holds; loading reshards,
+so a checkpoint written by N ranks resumes on M. Layout of one checkpoint (a folder):
+
+    checkpoints/epoch-000003/
+        __0_0.distcp, __1_0.distcp, ...   one file per saving rank: its shards (DCP)
+        .metadata                          DCP's index: which shard of which tensor is where
+        train_state.pt                     rank 0: progress (step, epoch, history, data seed),
+                                           RNG, loss scaler, run identity (weights_only)
+        SHA256SUMS                         sha256sum format, of every file above; written last
+
+A checkpoint is written under `epoch-NNNNNN.tmp` and renamed into place once every rank's
+shard, the metadata, train_state.pt and SHA256SUMS are on disk: a folder without `.tmp` is
+whole. The last KEEP are kept; on resume rank 0 takes the newest whose files match their
+hashes, says which newer ones it skipped and why, and every rank loads that one.
+
+To load one elsewhere (no trainflow, any number of processes, or none):
+``torch.distributed.checkpoint.format_utils.dcp_to_torch_save(folder, "model.pt")`` gives
+one torch.save file of the whole state ({"model": ..., "optimizer": ...}), or
+``dcp.load({"model": model.state_dict()}, checkpoint_id=folder)`` fills a plain model.
+"""
+
+import hashlib
+import os
+import re
+import shutil
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+
+from trainflow.tasks.errors import DataError
+from trainflow.tasks.train.checkpoint import KEEP, Resumable, atomic_save, load_state
+from trainflow.tasks.train.distributed import DistContext
+
+_PATTERN = re.compile(r"^epoch-(\d{6})$")
+SUMS = "SHA256SUMS"
+"""The hash list of a sharded checkpoint: the file written last."""
+TRAIN_STATE = "train_state.pt"
+"""Rank 0's progress, RNG and scaler state: the same on every rank, stored once."""
+
+
+def sharded_checkpoints(directory: Path) -> list[Path]:
+    """The sharded checkpoint folders of directory, newest (highest epoch) first."""
+    if not directory.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := _PATTERN.match(p.name))]
+    return [p for _, p in sorted(found, reverse=True)]
+
+
+def save_sharded(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    train_state: dict[str, Any],
+    directory: Path,
+    epoch: int,
+    ctx: DistContext,
+) -> Path:
+    """Write the checkpoint of `epoch` (collective: every rank calls it, with its shards).
+
+    `train_state` (progress, RNG, scaler) is taken from rank 0. Returns the checkpoint's folder;
+    when this returns on any rank the checkpoint is complete and older ones beyond KEEP gone.
+    """
+    final = directory / f"epoch-{epoch:06d}"
+    tmp = final.with_name(final.name + ".tmp")
+    if ctx.is_main:  # before the save's planning collective: no rank writes before this
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optim_state}
+    with _single_process_quiet():
+        dcp.save(state, checkpoint_id=tmp, no_dist=ctx.world_size == 1)
+    if ctx.is_main:  # every rank's shard and the metadata are written: dcp.save's last step
+        atomic_save(train_state, tmp / TRAIN_STATE)
+        _write_sums(tmp)
+        shutil.rmtree(final, ignore_errors=True)  # the same epoch written again: replace it
+        os.replace(tmp, final)
+        _fsync_dir(directory)
+        _prune(directory, keep={final.name})
+    _barrier(ctx)
+    return final
+
+
+@contextmanager
+def _single_process_quiet() -> Iterator[None]:
+    """Silence DCP's warning that a process without a group saves or loads alone (a run on
+    one rank: intended)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _write_sums(folder: Path) -> None:
+    lines = [f"{_sha256(p)}  {p.name}\n" for p in sorted(folder.iterdir()) if p.name != SUMS]
+    atomic_save_text(folder / SUMS, "".join(lines))
+
+
+def atomic_save_text(path: Path, text: str) -> None:
+    """Write `text` to `path` through a temporary file, fsync and rename."""
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    with tmp.open("w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _prune(directory: Path, keep: set[str]) -> None:
+    """Delete all but the KEEP newest checkpoints (and `keep`), and interrupted writes."""
+    kept = {p.name for p in sharded_checkpoints(directory)[:KEEP]} | keep
+    for old in directory.iterdir():
+        stale = _PATTERN.match(old.name) or old.name.endswith(".tmp")
+        if stale and old.name not in kept:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def _barrier(ctx: DistContext) -> None:
+    if ctx.world_size > 1:
+        dist.barrier()
+
+
+def verify(folder: Path) -> str | None:
+    """Why the checkpoint `folder` cannot be trusted (a file missing or not matching its
+    recorded sha256), or None when every file listed in its SHA256SUMS matches."""
+    sums = folder / SUMS
+    if not sums.is_file():
+        return f"has no {SUMS} (an interrupted write)"
+    for line in sums.read_text().splitlines():
+        recorded, _, name = line.partition("  ")
+        path = folder / name
+        if not path.is_file():
+            return f"lacks {name}"
+        if _sha256(path) != recorded:
+            size = path.stat().st_size
+            return f"{name} does not match its recorded sha256 ({size} bytes: damaged)"
+    if not (folder / ".metadata").is_file() or not (folder / TRAIN_STATE).is_file():
+        return "lacks .metadata or train_state.pt"
+    return None
+
+
+def resumable_sharded(directory: Path, ctx: DistContext) -> Resumable | None:
+    """The newest checkpoint folder of directory that verifies, with its train state (every
+    rank gets rank 0's choice). None when there is none; DataError when none verifies."""
+    choice: list[Any] = [None]
+    if ctx.is_main:
+        choice[0] = _choose(directory)
+    if ctx.world_size > 1:
+        dist.broadcast_object_list(choice, src=0)
+    found = choice[0]
+    if isinstance(found, str):
+        raise DataError(found)
+    if found is None:
+        return None
+    path, skipped = found
+    return Resumable(Path(path), load_state(Path(path) / TRAIN_STATE), skipped)
+
+
+def _choose(directory: Path) -> tuple[str, list[str]] | str | None:
+    """(newest verifying folder, lines on the newer ones skipped); the DataError message
+    when none verifies; None when there is no checkpoint."""
+    skipped: list[str] = []
+    for folder in sharded_checkpoints(directory):
+        problem = verify(folder)
+        if problem is None:
+            return str(folder), skipped
+        skipped.append(f"{folder} {problem}")
+    if skipped:
+        return (
+            "no checkpoint to resume from verifies: " + "; ".join(skipped) + ". Restore one, "
+            f"or delete {directory} to start this run from scratch"
+        )
+    return None
+
+
+def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> None:
+    """Fill `model` and `optimizer` (sharded over this job's ranks, however many) from the
+    checkpoint `folder`, whatever number of ranks wrote it (collective)."""
+    model_state, optim_state = get_state_dict(model, optimizer)  # the shards to fill
+    state = {"model": model_state, "optimizer": optim_state}
+    with _single_process_quiet():
+        dcp.load(state, checkpoint_id=folder, no_dist=not dist.is_initialized())
+    set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optimizer"],
+    )
+
+
+def full_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The whole model's state dict, gathered onto rank 0's host memory (collective: every
+    rank calls it; the others get {}). What best.pt and the logged MLflow model hold, so they
+    load into a plain model as a DDP run's do."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(model, options=options)

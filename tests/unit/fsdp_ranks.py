@@ -1,0 +1,133 @@
+"""Real gloo rank processes for the sharding tests: each trains a tiny transformer (the charlm
+example's) on its share of a fixed global batch under DDP or FSDP, with trainflow's own
+wrappers, and rank 0 saves what the tests compare (final full weights, losses, the first
+step's full gradient norm, each rank's local shard sizes)."""
+
+import math
+import os
+import socket
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+
+from examples.charlm.char_transformer import build
+from trainflow.tasks.spec import DataSpec
+from trainflow.tasks.train.distributed import DistContext, wrap_ddp
+from trainflow.tasks.train.precision import PrecisionPolicy
+from trainflow.tasks.train.sharded_checkpoint import full_weights
+from trainflow.tasks.train.sharding import local_numel, wrap_fsdp
+
+VOCAB, CONTEXT, GLOBAL_BATCH, STEPS = 24, 16, 8, 4
+POLICIES = {
+    "fp32": PrecisionPolicy("cpu", None, False, "fp32"),
+    "bf16": PrecisionPolicy("cpu", torch.bfloat16, False, "bf16"),
+}
+
+
+def tiny_model() -> nn.Module:
+    """The charlm transformer, 2 blocks of width 32, no dropout (ranks draw no randomness)."""
+    torch.manual_seed(0)
+    spec = DataSpec((CONTEXT,), "int64", "sequence", VOCAB, (CONTEXT,))
+    return build(spec, dim=32, layers=2, heads=2, dropout=0.0)
+
+
+def global_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """STEPS global batches of next-token data (ids, targets), the same in every process."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (STEPS, GLOBAL_BATCH, CONTEXT + 1), generator=g)
+    return [(b[:, :-1], b[:, 1:]) for b in ids]
+
+
+def train(
+    model: nn.Module, policy: PrecisionPolicy, rank: int, world: int
+) -> tuple[list[float], float, torch.optim.Optimizer]:
+    """STEPS SGD steps on this rank's contiguous share of each global batch; returns the
+    global losses (averaged over ranks), the first step's full gradient norm and the
+    optimizer. SGD with momentum (state to shard), not Adam: Adam's normalisation turns
+    rounding-level gradient differences into lr-sized weight differences."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    share = GLOBAL_BATCH // world
+    losses, first_norm = [], math.nan
+    for step, (x, y) in enumerate(global_batches()):
+        x, y = x[rank * share : (rank + 1) * share], y[rank * share : (rank + 1) * share]
+        with policy.autocast():
+            loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
+        optimizer.zero_grad()
+        loss.backward()
+        if step == 0:
+            first_norm = grad_norm(model)
+        optimizer.step()
+        total = loss.detach().clone()
+        if world > 1:
+            dist.all_reduce(total)
+        losses.append(float(total) / world)
+    return losses, first_norm, optimizer
+
+
+def grad_norm(model: nn.Module) -> float:
+    """The L2 norm of the whole gradient (a sharded one gathered: collective under FSDP)."""
+    squares = 0.0
+    for p in model.parameters():
+        assert p.grad is not None
+        g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        squares += float(g.float().pow(2).sum())
+    return math.sqrt(squares)
+
+
+def single_process(precision: str) -> dict[str, Any]:
+    """The reference: the whole global batch in this process."""
+    model = tiny_model()
+    losses, norm, _ = train(model, POLICIES[precision], 0, 1)
+    return {"losses": losses, "grad_norm": norm, "weights": model.state_dict()}
+
+
+def _rank(rank: int, world: int, port: int, runs: list[tuple[str, str]], out: str) -> None:
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    ctx = DistContext(rank, world, rank, torch.device("cpu"), "gloo")
+    results: dict[str, Any] = {}
+    for strategy, precision in runs:
+        policy = POLICIES[precision]
+        model = tiny_model()
+        full = sum(p.numel() for p in model.parameters())
+        model = wrap_fsdp(model, ctx, policy) if strategy == "fsdp" else wrap_ddp(model, ctx)
+        losses, norm, optimizer = train(model, policy, rank, world)
+        states = [t for s in optimizer.state.values() for t in s.values() if t.dim() > 0]
+        local = {
+            "params": local_numel(model.parameters()),
+            "grads": local_numel(p.grad for p in model.parameters() if p.grad is not None),
+            "optimizer": local_numel(states),
+            "full_params": full,
+        }
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, local)
+        weights = full_weights(model) if strategy == "fsdp" else dict(model.module.state_dict())
+        if rank == 0:
+            results[f"{strategy}-{precision}"] = {
+                "losses": losses,
+                "grad_norm": norm,
+                "weights": weights,
+                "local": gathered,
+            }
+    if rank == 0:
+        torch.save(results, out)
+    dist.destroy_process_group()
+
+
+def run_ranks(world: int, runs: list[tuple[str, str]], out: Path) -> dict[str, Any]:
+    """Start `world` gloo rank processes that train each (strategy, precision) of `runs` in
+    turn; rank 0's results, by "strategy-precision"."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    mp.start_processes(_rank, (world, port, runs, str(out)), nprocs=world, start_method="spawn")
+    results: dict[str, Any] = torch.load(out, weights_only=False)
+    return results
