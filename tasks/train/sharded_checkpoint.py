@@ -205,18 +205,13 @@ def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, folder: Pat
     """Fill `model` and `optimizer` (sharded over this job's ranks, however many) from the
     checkpoint `folder`, whatever number of ranks wrote it (collective)."""
     model_state, optim_state = get_state_dict(model, optimizer)  # the shards to fill
-    state = {"model": model_state, "optimizer": optim_state}
-    with _single_process_quiet():
+    state: dict[str, Any] = {"model": model_state, "optimizer": optim_state}
+    with _single_process_quiet():  # fills the dicts' tensors in place
         dcp.load(state, checkpoint_id=folder, no_dist=not dist.is_initialized())
-    set_state_dict(
-        model,
-        optimizer,
-        model_state_dict=state["model"],
-        optim_state_dict=state["optimizer"],
-    )
+    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
 
 
-def full_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+def full_weights(model: nn.Module) -> dict[str, Any]:
     """The whole model's state dict, gathered onto rank 0's host memory (collective: every
     rank calls it; the others get {}). What best.pt and the logged MLflow model hold, so they
     load into a plain model as a DDP run's do."""

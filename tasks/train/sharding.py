@@ -81,7 +81,7 @@ def checkpoint_activations(units: Iterable[nn.Module]) -> None:
     hooks (FSDP's gather before the unit runs) are unchanged: only `forward` is replaced."""
     for unit in units:
         forward: Callable[..., Any] = unit.forward
-        unit.forward = functools.partial(_checkpointed, forward)  # type: ignore[method-assign]
+        unit.forward = functools.partial(_checkpointed, forward)
 
 
 def _checkpointed(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

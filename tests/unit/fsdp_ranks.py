@@ -6,6 +6,7 @@ step's full gradient norm, each rank's local shard sizes)."""
 import math
 import os
 import socket
+import sys
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -16,12 +17,16 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
-from examples.charlm.char_transformer import build
 from trainflow.tasks.spec import DataSpec
+from trainflow.tasks.train.checkpoint import unwrap
 from trainflow.tasks.train.distributed import DistContext, wrap_ddp
 from trainflow.tasks.train.precision import PrecisionPolicy
 from trainflow.tasks.train.sharded_checkpoint import full_weights
 from trainflow.tasks.train.sharding import local_numel, wrap_fsdp
+
+# The charlm example is a user's project, not a package: imported as its runs import it.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "charlm"))
+from char_transformer import build
 
 VOCAB, CONTEXT, GLOBAL_BATCH, STEPS = 24, 16, 8, 4
 POLICIES = {
@@ -108,7 +113,7 @@ def _rank(rank: int, world: int, port: int, runs: list[tuple[str, str]], out: st
         }
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, local)
-        weights = full_weights(model) if strategy == "fsdp" else dict(model.module.state_dict())
+        weights = full_weights(model) if strategy == "fsdp" else unwrap(model).state_dict()
         if rank == 0:
             results[f"{strategy}-{precision}"] = {
                 "losses": losses,

@@ -117,8 +117,9 @@ def test_activation_checkpointing_recomputes_blocks_with_the_same_gradients() ->
         if checkpointed:
             checkpoint_activations(sharding_units(model))
         ran: list[int] = []
-        mlp = model.blocks[0].mlp  # type: ignore[index]
-        mlp.register_forward_pre_hook(lambda *_, ran=ran: ran.append(1))  # type: ignore[union-attr]
+        blocks: Any = model.blocks
+        mlp = blocks[0].mlp
+        mlp.register_forward_pre_hook(lambda *_, ran=ran: ran.append(1))
         logits = model(x)
         torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()).backward()
         grads.append([p.grad for p in model.parameters()])
