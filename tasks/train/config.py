@@ -116,6 +116,11 @@ class TrainConfig(StrictModel):
                 "train.strategy=fsdp does not support train.compile or train.cuda_graphs yet: "
                 "set them to false, or use train.strategy=ddp"
             )
+        if self.strategy == "fsdp" and self.channels_last == "on":
+            raise ValueError(
+                "train.strategy=fsdp cannot shard channels_last conv weights (FSDP2 needs "
+                "contiguous parameters): set train.channels_last=auto or off"
+            )
         if self.strategy == "fsdp" and self.precision == "fp16":
             raise ValueError(
                 "train.strategy=fsdp does not support precision=fp16 (loss scaling of sharded "

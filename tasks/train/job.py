@@ -134,7 +134,8 @@ class TrainingJob(submitit.helpers.Checkpointable):
             random.seed(cfg.seed)
             policy = resolve_precision(cfg.precision, dist.device)
             model = build_model(cfg, self.data_spec)  # after the seed: same weights
-            nhwc = use_channels_last(cfg.channels_last, dist.device, narrowest_conv(model))
+            narrowest = narrowest_conv(model)
+            nhwc = use_channels_last(cfg.channels_last, dist.device, narrowest, cfg.strategy)
             train, val = self._load("train", dist, nhwc), self._load("val", dist, nhwc)
             if dist.is_main:
                 self._announce(dist, policy, nhwc, train)

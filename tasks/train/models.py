@@ -206,15 +206,20 @@ def narrowest_conv(model: nn.Module) -> int:
     return min(widths, default=0)
 
 
-def use_channels_last(pref: str, device: torch.device, narrowest: int | None = None) -> bool:
+def use_channels_last(
+    pref: str, device: torch.device, narrowest: int | None = None, strategy: str = "ddp"
+) -> bool:
     """Whether images and conv weights take the channels_last (NHWC) memory format.
 
     auto: on CUDA (tensor-core convolutions want NHWC) and on CPUs with oneDNN, whose NHWC
     kernels avoid reordering each activation (reference CNN, batch 64, bf16: 6.3k -> 13.7k
     samples/s on one core), unless the model's narrowest convolution (`narrowest`) has fewer
     than NHWC_MIN_CHANNELS_CPU channels, and never for a model without 2-D convolutions
-    (`narrowest` 0).
+    (`narrowest` 0), nor under train.strategy=fsdp: FSDP2 shards contiguous parameters only
+    (channels_last conv weights are not; TrainConfig refuses channels_last=on with fsdp).
     """
+    if strategy == "fsdp":
+        return False
     if pref == "auto":
         if narrowest == 0:
             return False
@@ -245,7 +250,7 @@ def place_model(model: nn.Module, cfg: TrainConfig, device: torch.device) -> nn.
     """
     narrowest = narrowest_conv(model)
     model = model.to(device)
-    if use_channels_last(cfg.channels_last, device, narrowest):
+    if use_channels_last(cfg.channels_last, device, narrowest, cfg.strategy):
         # Converts the 4-D conv weights only. torch's stubs lack the memory_format overload.
         model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
     if device.type == "cuda":

@@ -136,6 +136,7 @@ def test_activation_checkpointing_recomputes_blocks_with_the_same_gradients() ->
         ({"compile": True}, "does not support train.compile or train.cuda_graphs"),
         ({"cuda_graphs": True, "device": "auto"}, "does not support train.compile"),
         ({"precision": "fp16"}, "does not support precision=fp16"),
+        ({"channels_last": "on"}, "cannot shard channels_last conv weights"),
     ],
 )
 def test_fsdp_combinations_it_cannot_run_are_refused_in_one_line(
