@@ -19,7 +19,7 @@ from trainflow.tasks.errors import ConfigError
 from trainflow.tasks.objectives import Objective, is_better, make_objective
 from trainflow.tasks.preprocess.ref import DatasetRef, dataset_spec
 from trainflow.tasks.spec import DataSpec
-from trainflow.tasks.tracking.logger import MetricLogger, log_run_params, make_logger
+from trainflow.tasks.tracking.logger import MetricLogger, make_logger
 from trainflow.tasks.tracking.system_metrics import node_monitor
 from trainflow.tasks.train.checkpoint import (
     host_copy,
@@ -41,7 +41,7 @@ from trainflow.tasks.train.distributed import (
     wrap_ddp,
 )
 from trainflow.tasks.train.early_signal import deliver_held_signal
-from trainflow.tasks.train.log_lines import memory_of, progress_line
+from trainflow.tasks.train.log_lines import announce, progress_line
 from trainflow.tasks.train.loop import Trainer, evaluate_split, make_optimizer, train_epoch
 from trainflow.tasks.train.model_plugins import build_model
 from trainflow.tasks.train.models import (
@@ -61,10 +61,10 @@ from trainflow.tasks.train.progress import (
 from trainflow.tasks.train.recorder import EpochRecorder
 from trainflow.tasks.train.ref import CheckpointRef
 from trainflow.tasks.train.sharded_checkpoint import (
+    ShardedSaver,
     full_weights,
     load_sharded,
     resumable_sharded,
-    save_sharded,
 )
 from trainflow.tasks.train.sharding import checkpoint_activations, sharding_units, wrap_fsdp
 from trainflow.tasks.train.throughput import (
@@ -138,7 +138,7 @@ class TrainingJob(submitit.helpers.Checkpointable):
             nhwc = use_channels_last(cfg.channels_last, dist.device, narrowest, cfg.strategy)
             train, val = self._load("train", dist, nhwc), self._load("val", dist, nhwc)
             if dist.is_main:
-                self._announce(dist, policy, nhwc, train)
+                announce(cfg, dist, policy, nhwc, train, spec.tracking_uri, spec.run_id)
             warm.join()  # the model, optimizer and DDP import torch internals on this thread
             self._flops = NO_FLOPS
             if dist.is_main:  # counted once, on a meta copy of the model as built (before
@@ -156,12 +156,7 @@ class TrainingJob(submitit.helpers.Checkpointable):
                 make_logger(spec.tracking_uri, spec.run_id, dist.rank, spec.out_dir)
             )
             relog(progress, logger, self.spec.out_dir)
-            while progress.epoch < cfg.epochs:
-                metrics = self._run_epoch(trainer, train, val, progress)
-                if cfg.strategy == "fsdp":  # every rank writes its shard
-                    self._record_sharded(trainer, progress, metrics, logger, recorder)
-                elif dist.is_main:
-                    self._record(trainer, progress, metrics, logger, recorder)
+            self._train(trainer, train, val, progress, logger, recorder)
             recorder.wait()
             result = finish_run(spec.out_dir, progress) if dist.is_main else None
         if not (cfg.compile or cfg.cuda_graphs):  # compiled runs keep the teardown that
@@ -181,30 +176,6 @@ class TrainingJob(submitit.helpers.Checkpointable):
         """A split of the dataset, placed per train.data_placement."""
         placement = self.spec.train.data_placement
         return load_split_to(self.spec.dataset.path, split, dist.device, nhwc, placement)
-
-    def _announce(
-        self, dist: DistContext, policy: PrecisionPolicy, nhwc: bool, data: Split
-    ) -> None:
-        """Print where and how this run trains (rank 0's first log lines); the precision
-        picked, and why, also go to the train run's params."""
-        cfg = self.spec.train
-        graphs = uses_cuda_graphs(cfg, dist.device)
-        print(f"precision {policy.name}: {policy.reason}", flush=True)
-        params = {"precision.used": policy.name, "precision.reason": policy.reason}
-        log_run_params(self.spec.tracking_uri, self.spec.run_id, params)
-        print(
-            f"training {cfg.model} on {dist.world_size} rank(s): device {dist.device}, "
-            f"backend {dist.backend}, precision {policy.name}, channels_last "
-            f"{'on' if nhwc else 'off'}, compile {'on' if cfg.compile or graphs else 'off'}, "
-            f"cuda_graphs {'on' if graphs else 'off'}, data in {memory_of(data, dist)}",
-            flush=True,
-        )
-        if cfg.cuda_graphs and not graphs:
-            print(
-                f"warning: train.cuda_graphs=true is ignored on {dist.device} (CUDA graphs need "
-                "a GPU); the last partial batch of each epoch is still dropped, as on a GPU",
-                flush=True,
-            )
 
     def _trainer(
         self, built: torch.nn.Module, dist: DistContext, policy: PrecisionPolicy, n_train: int
@@ -271,6 +242,34 @@ class TrainingJob(submitit.helpers.Checkpointable):
     def _check_same_run(self, saved: dict[str, Any], path: Path) -> None:
         """ConfigError when the checkpoint in out_dir belongs to a different run."""
         check_same_run(self._run_identity(), saved, path)
+
+    def _train(
+        self,
+        trainer: Trainer,
+        train: Split,
+        val: Split,
+        progress: Progress,
+        logger: MetricLogger,
+        recorder: EpochRecorder,
+    ) -> None:
+        """Train, validate and record the remaining epochs. Under fsdp every rank writes its
+        shards of each checkpoint (one in flight); the last is in place when this returns, and
+        a failing job completes the one in flight if it can (ShardedSaver.settle)."""
+        cfg = self.spec.train
+        saver = ShardedSaver(trainer.dist) if cfg.strategy == "fsdp" else None
+        try:
+            while progress.epoch < cfg.epochs:
+                metrics = self._run_epoch(trainer, train, val, progress)
+                if saver is not None:
+                    self._record_sharded(trainer, progress, metrics, logger, recorder, saver)
+                elif trainer.dist.is_main:
+                    self._record(trainer, progress, metrics, logger, recorder)
+        except BaseException:
+            if saver is not None:
+                saver.settle()
+            raise
+        if saver is not None:
+            saver.wait()
 
     def _run_epoch(
         self, trainer: Trainer, train: Split, val: Split, progress: Progress
@@ -362,11 +361,12 @@ class TrainingJob(submitit.helpers.Checkpointable):
         metrics: dict[str, float],
         logger: MetricLogger,
         recorder: EpochRecorder,
+        saver: ShardedSaver,
     ) -> None:
         """An fsdp epoch's side effects, on every rank (the validation metrics, hence the
         decisions, are the same on all): the best weights gathered whole into rank 0's best.pt,
-        the sharded checkpoint written by all ranks (collectives, on this thread), then rank 0
-        logs and prints through the recorder."""
+        the sharded checkpoint started by all ranks (written while the next epoch trains, one
+        in flight: ShardedSaver), then rank 0 logs and prints through the recorder."""
         cfg, epoch, ctx = self.spec.train, progress.epoch, trainer.dist
         flush, best_meta = self._decide(trainer, progress, metrics)
         if best_meta is not None:
@@ -375,7 +375,7 @@ class TrainingJob(submitit.helpers.Checkpointable):
                 save_best_weights(weights, self.spec.out_dir / "best.pt", best_meta)
         extra = {**asdict(progress), "run": self._run_identity()}
         train_state = {"scaler": trainer.scaler.state_dict(), "rng": rng_state(), **extra}
-        save_sharded(trainer.model, trainer.optimizer, train_state, self.checkpoint_dir, epoch, ctx)
+        saver.save(trainer.model, trainer.optimizer, train_state, self.checkpoint_dir, epoch)
         if not ctx.is_main:
             return
 

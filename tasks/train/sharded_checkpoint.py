@@ -26,8 +26,7 @@ import os
 import re
 import shutil
 import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +48,8 @@ from trainflow.tasks.train.distributed import DistContext
 _PATTERN = re.compile(r"^epoch-(\d{6})$")
 SUMS = "SHA256SUMS"
 """The hash list of a sharded checkpoint: the file written last."""
+SETTLE_S = 30.0
+"""How long a failing job waits for its checkpoint in flight before it gives up on it."""
 TRAIN_STATE = "train_state.pt"
 """Rank 0's progress, RNG and scaler state: the same on every rank, stored once."""
 
@@ -61,46 +62,81 @@ def sharded_checkpoints(directory: Path) -> list[Path]:
     return [p for _, p in sorted(found, reverse=True)]
 
 
-def save_sharded(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    train_state: dict[str, Any],
-    directory: Path,
-    epoch: int,
-    ctx: DistContext,
-) -> Path:
-    """Write the checkpoint of `epoch` (collective: every rank calls it, with its shards).
+class ShardedSaver:
+    """Writes an fsdp run's checkpoints off the training's critical path, one in flight.
 
-    `train_state` (progress, RNG, scaler) is taken from rank 0. Returns the checkpoint's folder;
-    when this returns on any rank the checkpoint is complete and older ones beyond KEEP gone.
+    `save` copies this rank's shards to host memory (DCP's staging: one copy of 1/N of the
+    state) and returns; a thread writes them. Its collectives (DCP's plan and its finish,
+    when rank 0 writes `.metadata`) run on a gloo group of their own, so they never interleave
+    with the training's. The next `save`, and `wait` at the end of training, wait for the one
+    in flight; then rank 0 writes train_state.pt and SHA256SUMS and renames the folder into
+    place. A job that dies before that leaves `epoch-NNNNNN.tmp`, which resume ignores (the
+    previous checkpoint is kept for that) and the next save deletes.
     """
-    final = directory / f"epoch-{epoch:06d}"
-    tmp = final.with_name(final.name + ".tmp")
-    if ctx.is_main:  # before the save's planning collective: no rank writes before this
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    model_state, optim_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optimizer": optim_state}
-    with _single_process_quiet():
-        dcp.save(state, checkpoint_id=tmp, no_dist=ctx.world_size == 1)
-    if ctx.is_main:  # every rank's shard and the metadata are written: dcp.save's last step
-        atomic_save(train_state, tmp / TRAIN_STATE)
-        _write_sums(tmp)
-        shutil.rmtree(final, ignore_errors=True)  # the same epoch written again: replace it
-        os.replace(tmp, final)
-        _fsync_dir(directory)
-        _prune(directory, keep={final.name})
-    _barrier(ctx)
-    return final
+
+    def __init__(self, ctx: DistContext) -> None:
+        self.ctx = ctx
+        _quiet_dcp()
+        self.group = dist.new_group(backend="gloo") if ctx.world_size > 1 else None
+        """DCP's collectives (collective to create: every rank makes its saver together)."""
+        self._pending: tuple[Future[Any], Path, dict[str, Any]] | None = None
+
+    def save(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        train_state: dict[str, Any],
+        directory: Path,
+        epoch: int,
+    ) -> None:
+        """Start writing the checkpoint of `epoch` (every rank calls it, with its shards;
+        `train_state`, a snapshot of progress, RNG and scaler, is taken from rank 0)."""
+        self.wait()
+        tmp = directory / f"epoch-{epoch:06d}.tmp"
+        if self.ctx.is_main:  # before DCP's planning collective: no rank writes before this
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        model_state, optim_state = get_state_dict(model, optimizer)
+        state = {"model": model_state, "optimizer": optim_state}
+        future = dcp.async_save(
+            state, checkpoint_id=tmp, process_group=self.group, no_dist=self.group is None
+        )
+        assert isinstance(future, Future)  # the thread executor's (no zero-overhead stager)
+        self._pending = (future, tmp, train_state)
+
+    def wait(self, timeout_s: float | None = None) -> Path | None:
+        """Wait for the checkpoint in flight, if any (at most `timeout_s`), and put it in
+        place (rank 0); its folder, or None when none was in flight. Raises what the write
+        raised (TimeoutError after `timeout_s`)."""
+        if self._pending is None:
+            return None
+        future, tmp, train_state = self._pending
+        self._pending = None
+        future.result(timeout_s)  # on rank 0: every rank's shards and .metadata are written
+        final = tmp.with_name(tmp.name.removesuffix(".tmp"))
+        if self.ctx.is_main:
+            atomic_save(train_state, tmp / TRAIN_STATE)
+            _write_sums(tmp)
+            shutil.rmtree(final, ignore_errors=True)  # the same epoch written again
+            os.replace(tmp, final)
+            _fsync_dir(final.parent)
+            _prune(final.parent, keep={final.name})
+        return final
+
+    def settle(self, timeout_s: float = SETTLE_S) -> None:
+        """On the way out of a failing job: put the checkpoint in flight in place if it
+        completes within `timeout_s` (its peers may be gone), else leave it; never raises."""
+        try:
+            self.wait(timeout_s)
+        except Exception as exc:  # the job's own error is the one to report
+            print(f"warning: the checkpoint in flight was not completed: {exc!r}", flush=True)
 
 
-@contextmanager
-def _single_process_quiet() -> Iterator[None]:
-    """Silence DCP's warning that a process without a group saves or loads alone (a run on
-    one rank: intended)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
+def _quiet_dcp() -> None:
+    """Silence DCP's warning whenever a process without a group saves or loads, even when
+    told to (a run on one rank: intended); the saving thread's warnings escape a
+    catch_warnings block, so the filter is process-wide."""
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable")
 
 
 def _write_sums(folder: Path) -> None:
@@ -141,11 +177,6 @@ def _prune(directory: Path, keep: set[str]) -> None:
         stale = _PATTERN.match(old.name) or old.name.endswith(".tmp")
         if stale and old.name not in kept:
             shutil.rmtree(old, ignore_errors=True)
-
-
-def _barrier(ctx: DistContext) -> None:
-    if ctx.world_size > 1:
-        dist.barrier()
 
 
 def verify(folder: Path) -> str | None:
@@ -206,8 +237,8 @@ def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, folder: Pat
     checkpoint `folder`, whatever number of ranks wrote it (collective)."""
     model_state, optim_state = get_state_dict(model, optimizer)  # the shards to fill
     state: dict[str, Any] = {"model": model_state, "optimizer": optim_state}
-    with _single_process_quiet():  # fills the dicts' tensors in place
-        dcp.load(state, checkpoint_id=folder, no_dist=not dist.is_initialized())
+    _quiet_dcp()
+    dcp.load(state, checkpoint_id=folder, no_dist=not dist.is_initialized())  # fills in place
     set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
 
 

@@ -11,6 +11,7 @@ import signal
 import socket
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -53,7 +54,7 @@ def _submit(tmp_path: Path, fail_rank: int | None, linger_s: float = 0.0) -> sub
     return executor.submit(_all_reduce_until, fail_rank, linger_s)
 
 
-def _rank_record(job: submitit.Job[int], task: int) -> dict[str, object]:
+def _rank_record(job: submitit.Job[Any], task: int) -> dict[str, object]:
     path = job.paths.folder / f"{job.job_id}_{task}_rank.json"
     deadline = time.monotonic() + 60
     while not path.exists():

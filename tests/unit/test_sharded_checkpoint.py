@@ -104,9 +104,15 @@ def test_two_fsdp_ranks_write_a_shard_each_keep_two_and_resume_on_one_rank(
 ) -> None:
     out = tmp_path / "run"
     executor = make_executor(ClusterConfig(ranks_per_node=2, timeout_min=5), tmp_path / "jobs")
-    ref = wait_for_job(executor.submit(DumpsSavedState(_spec(dataset, out, 3))), print, 0.2)
+    job = executor.submit(DumpsSavedState(_spec(dataset, out, 3)))
+    ref = wait_for_job(job, print, 0.2)
 
     assert isinstance(ref, CheckpointRef)
+    for rank in (0, 1):  # a clean exit: no abort in the process group's teardown
+        ended = json.loads((job.paths.folder / f"{job.job_id}_{rank}_exit.json").read_text())
+        assert (ended["returncode"], ended["signal"]) == (0, None), ended
+        log = (job.paths.folder / f"{job.job_id}_{rank}_log.err").read_text()
+        assert "terminate called" not in log
     folders = sharded_checkpoints(out / "checkpoints")
     assert [f.name for f in folders] == ["epoch-000003", "epoch-000002"]  # the last two
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == sorted(
