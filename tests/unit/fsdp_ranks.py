@@ -29,10 +29,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "charl
 from char_transformer import build
 
 VOCAB, CONTEXT, GLOBAL_BATCH, STEPS = 24, 16, 8, 4
-POLICIES = {
-    "fp32": PrecisionPolicy("cpu", None, False, "fp32"),
-    "bf16": PrecisionPolicy("cpu", torch.bfloat16, False, "bf16"),
-}
+DTYPES = {"fp32": None, "bf16": torch.bfloat16}
+
+
+def policy_for(precision: str, device_type: str = "cpu") -> PrecisionPolicy:
+    """The fp32 or bf16 policy on `device_type`."""
+    return PrecisionPolicy(device_type, DTYPES[precision], False, precision)
 
 
 def tiny_model() -> nn.Module:
@@ -50,7 +52,7 @@ def global_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def train(
-    model: nn.Module, policy: PrecisionPolicy, rank: int, world: int
+    model: nn.Module, policy: PrecisionPolicy, rank: int, world: int, device: str = "cpu"
 ) -> tuple[list[float], float, torch.optim.Optimizer]:
     """STEPS SGD steps on this rank's contiguous share of each global batch; returns the
     global losses (averaged over ranks), the first step's full gradient norm and the
@@ -61,6 +63,7 @@ def train(
     losses, first_norm = [], math.nan
     for step, (x, y) in enumerate(global_batches()):
         x, y = x[rank * share : (rank + 1) * share], y[rank * share : (rank + 1) * share]
+        x, y = x.to(device), y.to(device)
         with policy.autocast():
             loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
         optimizer.zero_grad()
@@ -88,22 +91,31 @@ def grad_norm(model: nn.Module) -> float:
 def single_process(precision: str) -> dict[str, Any]:
     """The reference: the whole global batch in this process."""
     model = tiny_model()
-    losses, norm, _ = train(model, POLICIES[precision], 0, 1)
+    losses, norm, _ = train(model, policy_for(precision), 0, 1)
     return {"losses": losses, "grad_norm": norm, "weights": model.state_dict()}
 
 
-def _rank(rank: int, world: int, port: int, runs: list[tuple[str, str]], out: str) -> None:
+def _rank(
+    rank: int, world: int, port: int, runs: list[tuple[str, str]], out: str, device_type: str
+) -> None:
     torch.set_num_threads(1)
+    cuda = device_type == "cuda"
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    backend = "nccl" if cuda else "gloo"
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timedelta(seconds=60))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
-    ctx = DistContext(rank, world, rank, torch.device("cpu"), "gloo")
+    dist.init_process_group(
+        backend, store=store, rank=rank, world_size=world, device_id=device if cuda else None
+    )
+    ctx = DistContext(rank, world, rank, device, backend)
     results: dict[str, Any] = {}
     for strategy, precision in runs:
-        policy = POLICIES[precision]
-        model = tiny_model()
+        policy = policy_for(precision, device_type)
+        model = tiny_model().to(device)
         full = sum(p.numel() for p in model.parameters())
         model = wrap_fsdp(model, ctx, policy) if strategy == "fsdp" else wrap_ddp(model, ctx)
-        losses, norm, optimizer = train(model, policy, rank, world)
+        losses, norm, optimizer = train(model, policy, rank, world, str(device))
         states = [t for s in optimizer.state.values() for t in s.values() if t.dim() > 0]
         local = {
             "params": local_numel(model.parameters()),
@@ -113,7 +125,10 @@ def _rank(rank: int, world: int, port: int, runs: list[tuple[str, str]], out: st
         }
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, local)
-        weights = full_weights(model) if strategy == "fsdp" else unwrap(model).state_dict()
+        if strategy == "fsdp":
+            weights = full_weights(model)
+        else:
+            weights = {k: v.cpu() for k, v in unwrap(model).state_dict().items()}
         if rank == 0:
             results[f"{strategy}-{precision}"] = {
                 "losses": losses,
@@ -126,13 +141,16 @@ def _rank(rank: int, world: int, port: int, runs: list[tuple[str, str]], out: st
     dist.destroy_process_group()
 
 
-def run_ranks(world: int, runs: list[tuple[str, str]], out: Path) -> dict[str, Any]:
-    """Start `world` gloo rank processes that train each (strategy, precision) of `runs` in
-    turn; rank 0's results, by "strategy-precision"."""
+def run_ranks(
+    world: int, runs: list[tuple[str, str]], out: Path, device_type: str = "cpu"
+) -> dict[str, Any]:
+    """Start `world` rank processes (gloo on CPU; NCCL, a GPU each, on cuda) that train each
+    (strategy, precision) of `runs` in turn; rank 0's results, by "strategy-precision"."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.start_processes(_rank, (world, port, runs, str(out)), nprocs=world, start_method="spawn")
+    args = (world, port, runs, str(out), device_type)
+    mp.start_processes(_rank, args, nprocs=world, start_method="spawn")
     results: dict[str, Any] = torch.load(out, weights_only=False)
     return results
