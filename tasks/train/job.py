@@ -24,7 +24,6 @@ from trainflow.tasks.tracking.system_metrics import node_monitor
 from trainflow.tasks.train.checkpoint import (
     host_copy,
     restore_rng,
-    resumable_checkpoint,
     rng_state,
     save_best_weights,
     save_checkpoint,
@@ -62,9 +61,9 @@ from trainflow.tasks.train.recorder import EpochRecorder
 from trainflow.tasks.train.ref import CheckpointRef
 from trainflow.tasks.train.sharded_checkpoint import (
     ShardedSaver,
+    find_resumable,
     full_weights,
     load_sharded,
-    resumable_sharded,
 )
 from trainflow.tasks.train.sharding import checkpoint_activations, sharding_units, wrap_fsdp
 from trainflow.tasks.train.throughput import (
@@ -213,10 +212,7 @@ class TrainingJob(submitit.helpers.Checkpointable):
         """Restore the newest checkpoint of out_dir that verifies, if any (every rank reads
         the same file); a newer one that does not verify is skipped, and said so."""
         sharded = self.spec.train.strategy == "fsdp"
-        if sharded:
-            found = resumable_sharded(self.checkpoint_dir, trainer.dist)
-        else:
-            found = resumable_checkpoint(self.checkpoint_dir)
+        found = find_resumable(self.checkpoint_dir, sharded, trainer.dist)
         if found is None:
             return Progress(data_seed=self.spec.train.seed)
         path, state = found.path, found.state

@@ -41,8 +41,15 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from trainflow.tasks.errors import DataError
-from trainflow.tasks.train.checkpoint import KEEP, Resumable, atomic_save, load_state
+from trainflow.tasks.errors import ConfigError, DataError
+from trainflow.tasks.train.checkpoint import (
+    KEEP,
+    Resumable,
+    atomic_save,
+    checkpoints,
+    load_state,
+    resumable_checkpoint,
+)
 from trainflow.tasks.train.distributed import DistContext
 
 _PATTERN = re.compile(r"^epoch-(\d{6})$")
@@ -196,6 +203,22 @@ def verify(folder: Path) -> str | None:
     if not (folder / ".metadata").is_file() or not (folder / TRAIN_STATE).is_file():
         return "lacks .metadata or train_state.pt"
     return None
+
+
+def find_resumable(directory: Path, sharded: bool, ctx: DistContext) -> Resumable | None:
+    """The checkpoint a job resumes from: resumable_sharded (fsdp) or the whole-state
+    resumable_checkpoint (ddp). ConfigError when `directory` holds the other strategy's
+    checkpoints: a run cannot change its strategy, and starting afresh would hide its
+    progress."""
+    other = checkpoints(directory) if sharded else sharded_checkpoints(directory)
+    if other:
+        was, now = ("ddp", "fsdp") if sharded else ("fsdp", "ddp")
+        raise ConfigError(
+            f"{directory} holds checkpoints of a train.strategy={was} run ({other[0].name}), "
+            f"which a train.strategy={now} run cannot resume: use train.strategy={was}, a "
+            f"new out_dir, or delete {directory} to start this run from scratch"
+        )
+    return resumable_sharded(directory, ctx) if sharded else resumable_checkpoint(directory)
 
 
 def resumable_sharded(directory: Path, ctx: DistContext) -> Resumable | None:

@@ -17,12 +17,14 @@ from tests.unit.datasets import write_dataset
 from trainflow.cluster.config import ClusterConfig
 from trainflow.cluster.executor import make_executor
 from trainflow.cluster.jobs import wait_for_job
+from trainflow.tasks.errors import ConfigError
 from trainflow.tasks.preprocess.ref import DatasetRef
 from trainflow.tasks.spec import DataSpec
 from trainflow.tasks.train.config import TrainConfig
 from trainflow.tasks.train.data import SplitData as Split
 from trainflow.tasks.train.job import TrainingJob, TrainJobSpec
 from trainflow.tasks.train.loop import Trainer
+from trainflow.tasks.train.model_plugins import check_model
 from trainflow.tasks.train.models import mlp
 from trainflow.tasks.train.progress import Progress
 from trainflow.tasks.train.ref import CheckpointRef
@@ -185,3 +187,35 @@ def test_a_damaged_newest_shard_is_skipped_and_the_one_before_resumed(
     out = capsys.readouterr().out
     assert f"warning: skipping checkpoint {newest} __0_0.distcp does not match" in out
     assert "after epoch 1" in out
+
+
+def test_a_run_cannot_switch_strategy_on_resume(dataset: DatasetRef, tmp_path: Path) -> None:
+    TrainingJob(_spec(dataset, tmp_path, 1))()  # fsdp: a sharded checkpoint
+    ddp = _spec(dataset, tmp_path, 2)
+    ddp = ddp.model_copy(update={"train": ddp.train.model_copy(update={"strategy": "ddp"})})
+    with pytest.raises(ConfigError, match=r"train.strategy=fsdp run \(epoch-000001\), which a"):
+        TrainingJob(ddp)()
+
+
+def test_preflight_refuses_shard_units_that_are_not_the_models_own() -> None:
+    cfg = TrainConfig(model=f"{__name__}:stray_units", strategy="fsdp")
+    spec = DataSpec((4,), "float32", "classification", 2, ())
+    with pytest.raises(ConfigError, match="not submodules of the model"):
+        check_model(cfg, spec)
+
+
+class _Stray(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x)
+
+    def shard_units(self) -> list[torch.nn.Module]:
+        return [torch.nn.Linear(4, 2)]
+
+
+def stray_units(spec: DataSpec) -> torch.nn.Module:
+    """A model factory whose model names a module of its own making as a sharding unit."""
+    return _Stray()
