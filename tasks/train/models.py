@@ -236,7 +236,8 @@ def uses_cuda_graphs(cfg: TrainConfig, device: torch.device) -> bool:
 
 
 def place_model(model: nn.Module, cfg: TrainConfig, device: torch.device) -> nn.Module:
-    """Move `model` to `device` in the configured memory format, compiled if asked for.
+    """Move `model` to `device` in the configured memory format, compiled if asked for
+    (under train.strategy=fsdp it stays on the host: wrap_fsdp moves it, unit by unit).
 
     Compiled in place (``Module.compile``): state_dict keys stay those of the plain module,
     so checkpoints do not depend on whether a run was compiled.
@@ -249,7 +250,8 @@ def place_model(model: nn.Module, cfg: TrainConfig, device: torch.device) -> nn.
     batches all have one shape when CUDA graphs are on; see rank_batches' drop_last).
     """
     narrowest = narrowest_conv(model)
-    model = model.to(device)
+    if cfg.strategy != "fsdp":  # fully_shard moves each unit to the device as it shards it:
+        model = model.to(device)  # the device never holds more than one unit whole
     if use_channels_last(cfg.channels_last, device, narrowest, cfg.strategy):
         # Converts the 4-D conv weights only. torch's stubs lack the memory_format overload.
         model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]

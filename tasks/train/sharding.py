@@ -113,12 +113,15 @@ def wrap_fsdp(
     policy: PrecisionPolicy,
     reshard_after_forward: bool = True,
 ) -> nn.Module:
-    """`model` (on its device) sharded in place with FSDP2: each of sharding_units(model),
-    then the root. Build the optimizer afterwards: its parameters are the shards (DTensors).
-    A world of one is left as it is."""
+    """`model` sharded in place with FSDP2: each of sharding_units(model), then the root.
+    Build the optimizer afterwards: its parameters are the shards (DTensors).
+
+    Pass the model on the host (as built): fully_shard moves each unit to the rank's device
+    as it shards it, so the device holds the shards and at most one unit whole, never the
+    whole model. A world of one is moved to the device and not sharded."""
     if ctx.world_size == 1:
         mixed_precision(policy)  # the same refusal as on several ranks
-        return model
+        return model.to(ctx.device)
     mesh = device_mesh(ctx)
     mp = mixed_precision(policy)
     for unit in sharding_units(model):
