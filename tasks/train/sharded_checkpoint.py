@@ -101,8 +101,9 @@ class ShardedSaver:
         self.wait()
         tmp = directory / f"epoch-{epoch:06d}.tmp"
         if self.ctx.is_main:  # before DCP's planning collective: no rank writes before this
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
+            shutil.rmtree(tmp, ignore_errors=True)  # a killed attempt's, perhaps of more ranks
+            # exist_ok: the other ranks' DCP writers create the folder too, before planning
+            tmp.mkdir(parents=True, exist_ok=True)
         model_state, optim_state = get_state_dict(model, optimizer)
         state = {"model": model_state, "optimizer": optim_state}
         future = dcp.async_save(
