@@ -102,8 +102,11 @@ def _assert_same_state(a: Any, b: Any) -> None:
 
 
 def test_two_fsdp_ranks_write_a_shard_each_keep_two_and_resume_on_one_rank(
-    dataset: DatasetRef, tmp_path: Path
+    tmp_path: Path,
 ) -> None:
+    # 257 validation samples: rank 0 evaluates 2 batches of 128, rank 1 one; under FSDP every
+    # forward gathers from both ranks, so rank 1 runs a padding pass (or both would wait).
+    dataset = write_dataset(tmp_path / "uneven", n_val=257)
     out = tmp_path / "run"
     executor = make_executor(ClusterConfig(ranks_per_node=2, timeout_min=5), tmp_path / "jobs")
     job = executor.submit(DumpsSavedState(_spec(dataset, out, 3)))
