@@ -11,6 +11,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import cloudpickle
@@ -53,9 +54,20 @@ def test_fsdp_on_two_nodes_by_two_ranks_writes_four_shards_and_a_whole_best(
     assert sorted(p.name for p in newest.glob("*.distcp")) == [f"__{r}_0.distcp" for r in range(4)]
     spec_ = DataSpec((1, 12, 12), "float32", "classification", 4, ())
     mlp(spec_).load_state_dict(torch.load(ref.path, weights_only=True)["model"])
-    sacct = ["sacct", "-n", "-X", "-P", "-o", "State,NNodes,NodeList", "-j", job.job_id]
-    out = subprocess.run(sacct, capture_output=True, text=True, timeout=30, check=True).stdout
-    assert out.strip() == "COMPLETED|2|tfnode[1-2]"
+    assert _final_state(job.job_id) == "COMPLETED|2|tfnode[1-2]"
+
+
+def _final_state(job_id: str) -> str:
+    """sacct's State|NNodes|NodeList once the job has left RUNNING (the result is read as soon
+    as rank 0 wrote it; Slurm records the end a moment later)."""
+    sacct = ["sacct", "-n", "-X", "-P", "-o", "State,NNodes,NodeList", "-j", job_id]
+    deadline = time.monotonic() + 60
+    while True:
+        out = subprocess.run(sacct, capture_output=True, text=True, timeout=30, check=True)
+        state = out.stdout.strip()
+        if not state.startswith(("RUNNING", "COMPLETING")) or time.monotonic() > deadline:
+            return state
+        time.sleep(0.5)
 
 
 def test_an_fsdp_job_that_lost_a_node_continues_on_the_ranks_left_from_its_resharded_checkpoint(
@@ -95,9 +107,8 @@ def test_an_fsdp_job_that_lost_a_node_continues_on_the_ranks_left_from_its_resha
     resumed = [ln for ln in lines if "resuming from" in ln]
     assert resumed and "epoch-0000" in resumed[0]
     second = re.findall(r"submitted training job (\d+)", "\n".join(lines))[-1]
-    sacct = ["sacct", "-n", "-X", "-P", "-o", "State,NNodes,NodeList", "-j", second]
-    state = subprocess.run(sacct, capture_output=True, text=True, timeout=30, check=True).stdout
-    assert state.strip().startswith("COMPLETED|1|") and killed[0] not in state
+    state = _final_state(second)
+    assert state.startswith("COMPLETED|1|") and killed[0] not in state
     history = json.loads(ref.history_path.read_text())
     assert [h["epoch"] for h in history] == list(range(1, 41))
     newest = sharded_checkpoints(out / "checkpoints")[0]
