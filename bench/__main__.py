@@ -17,6 +17,7 @@ BENCHES = [
     "p6_gpu",
     "p7_lightning",
     "p8_fixed_costs",
+    "p9_fsdp",
 ]
 OPTIONAL = ["cold_start"]
 """Known but not run by default (`python -m bench cold_start`)."""

@@ -16,8 +16,8 @@ import submitit
 from trainflow.cluster.config import ClusterConfig
 from trainflow.cluster.lost_ranks import RankLostError
 
-Submit = Callable[[list[str]], submitit.Job[Any]]
-"""Submits the job excluding the given nodes and returns it."""
+Submit = Callable[[list[str], int], submitit.Job[Any]]
+"""Submits the job on the given number of nodes, excluding the given nodes, and returns it."""
 
 
 def can_exclude(cfg: ClusterConfig, excluded: set[str]) -> bool:
@@ -43,15 +43,19 @@ def run_with_restarts(
     wait: Callable[[submitit.Job[Any]], Any],
     log: Callable[[str], None],
     on_loss: Callable[[RankLostError, int], None] = lambda err, attempt: None,
+    elastic: bool = False,
 ) -> Any:
     """Submit and wait; after a lost rank, submit again (at most cfg.max_restarts times).
 
     `on_loss(err, attempt)` is told of every loss (e.g. to tag the MLflow run). With no restart
-    left the last RankLostError propagates, saying so.
+    left the last RankLostError propagates, saying so. `elastic` (a job whose checkpoints load
+    on any number of ranks: train.strategy=fsdp): when the other nodes cannot hold the job at
+    its size, it continues on the nodes left, without the lost ones.
     """
     excluded: set[str] = set()
+    nodes = cfg.nodes
     for attempt in range(cfg.max_restarts + 1):
-        job = submit(sorted(excluded))
+        job = submit(sorted(excluded), nodes)
         try:
             return wait(job)
         except RankLostError as err:
@@ -65,9 +69,21 @@ def run_with_restarts(
                     err.detail,
                 ) from None
             lost_nodes = set(err.nodes)
-            if can_exclude(cfg, excluded | lost_nodes):
+            fewer = nodes - len(lost_nodes - excluded)
+            if can_exclude(cfg.model_copy(update={"nodes": nodes}), excluded | lost_nodes):
                 excluded |= lost_nodes
                 where = f"excluding node(s) {', '.join(sorted(excluded))}"
+            elif (
+                elastic
+                and fewer >= 1
+                and can_exclude(cfg.model_copy(update={"nodes": fewer}), excluded | lost_nodes)
+            ):
+                excluded |= lost_nodes
+                nodes = fewer
+                where = (
+                    f"excluding node(s) {', '.join(sorted(excluded))}, on the {fewer} node(s) "
+                    f"left ({fewer * cfg.ranks_per_node} ranks: the sharded checkpoint reshards)"
+                )
             else:
                 where = "on any node (the others cannot hold the job alone)"
             log(

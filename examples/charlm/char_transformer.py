@@ -50,6 +50,11 @@ class CharTransformer(nn.Module):
         mask = torch.triu(torch.full((context, context), float("-inf")), diagonal=1)
         self.register_buffer("mask", mask, persistent=False)
 
+    def shard_units(self) -> list[nn.Module]:
+        """The transformer blocks: what trainflow's train.strategy=fsdp shards one by one (the
+        tied embedding/output weight stays with the root: one parameter, one group)."""
+        return list(self.blocks)
+
     def forward(self, ids: Tensor) -> Tensor:
         t = ids.shape[1]
         x = self.tokens(ids) + self.positions(torch.arange(t, device=ids.device))

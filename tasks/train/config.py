@@ -69,6 +69,21 @@ class TrainConfig(StrictModel):
     buffer and copied on a side stream one batch ahead, overlapping the previous step.
     stream: each rank reads only its batches from the memory-mapped shards (through the same
     pinned buffers): memory does not grow with the dataset."""
+    strategy: Literal["ddp", "fsdp"] = "ddp"
+    """How several ranks share the work. ddp: every rank holds the whole model, its gradients
+    and optimizer state (DistributedDataParallel all-reduces the gradients). fsdp: FSDP2
+    (`fully_shard`) shards parameters, gradients and optimizer state over the ranks (~1/N of
+    each per rank; a block's weights are gathered only while it runs), for models whose
+    training state does not fit on one device; checkpoints are then sharded too (one file
+    per rank, torch.distributed.checkpoint), and load on any number of ranks. Sharding units
+    are the model's blocks (tasks.train.sharding). One rank: the same as ddp."""
+    reshard_after_forward: bool = True
+    """fsdp only: free each block's gathered weights after its forward pass (gathered again
+    for the backward): less memory, one more all-gather per block and step. False keeps them
+    until the backward (ZeRO-2-like: faster, more memory)."""
+    activation_checkpointing: bool = False
+    """Recompute each sharding unit's (block's) activations in the backward pass instead of
+    keeping them: less activation memory for ~1/3 more compute. Under ddp or fsdp."""
     ddp_bucket_cap_mb: float = Field(25.0, ge=1.0, le=1024.0)
     """Size cap (MiB) of DDP's gradient all-reduce buckets: smaller buckets start reducing
     earlier in the backward pass (more overlap) but launch more collectives. 25 is torch's
@@ -91,6 +106,25 @@ class TrainConfig(StrictModel):
             raise ValueError(
                 f"train.width={self.width} and train.model_args.width="
                 f"{self.model_args['width']} disagree: set one of them"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _fsdp_combinations(self) -> Self:
+        if self.strategy == "fsdp" and (self.compile or self.cuda_graphs):
+            raise ValueError(
+                "train.strategy=fsdp does not support train.compile or train.cuda_graphs yet: "
+                "set them to false, or use train.strategy=ddp"
+            )
+        if self.strategy == "fsdp" and self.channels_last == "on":
+            raise ValueError(
+                "train.strategy=fsdp cannot shard channels_last conv weights (FSDP2 needs "
+                "contiguous parameters): set train.channels_last=auto or off"
+            )
+        if self.strategy == "fsdp" and self.precision == "fp16":
+            raise ValueError(
+                "train.strategy=fsdp does not support precision=fp16 (loss scaling of sharded "
+                "gradients): set train.precision=bf16, auto or fp32"
             )
         return self
 

@@ -4,11 +4,9 @@ It knows nothing of Slurm or Prefect. It resumes from its latest checkpoint by i
 requeued, retried or re-submitted job continues where the last one stopped.
 """
 
-import json
-import os
 import random
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Literal
 
@@ -18,18 +16,15 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from trainflow.cluster.snapshot import code_first
 from trainflow.tasks.errors import ConfigError
-from trainflow.tasks.hashing import sha256_file
 from trainflow.tasks.objectives import Objective, is_better, make_objective
 from trainflow.tasks.preprocess.ref import DatasetRef, dataset_spec
 from trainflow.tasks.spec import DataSpec
-from trainflow.tasks.tracking.handed import handed_through
-from trainflow.tasks.tracking.logger import MetricLogger, log_run_params, make_logger
-from trainflow.tasks.tracking.packages import package_lock_hash
+from trainflow.tasks.tracking.logger import MetricLogger, make_logger
 from trainflow.tasks.tracking.system_metrics import node_monitor
 from trainflow.tasks.train.checkpoint import (
     host_copy,
     restore_rng,
-    resumable_checkpoint,
+    rng_state,
     save_best_weights,
     save_checkpoint,
     training_state,
@@ -45,7 +40,7 @@ from trainflow.tasks.train.distributed import (
     wrap_ddp,
 )
 from trainflow.tasks.train.early_signal import deliver_held_signal
-from trainflow.tasks.train.log_lines import memory_of, progress_line
+from trainflow.tasks.train.log_lines import announce, progress_line
 from trainflow.tasks.train.loop import Trainer, evaluate_split, make_optimizer, train_epoch
 from trainflow.tasks.train.model_plugins import build_model
 from trainflow.tasks.train.models import (
@@ -55,8 +50,22 @@ from trainflow.tasks.train.models import (
     uses_cuda_graphs,
 )
 from trainflow.tasks.train.precision import PrecisionPolicy, resolve_precision
+from trainflow.tasks.train.progress import (
+    Progress,
+    check_same_run,
+    finish_run,
+    relog,
+    run_identity,
+)
 from trainflow.tasks.train.recorder import EpochRecorder
 from trainflow.tasks.train.ref import CheckpointRef
+from trainflow.tasks.train.sharded_checkpoint import (
+    ShardedSaver,
+    find_resumable,
+    full_weights,
+    load_sharded,
+)
+from trainflow.tasks.train.sharding import checkpoint_activations, sharding_units, wrap_fsdp
 from trainflow.tasks.train.throughput import (
     NO_FLOPS,
     RankClock,
@@ -64,25 +73,6 @@ from trainflow.tasks.train.throughput import (
     epoch_throughput,
 )
 from trainflow.tasks.train.warmup import prewarm_rank
-
-_NOT_LOGGED = ("epoch", "step")
-# A run may resume with more epochs, on another device, precision or speed setting (memory
-# format, compilation, data placement, DDP buckets); nothing else may change. Not cuda_graphs:
-# it drops each epoch's last partial batch, so it changes which batches a run takes.
-_MAY_CHANGE_ON_RESUME = {
-    "epochs",
-    "log_every_epochs",
-    "device",
-    "precision",
-    "channels_last",
-    "compile",
-    "data_placement",
-    "ddp_bucket_cap_mb",
-}
-
-
-_OLD_WIDTH_DEFAULT = 32
-"""train.width's default before model plug-ins (now None: the resnet factory's own 32)."""
 
 
 class TrainJobSpec(BaseModel):
@@ -107,21 +97,6 @@ class TrainJobSpec(BaseModel):
     every attempt puts them first on sys.path before it builds the model."""
     system_metrics_interval_s: float = Field(0.0, ge=0.0)
     """With a run: seconds between system metrics samples of each node; 0: none."""
-
-
-@dataclass
-class Progress:
-    """How far the run got: saved in every checkpoint, restored on resume."""
-
-    data_seed: int
-    epoch: int = 0
-    step: int = 0
-    history: list[dict[str, float]] = field(default_factory=list)
-    best_metric: float = -1.0
-    """The objective's selection metric (val_<select>) of the best epoch so far."""
-    best_epoch: int = 0
-    logged_epochs: int = 0
-    """Epochs whose metrics reached the logger's flush: later ones are re-logged on resume."""
 
 
 class TrainingJob(submitit.helpers.Checkpointable):
@@ -158,33 +133,31 @@ class TrainingJob(submitit.helpers.Checkpointable):
             random.seed(cfg.seed)
             policy = resolve_precision(cfg.precision, dist.device)
             model = build_model(cfg, self.data_spec)  # after the seed: same weights
-            nhwc = use_channels_last(cfg.channels_last, dist.device, narrowest_conv(model))
+            narrowest = narrowest_conv(model)
+            nhwc = use_channels_last(cfg.channels_last, dist.device, narrowest, cfg.strategy)
             train, val = self._load("train", dist, nhwc), self._load("val", dist, nhwc)
             if dist.is_main:
-                self._announce(dist, policy, nhwc, train)
+                announce(cfg, dist, policy, nhwc, train, spec.tracking_uri, spec.run_id)
             warm.join()  # the model, optimizer and DDP import torch internals on this thread
-            trainer = self._trainer(model, dist, policy, len(train))
             self._flops = NO_FLOPS
-            if dist.is_main:  # counted once, on a meta copy: no memory, no compute
-                self._flops = announce_flops(
-                    unwrap(trainer.model),
+            if dist.is_main:  # counted once, on a meta copy of the model as built (before
+                self._flops = announce_flops(  # FSDP, which cannot be copied, shards it)
+                    model,
                     self.data_spec,
                     dist.device,
                     policy.name,
                     spec.tracking_uri,
                     spec.run_id,
                 )
+            trainer = self._trainer(model, dist, policy, len(train))
             progress = self._resume(trainer)
             logger = recorder.closing(
                 make_logger(spec.tracking_uri, spec.run_id, dist.rank, spec.out_dir)
             )
-            _relog(progress, logger, self.spec.out_dir)
-            while progress.epoch < cfg.epochs:
-                metrics = self._run_epoch(trainer, train, val, progress)
-                if dist.is_main:
-                    self._record(trainer, progress, metrics, logger, recorder)
+            relog(progress, logger, self.spec.out_dir)
+            self._train(trainer, train, val, progress, logger, recorder)
             recorder.wait()
-            result = self._finish(progress) if dist.is_main else None
+            result = finish_run(spec.out_dir, progress) if dist.is_main else None
         if not (cfg.compile or cfg.cuda_graphs):  # compiled runs keep the teardown that
             exit_fast_at_shutdown(trainer)  # stops inductor's compile workers
         return result
@@ -203,37 +176,19 @@ class TrainingJob(submitit.helpers.Checkpointable):
         placement = self.spec.train.data_placement
         return load_split_to(self.spec.dataset.path, split, dist.device, nhwc, placement)
 
-    def _announce(
-        self, dist: DistContext, policy: PrecisionPolicy, nhwc: bool, data: Split
-    ) -> None:
-        """Print where and how this run trains (rank 0's first log lines); the precision
-        picked, and why, also go to the train run's params."""
-        cfg = self.spec.train
-        graphs = uses_cuda_graphs(cfg, dist.device)
-        print(f"precision {policy.name}: {policy.reason}", flush=True)
-        params = {"precision.used": policy.name, "precision.reason": policy.reason}
-        log_run_params(self.spec.tracking_uri, self.spec.run_id, params)
-        print(
-            f"training {cfg.model} on {dist.world_size} rank(s): device {dist.device}, "
-            f"backend {dist.backend}, precision {policy.name}, channels_last "
-            f"{'on' if nhwc else 'off'}, compile {'on' if cfg.compile or graphs else 'off'}, "
-            f"cuda_graphs {'on' if graphs else 'off'}, data in {memory_of(data, dist)}",
-            flush=True,
-        )
-        if cfg.cuda_graphs and not graphs:
-            print(
-                f"warning: train.cuda_graphs=true is ignored on {dist.device} (CUDA graphs need "
-                "a GPU); the last partial batch of each epoch is still dropped, as on a GPU",
-                flush=True,
-            )
-
     def _trainer(
         self, built: torch.nn.Module, dist: DistContext, policy: PrecisionPolicy, n_train: int
     ) -> Trainer:
         cfg = self.spec.train
         model = place_model(built, cfg, dist.device)
-        optimizer = make_optimizer(cfg, model)
-        model = wrap_ddp(model, dist, cfg.ddp_bucket_cap_mb)
+        if cfg.activation_checkpointing:
+            checkpoint_activations(sharding_units(model))
+        if cfg.strategy == "fsdp":  # the optimizer then holds this rank's shards only
+            model = wrap_fsdp(model, dist, policy, cfg.reshard_after_forward)
+            optimizer = make_optimizer(cfg, model)
+        else:
+            optimizer = make_optimizer(cfg, model)
+            model = wrap_ddp(model, dist, cfg.ddp_bucket_cap_mb)
         steps = steps_per_epoch(n_train, cfg.batch_size, dist.world_size, cfg.cuda_graphs)
         if steps == 0:
             raise ConfigError(
@@ -256,42 +211,64 @@ class TrainingJob(submitit.helpers.Checkpointable):
     def _resume(self, trainer: Trainer) -> Progress:
         """Restore the newest checkpoint of out_dir that verifies, if any (every rank reads
         the same file); a newer one that does not verify is skipped, and said so."""
-        found = resumable_checkpoint(self.checkpoint_dir)
+        sharded = self.spec.train.strategy == "fsdp"
+        found = find_resumable(self.checkpoint_dir, sharded, trainer.dist)
         if found is None:
             return Progress(data_seed=self.spec.train.seed)
         path, state = found.path, found.state
         for line in found.skipped if trainer.dist.is_main else []:
             print(f"warning: skipping checkpoint {line}", flush=True)
         self._check_same_run(state.get("run", {}), path)
-        unwrap(trainer.model).load_state_dict(state["model"])
-        trainer.optimizer.load_state_dict(state["optimizer"])
+        if sharded:  # resharded onto this job's ranks, however many wrote it
+            load_sharded(trainer.model, trainer.optimizer, path)
+        else:
+            unwrap(trainer.model).load_state_dict(state["model"])
+            trainer.optimizer.load_state_dict(state["optimizer"])
         trainer.scaler.load_state_dict(state["scaler"])
         restore_rng(state["rng"])
-        fields = Progress.__dataclass_fields__
-        progress = Progress(**{k: v for k, v in state.items() if k in fields})
+        progress = Progress.from_state(state)
+        # Steps count this job's rank layout: another number of ranks (a resharded restart)
+        # takes another number of steps an epoch, and the LR schedule follows epochs done.
+        progress.step = progress.epoch * (trainer.total_steps // self.spec.train.epochs)
         if trainer.dist.is_main:
             print(f"resuming from {path} after epoch {progress.epoch}", flush=True)
         return progress
 
     def _run_identity(self) -> dict[str, Any]:
         """What a checkpoint must share with this job to be resumed by it."""
-        cfg = self.spec.train.model_dump(mode="json", exclude=_MAY_CHANGE_ON_RESUME)
-        return {"dataset_hash": self.spec.dataset.content_hash, **cfg}
+        return run_identity(self.spec.train, self.spec.dataset.content_hash)
 
     def _check_same_run(self, saved: dict[str, Any], path: Path) -> None:
         """ConfigError when the checkpoint in out_dir belongs to a different run."""
-        current = self._run_identity()
-        # A field added after the checkpoint was written counts as having its default.
-        defaults = TrainConfig().model_dump(mode="json", exclude=_MAY_CHANGE_ON_RESUME)
-        saved = {**defaults, **saved}
-        if saved.get("width") == _OLD_WIDTH_DEFAULT and current.get("width") is None:
-            saved["width"] = None  # written before model plug-ins: the same network
-        changed = sorted(k for k in current.keys() | saved.keys() if current.get(k) != saved.get(k))
-        if changed:
-            raise ConfigError(
-                f"{path} was written by a run with other settings ({', '.join(changed)}): "
-                f"use a new out_dir, or delete {path.parent} to start this run from scratch"
-            )
+        check_same_run(self._run_identity(), saved, path)
+
+    def _train(
+        self,
+        trainer: Trainer,
+        train: Split,
+        val: Split,
+        progress: Progress,
+        logger: MetricLogger,
+        recorder: EpochRecorder,
+    ) -> None:
+        """Train, validate and record the remaining epochs. Under fsdp every rank writes its
+        shards of each checkpoint (one in flight); the last is in place when this returns, and
+        a failing job completes the one in flight if it can (ShardedSaver.settle)."""
+        cfg = self.spec.train
+        saver = ShardedSaver(trainer.dist) if cfg.strategy == "fsdp" else None
+        try:
+            while progress.epoch < cfg.epochs:
+                metrics = self._run_epoch(trainer, train, val, progress)
+                if saver is not None:
+                    self._record_sharded(trainer, progress, metrics, logger, recorder, saver)
+                elif trainer.dist.is_main:
+                    self._record(trainer, progress, metrics, logger, recorder)
+        except BaseException:
+            if saver is not None:
+                saver.settle()
+            raise
+        if saver is not None:
+            saver.wait()
 
     def _run_epoch(
         self, trainer: Trainer, train: Split, val: Split, progress: Progress
@@ -343,17 +320,7 @@ class TrainingJob(submitit.helpers.Checkpointable):
         trains (tasks.train.recorder).
         """
         cfg, epoch = self.spec.train, progress.epoch
-        flush = epoch % cfg.log_every_epochs == 0 or epoch == cfg.epochs
-        if flush:
-            progress.logged_epochs = epoch
-        best_meta = None
-        select = f"val_{trainer.objective.select}"
-        value = metrics[select]
-        if progress.best_epoch == 0 or is_better(
-            trainer.objective, select, value, progress.best_metric
-        ):
-            progress.best_metric, progress.best_epoch = value, epoch
-            best_meta = self._best_meta(progress)
+        flush, best_meta = self._decide(trainer, progress, metrics)
         extra = {**asdict(progress), "run": self._run_identity()}
         state = host_copy(training_state(trainer.model, trainer.optimizer, trainer.scaler, extra))
 
@@ -364,6 +331,57 @@ class TrainingJob(submitit.helpers.Checkpointable):
             if best_meta is not None:
                 save_best_weights(state["model"], self.spec.out_dir / "best.pt", best_meta)
             save_checkpoint(state, self.checkpoint_dir)
+            print(f"epoch {epoch}/{cfg.epochs} {progress_line(metrics)}", flush=True)
+
+        recorder.submit(write)
+
+    def _decide(
+        self, trainer: Trainer, progress: Progress, metrics: dict[str, float]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """(whether this epoch flushes the logger, best.pt's meta when this epoch is the best
+        so far, else None); updates `progress` accordingly."""
+        cfg, epoch = self.spec.train, progress.epoch
+        flush = epoch % cfg.log_every_epochs == 0 or epoch == cfg.epochs
+        if flush:
+            progress.logged_epochs = epoch
+        select = f"val_{trainer.objective.select}"
+        value = metrics[select]
+        if progress.best_epoch == 0 or is_better(
+            trainer.objective, select, value, progress.best_metric
+        ):
+            progress.best_metric, progress.best_epoch = value, epoch
+            return flush, self._best_meta(progress)
+        return flush, None
+
+    def _record_sharded(
+        self,
+        trainer: Trainer,
+        progress: Progress,
+        metrics: dict[str, float],
+        logger: MetricLogger,
+        recorder: EpochRecorder,
+        saver: ShardedSaver,
+    ) -> None:
+        """An fsdp epoch's side effects, on every rank (the validation metrics, hence the
+        decisions, are the same on all): the best weights gathered whole into rank 0's best.pt,
+        the sharded checkpoint started by all ranks (written while the next epoch trains, one
+        in flight: ShardedSaver), then rank 0 logs and prints through the recorder."""
+        cfg, epoch, ctx = self.spec.train, progress.epoch, trainer.dist
+        flush, best_meta = self._decide(trainer, progress, metrics)
+        if best_meta is not None:
+            weights = full_weights(trainer.model)  # collective
+            if ctx.is_main:
+                save_best_weights(weights, self.spec.out_dir / "best.pt", best_meta)
+        extra = {**asdict(progress), "run": self._run_identity()}
+        train_state = {"scaler": trainer.scaler.state_dict(), "rng": rng_state(), **extra}
+        saver.save(trainer.model, trainer.optimizer, train_state, self.checkpoint_dir, epoch)
+        if not ctx.is_main:
+            return
+
+        def write() -> None:
+            logger.log(metrics, step=epoch)
+            if flush:
+                logger.flush()
             print(f"epoch {epoch}/{cfg.epochs} {progress_line(metrics)}", flush=True)
 
         recorder.submit(write)
@@ -380,30 +398,3 @@ class TrainingJob(submitit.helpers.Checkpointable):
             "num_classes": ref.n_classes,
             "dataset_hash": ref.content_hash,
         }
-
-    def _finish(self, progress: Progress) -> CheckpointRef:
-        """Write history.json and describe best.pt."""
-        history_path = self.spec.out_dir / "history.json"
-        tmp = history_path.with_name(f"history.json.tmp-{os.getpid()}")
-        tmp.write_text(json.dumps(progress.history, indent=1))
-        os.replace(tmp, history_path)
-        best = self.spec.out_dir / "best.pt"
-        entry = progress.history[progress.best_epoch - 1]
-        return CheckpointRef(
-            path=best,
-            sha256=sha256_file(best),
-            epoch=progress.best_epoch,
-            step=int(entry["step"]),
-            metrics={k: v for k, v in entry.items() if k.startswith("val_")},
-            history_path=history_path,
-            package_lock_hash=package_lock_hash(),
-        )
-
-
-def _relog(progress: Progress, logger: MetricLogger, out_dir: Path) -> None:
-    """Log the epochs a previous attempt checkpointed but never handed to its logger (no gaps,
-    no repeats): an attempt whose logger closed cleanly sent or kept all it was given."""
-    done = max(progress.logged_epochs, handed_through(out_dir))
-    for entry in progress.history[done:]:
-        metrics = {k: v for k, v in entry.items() if k not in _NOT_LOGGED}
-        logger.log(metrics, step=int(entry["epoch"]))

@@ -1,8 +1,12 @@
-"""The lines a training job prints to its log: the per-epoch progress line and where the
-data lives (kept out of job.py, which composes the job)."""
+"""The lines a training job prints to its log: where and how it trains, the per-epoch progress
+line and where the data lives (kept out of job.py, which composes the job)."""
 
+from trainflow.tasks.tracking.logger import log_run_params
+from trainflow.tasks.train.config import TrainConfig
 from trainflow.tasks.train.data import SplitData as Split
 from trainflow.tasks.train.distributed import DistContext
+from trainflow.tasks.train.models import uses_cuda_graphs
+from trainflow.tasks.train.precision import PrecisionPolicy
 
 
 def progress_line(metrics: dict[str, float]) -> str:
@@ -22,3 +26,34 @@ def memory_of(data: Split, dist: DistContext) -> str:
     if not data.on_host:
         return f"{dist.device} memory"
     return "pinned-prefetch host memory" if dist.device.type == "cuda" else "host memory"
+
+
+def announce(
+    cfg: TrainConfig,
+    dist: DistContext,
+    policy: PrecisionPolicy,
+    nhwc: bool,
+    data: Split,
+    tracking_uri: str | None,
+    run_id: str | None,
+) -> None:
+    """Print where and how this run trains (rank 0's first log lines); the precision
+    picked, and why, also go to the train run's params."""
+    graphs = uses_cuda_graphs(cfg, dist.device)
+    print(f"precision {policy.name}: {policy.reason}", flush=True)
+    params = {"precision.used": policy.name, "precision.reason": policy.reason}
+    log_run_params(tracking_uri, run_id, params)
+    print(
+        f"training {cfg.model} on {dist.world_size} rank(s): device {dist.device}, "
+        f"backend {dist.backend}, precision {policy.name}, channels_last "
+        f"{'on' if nhwc else 'off'}, compile {'on' if cfg.compile or graphs else 'off'}, "
+        f"cuda_graphs {'on' if graphs else 'off'}, data in {memory_of(data, dist)}, "
+        f"strategy {cfg.strategy}",
+        flush=True,
+    )
+    if cfg.cuda_graphs and not graphs:
+        print(
+            f"warning: train.cuda_graphs=true is ignored on {dist.device} (CUDA graphs need "
+            "a GPU); the last partial batch of each epoch is still dropped, as on a GPU",
+            flush=True,
+        )

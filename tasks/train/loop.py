@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from trainflow.tasks.objectives import Objective
@@ -19,6 +20,7 @@ from trainflow.tasks.train.data import SplitData as Split
 from trainflow.tasks.train.data import eval_batches
 from trainflow.tasks.train.distributed import DistContext, all_reduce_sum
 from trainflow.tasks.train.precision import PrecisionPolicy
+from trainflow.tasks.train.sharding import is_sharded
 from trainflow.tasks.train.throughput import RankClock
 
 # Devices with fused AdamW/SGD kernels in torch >= 2.4.
@@ -149,16 +151,32 @@ def evaluate_split(
     """The objective's metrics of `model` on all of `data`, each rank taking a share.
 
     Runs the unwrapped module: ranks may hold different batch counts here, and a DDP forward
-    would wait for its peers.
+    would wait for its peers. A sharded (FSDP) model has no unwrapped module, and each of its
+    forward passes gathers weights from every rank: ranks with fewer batches run one-sample
+    padding passes, not counted, until all ranks have run as many.
     """
-    net = unwrap(model)
+    sharded = is_sharded(model)
+    net = model if sharded else unwrap(model)
     net.eval()
     sums = torch.zeros(objective.sums_size, dtype=torch.float64, device=dist.device)
     batches = eval_batches(data, batch_size, dist.rank, dist.world_size)
-    for x, y in data.batches(batches, dist.device):
+    counted = len(batches)
+    if sharded:
+        batches += _padding(batches, data, dist)
+    for index, (x, y) in enumerate(data.batches(batches, dist.device)):
         if cuda_graphs:
             torch.compiler.cudagraph_mark_step_begin()
         with policy.autocast():
             output = net(x)
-        sums += objective.sums(output, y)
+        if index < counted:
+            sums += objective.sums(output, y)
     return objective.metrics(all_reduce_sum(sums, dist).tolist())
+
+
+def _padding(batches: list[torch.Tensor], data: Split, ctx: DistContext) -> list[torch.Tensor]:
+    """One-sample batches that bring this rank's count of `batches` up to the most any rank has."""
+    count = torch.tensor([len(batches)], device=ctx.device)
+    if ctx.world_size > 1:
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    first = torch.zeros(1, dtype=torch.int64, device=data.device)
+    return [first] * (int(count.item()) - len(batches))

@@ -98,6 +98,10 @@ class ResNet(nn.Module):
         self.pool = nn.AdaptiveAvgPool2d(1)
         self.fc = nn.Linear(4 * width, num_classes)
 
+    def shard_units(self) -> list[nn.Module]:
+        """The residual blocks: train.strategy=fsdp shards each on its own."""
+        return list(self.stages)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Logits of shape (batch, num_classes)."""
         x = self.stages(self.stem(x))
@@ -142,6 +146,10 @@ class MLP(nn.Module):
         layers.append(nn.Linear(width, math.prod(self.out_shape)))
         self.net = nn.Sequential(*layers)
 
+    def shard_units(self) -> list[nn.Module]:
+        """The linear layers: train.strategy=fsdp shards each on its own."""
+        return [m for m in self.net if isinstance(m, nn.Linear)]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(batch, *output_shape): logits or values."""
         return self.net(x).reshape(x.shape[0], *self.out_shape)
@@ -157,6 +165,10 @@ class TokenConv(nn.Module):
         self.embed = nn.Embedding(vocab, dim)
         self.convs = nn.ModuleList(nn.Conv1d(dim, dim, 3) for _ in range(2))
         self.head = nn.Linear(dim, vocab)
+
+    def shard_units(self) -> list[nn.Module]:
+        """The convolutions: train.strategy=fsdp shards each on its own."""
+        return list(self.convs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(batch, T, vocabulary) logits for (batch, T) token ids."""
@@ -194,15 +206,20 @@ def narrowest_conv(model: nn.Module) -> int:
     return min(widths, default=0)
 
 
-def use_channels_last(pref: str, device: torch.device, narrowest: int | None = None) -> bool:
+def use_channels_last(
+    pref: str, device: torch.device, narrowest: int | None = None, strategy: str = "ddp"
+) -> bool:
     """Whether images and conv weights take the channels_last (NHWC) memory format.
 
     auto: on CUDA (tensor-core convolutions want NHWC) and on CPUs with oneDNN, whose NHWC
     kernels avoid reordering each activation (reference CNN, batch 64, bf16: 6.3k -> 13.7k
     samples/s on one core), unless the model's narrowest convolution (`narrowest`) has fewer
     than NHWC_MIN_CHANNELS_CPU channels, and never for a model without 2-D convolutions
-    (`narrowest` 0).
+    (`narrowest` 0), nor under train.strategy=fsdp: FSDP2 shards contiguous parameters only
+    (channels_last conv weights are not; TrainConfig refuses channels_last=on with fsdp).
     """
+    if strategy == "fsdp":
+        return False
     if pref == "auto":
         if narrowest == 0:
             return False
@@ -219,7 +236,8 @@ def uses_cuda_graphs(cfg: TrainConfig, device: torch.device) -> bool:
 
 
 def place_model(model: nn.Module, cfg: TrainConfig, device: torch.device) -> nn.Module:
-    """Move `model` to `device` in the configured memory format, compiled if asked for.
+    """Move `model` to `device` in the configured memory format, compiled if asked for
+    (under train.strategy=fsdp it stays on the host: wrap_fsdp moves it, unit by unit).
 
     Compiled in place (``Module.compile``): state_dict keys stay those of the plain module,
     so checkpoints do not depend on whether a run was compiled.
@@ -232,8 +250,9 @@ def place_model(model: nn.Module, cfg: TrainConfig, device: torch.device) -> nn.
     batches all have one shape when CUDA graphs are on; see rank_batches' drop_last).
     """
     narrowest = narrowest_conv(model)
-    model = model.to(device)
-    if use_channels_last(cfg.channels_last, device, narrowest):
+    if cfg.strategy != "fsdp":  # fully_shard moves each unit to the device as it shards it:
+        model = model.to(device)  # the device never holds more than one unit whole
+    if use_channels_last(cfg.channels_last, device, narrowest, cfg.strategy):
         # Converts the 4-D conv weights only. torch's stubs lack the memory_format overload.
         model = model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
     if device.type == "cuda":

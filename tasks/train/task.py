@@ -96,11 +96,13 @@ def train_with_restarts(
     need: int = 0,
 ) -> Any:
     """Submit the training job and wait for it; after a lost rank, submit it again from its
-    last checkpoint (cluster.restarts), each loss named in `warn` and on the MLflow run.
+    last checkpoint (cluster.restarts), each loss named in `warn` and on the MLflow run; an
+    fsdp job continues on the nodes left when the others cannot hold it whole.
     `need`: bytes the job's pickle may take, for a clear disk-full error (tasks.diskspace)."""
 
-    def submit(exclude: list[str]) -> submitit.Job[Any]:
-        executor = make_executor(cluster, job_dir)
+    def submit(exclude: list[str], nodes: int) -> submitit.Job[Any]:
+        sized = cluster if nodes == cluster.nodes else cluster.model_copy(update={"nodes": nodes})
+        executor = make_executor(sized, job_dir)
         if exclude:
             executor.update_parameters(exclude=",".join(exclude))
         with disk_stage("train", job_dir, need):  # the job's pickle
@@ -118,7 +120,8 @@ def train_with_restarts(
     def on_loss(err: RankLostError, attempt: int) -> None:
         record_lost_ranks(spec.tracking_uri, spec.run_id, err, attempt, warn)
 
-    return run_with_restarts(cluster, submit, wait, log, on_loss)
+    elastic = spec.train.strategy == "fsdp"  # its checkpoints load on any number of ranks
+    return run_with_restarts(cluster, submit, wait, log, on_loss, elastic)
 
 
 def _wait_and_account(

@@ -11,6 +11,7 @@ import signal
 import socket
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -18,12 +19,15 @@ import submitit
 import torch
 import torch.distributed as dist
 
+from tests.unit.datasets import write_dataset
 from trainflow.cluster.config import ClusterConfig
 from trainflow.cluster.executor import make_executor
 from trainflow.cluster.jobs import wait_for_job
 from trainflow.cluster.lost_ranks import raised_line
 from trainflow.tasks.errors import JobError
+from trainflow.tasks.train.config import TrainConfig
 from trainflow.tasks.train.distributed import distributed
+from trainflow.tasks.train.job import TrainingJob, TrainJobSpec
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -50,7 +54,7 @@ def _submit(tmp_path: Path, fail_rank: int | None, linger_s: float = 0.0) -> sub
     return executor.submit(_all_reduce_until, fail_rank, linger_s)
 
 
-def _rank_record(job: submitit.Job[int], task: int) -> dict[str, object]:
+def _rank_record(job: submitit.Job[Any], task: int) -> dict[str, object]:
     path = job.paths.folder / f"{job.job_id}_{task}_rank.json"
     deadline = time.monotonic() + 60
     while not path.exists():
@@ -192,3 +196,29 @@ def test_a_result_left_by_an_earlier_attempt_does_not_end_a_requeued_rank(
     started = time.time()
     child = subprocess.Popen(["sleep", "3"])
     assert rank_guard._wait(child, stale, started) == (0, False)
+
+
+def test_a_killed_fsdp_rank_ends_the_job_in_seconds_named(tmp_path: Path) -> None:
+    # FSDP's collectives (all-gathers in forward and backward, reduce-scatters, the sharded
+    # checkpoint's) see the lost peer as a closed connection, as DDP's all-reduce does.
+    spec = TrainJobSpec(
+        train=TrainConfig(model="mlp", strategy="fsdp", epochs=1000, batch_size=32, device="cpu"),
+        dataset=write_dataset(tmp_path / "data"),
+        out_dir=tmp_path / "run",
+    )
+    executor = make_executor(ClusterConfig(ranks_per_node=2, timeout_min=5), tmp_path / "jobs")
+    job = executor.submit(TrainingJob(spec))
+    killed: list[float] = []
+
+    def kill_rank1_once_training(line: str) -> None:
+        if line.startswith("[rank0] epoch 2/") and not killed:
+            os.kill(int(str(_rank_record(job, 1)["pid"])), signal.SIGKILL)
+            killed.append(time.monotonic())
+
+    with pytest.raises(JobError) as failure:
+        wait_for_job(job, kill_rank1_once_training, poll_s=0.1)
+    assert killed, "rank 0 never finished epoch 2"
+    assert time.monotonic() - killed[0] < 60  # not torch's collective timeout (5 minutes)
+    head = str(failure.value).splitlines()[0]
+    assert f"lost rank 1 (node {socket.gethostname()})" in head
+    assert "was killed by signal 9 (SIGKILL)" in head

@@ -1,0 +1,109 @@
+"""A run's progress (saved in every checkpoint) and what a checkpoint must share with the job
+that resumes it."""
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from trainflow.tasks.errors import ConfigError
+from trainflow.tasks.hashing import sha256_file
+from trainflow.tasks.tracking.handed import handed_through
+from trainflow.tasks.tracking.logger import MetricLogger
+from trainflow.tasks.tracking.packages import package_lock_hash
+from trainflow.tasks.train.config import TrainConfig
+from trainflow.tasks.train.ref import CheckpointRef
+
+NOT_LOGGED = ("epoch", "step")
+# A run may resume with more epochs, on another device, precision or speed setting (memory
+# format, compilation, data placement, DDP buckets, FSDP's resharding and activation
+# checkpointing); nothing else may change. Not cuda_graphs: it drops each epoch's last partial
+# batch, so it changes which batches a run takes. Not strategy: the checkpoints' layouts differ.
+MAY_CHANGE_ON_RESUME = {
+    "epochs",
+    "log_every_epochs",
+    "device",
+    "precision",
+    "channels_last",
+    "compile",
+    "data_placement",
+    "ddp_bucket_cap_mb",
+    "reshard_after_forward",
+    "activation_checkpointing",
+}
+
+
+OLD_WIDTH_DEFAULT = 32
+"""train.width's default before model plug-ins (now None: the resnet factory's own 32)."""
+
+
+@dataclass
+class Progress:
+    """How far the run got: saved in every checkpoint, restored on resume."""
+
+    data_seed: int
+    epoch: int = 0
+    step: int = 0
+    history: list[dict[str, float]] = field(default_factory=list)
+    best_metric: float = -1.0
+    """The objective's selection metric (val_<select>) of the best epoch so far."""
+    best_epoch: int = 0
+    logged_epochs: int = 0
+    """Epochs whose metrics reached the logger's flush: later ones are re-logged on resume."""
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> "Progress":
+        """The progress fields of a checkpoint's state (other keys ignored)."""
+        fields = cls.__dataclass_fields__
+        return cls(**{k: v for k, v in state.items() if k in fields})
+
+
+def run_identity(train: TrainConfig, dataset_hash: str) -> dict[str, Any]:
+    """What a checkpoint must share with a job to be resumed by it."""
+    cfg = train.model_dump(mode="json", exclude=MAY_CHANGE_ON_RESUME)
+    return {"dataset_hash": dataset_hash, **cfg}
+
+
+def check_same_run(current: dict[str, Any], saved: dict[str, Any], path: Path) -> None:
+    """ConfigError when the checkpoint at `path` (identity `saved`) belongs to a different run
+    than `current` (run_identity of this job)."""
+    # A field added after the checkpoint was written counts as having its default.
+    defaults = TrainConfig().model_dump(mode="json", exclude=MAY_CHANGE_ON_RESUME)
+    saved = {**defaults, **saved}
+    if saved.get("width") == OLD_WIDTH_DEFAULT and current.get("width") is None:
+        saved["width"] = None  # written before model plug-ins: the same network
+    changed = sorted(k for k in current.keys() | saved.keys() if current.get(k) != saved.get(k))
+    if changed:
+        raise ConfigError(
+            f"{path} was written by a run with other settings ({', '.join(changed)}): "
+            f"use a new out_dir, or delete {path.parent} to start this run from scratch"
+        )
+
+
+def relog(progress: Progress, logger: MetricLogger, out_dir: Path) -> None:
+    """Log the epochs a previous attempt checkpointed but never handed to its logger (no gaps,
+    no repeats): an attempt whose logger closed cleanly sent or kept all it was given."""
+    done = max(progress.logged_epochs, handed_through(out_dir))
+    for entry in progress.history[done:]:
+        metrics = {k: v for k, v in entry.items() if k not in NOT_LOGGED}
+        logger.log(metrics, step=int(entry["epoch"]))
+
+
+def finish_run(out_dir: Path, progress: Progress) -> CheckpointRef:
+    """Write history.json into out_dir and describe its best.pt (rank 0, at the end)."""
+    history_path = out_dir / "history.json"
+    tmp = history_path.with_name(f"history.json.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(progress.history, indent=1))
+    os.replace(tmp, history_path)
+    best = out_dir / "best.pt"
+    entry = progress.history[progress.best_epoch - 1]
+    return CheckpointRef(
+        path=best,
+        sha256=sha256_file(best),
+        epoch=progress.best_epoch,
+        step=int(entry["step"]),
+        metrics={k: v for k, v in entry.items() if k.startswith("val_")},
+        history_path=history_path,
+        package_lock_hash=package_lock_hash(),
+    )

@@ -1,0 +1,145 @@
+"""Sharded data parallelism (train.strategy=fsdp): FSDP2 `fully_shard` over the job's ranks.
+
+Every sharding unit (a model's repeated block) becomes its own FSDP group: its parameters are
+split over the ranks (dim 0, 1/N each), gathered just before the unit runs and freed after it
+(`reshard_after_forward`); its gradients are reduce-scattered (averaged) so each rank keeps the
+1/N it owns, and the optimizer, built after sharding, holds state for that 1/N only. The root
+module is one more group: whatever no unit holds (embeddings, heads, norms).
+
+Which modules are units:
+- a model names them with a method ``shard_units(self) -> Iterable[nn.Module]`` (the built-ins
+  and examples/charlm do: their residual/transformer blocks);
+- otherwise (`default_units`): every direct child holding parameters, the items of a
+  ``nn.ModuleList`` / ``nn.Sequential`` child counting as children; a child sharing a parameter
+  with another (tied weights) stays with the root, since a shared parameter must live in one
+  group.
+
+The device mesh is explicit, one dimension over all ranks, on the rank's device type
+(``init_device_mesh("cpu", ...)`` gives a gloo mesh; torch's default follows the accelerator).
+"""
+
+import functools
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.utils.checkpoint import checkpoint
+
+from trainflow.tasks.errors import ConfigError
+from trainflow.tasks.train.distributed import DistContext
+from trainflow.tasks.train.precision import PrecisionPolicy
+
+UNITS_METHOD = "shard_units"
+"""The method by which a model names its sharding units (its repeated blocks)."""
+
+
+def sharding_units(model: nn.Module) -> list[nn.Module]:
+    """The modules that become FSDP groups of their own: `model.shard_units()` when the model
+    defines it, else default_units(model). ConfigError when what the model names is not a list
+    of its own submodules."""
+    named = getattr(model, UNITS_METHOD, None)
+    if named is None:
+        return default_units(model)
+    units = list(named())
+    own = {id(m) for m in model.modules() if m is not model}
+    strays = [type(u).__name__ for u in units if not isinstance(u, nn.Module) or id(u) not in own]
+    if strays:
+        raise ConfigError(
+            f"{type(model).__name__}.{UNITS_METHOD}() returned {strays}, which are not "
+            "submodules of the model: return the model's own blocks (nn.Module instances)"
+        )
+    return units
+
+
+def default_units(model: nn.Module) -> list[nn.Module]:
+    """Every direct child holding parameters (the items of ModuleList/Sequential children
+    counted as children), less any that shares a parameter with another (tied weights)."""
+    candidates: list[nn.Module] = []
+    for child in model.children():
+        items = child if isinstance(child, nn.ModuleList | nn.Sequential) else [child]
+        candidates += [m for m in items if any(True for _ in m.parameters())]
+    owners: dict[int, int] = {}
+    for index, unit in enumerate(candidates):
+        for p in unit.parameters():
+            owners.setdefault(id(p), index)
+    shared = {
+        index
+        for index, unit in enumerate(candidates)
+        for p in unit.parameters()
+        if owners[id(p)] != index
+    }
+    shared |= {owners[id(p)] for i in shared for p in candidates[i].parameters()}
+    return [unit for index, unit in enumerate(candidates) if index not in shared]
+
+
+def checkpoint_activations(units: Iterable[nn.Module]) -> None:
+    """Make each unit recompute its activations in the backward pass (non-reentrant
+    torch.utils.checkpoint around its forward) instead of keeping them. State-dict keys and
+    hooks (FSDP's gather before the unit runs) are unchanged: only `forward` is replaced."""
+    for unit in units:
+        forward: Callable[..., Any] = unit.forward
+        unit.forward = functools.partial(_checkpointed, forward)
+
+
+def _checkpointed(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+def mixed_precision(policy: PrecisionPolicy) -> MixedPrecisionPolicy:
+    """bf16 parameters for compute and fp32 gradient reduction under the bf16 policy (the
+    sharded fp32 master weights and optimizer stay fp32); plain fp32 otherwise."""
+    if policy.dtype == torch.bfloat16:
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if policy.dtype is not None:
+        raise ConfigError(
+            f"train.strategy=fsdp does not support precision {policy.name} ({policy.reason}): "
+            "set train.precision=bf16 or fp32"
+        )
+    return MixedPrecisionPolicy()
+
+
+def device_mesh(ctx: DistContext) -> DeviceMesh:
+    """A one-dimensional mesh of all ranks on this rank's device type (gloo on CPU, NCCL on
+    GPU: the backends the process group was started with)."""
+    return init_device_mesh(ctx.device.type, (ctx.world_size,), mesh_dim_names=("shard",))
+
+
+def wrap_fsdp(
+    model: nn.Module,
+    ctx: DistContext,
+    policy: PrecisionPolicy,
+    reshard_after_forward: bool = True,
+) -> nn.Module:
+    """`model` sharded in place with FSDP2: each of sharding_units(model), then the root.
+    Build the optimizer afterwards: its parameters are the shards (DTensors).
+
+    Pass the model on the host (as built): fully_shard moves each unit to the rank's device
+    as it shards it, so the device holds the shards and at most one unit whole, never the
+    whole model. A world of one is moved to the device and not sharded."""
+    if ctx.world_size == 1:
+        mixed_precision(policy)  # the same refusal as on several ranks
+        return model.to(ctx.device)
+    mesh = device_mesh(ctx)
+    mp = mixed_precision(policy)
+    for unit in sharding_units(model):
+        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
+    # The root's parameters are needed again first thing in the backward pass: keep them.
+    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp)
+    return model
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """True when `model` was sharded by wrap_fsdp (an FSDP2 module)."""
+    return isinstance(model, FSDPModule)
+
+
+def local_numel(tensors: Iterable[torch.Tensor]) -> int:
+    """Elements this rank holds of `tensors`: a DTensor's local shard, a tensor's whole."""
+    total = 0
+    for t in tensors:
+        local = t.to_local() if hasattr(t, "to_local") else t
+        total += local.numel()
+    return total
