@@ -9,8 +9,6 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.cpu_report import GROUP_SECONDS
-
 pytest_plugins = ["tests.cpu_report"]
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
@@ -37,6 +35,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     own dev cluster, tests/slurm/conftest.py). Files are ordered longest first by
     GROUP_SECONDS (files it does not know, new ones, after them in collection order), so that
     with --no-loadscope-reorder no long file starts last and holds the run's end alone."""
+    from tests.cpu_report import GROUP_SECONDS  # a plugin: imported by pytest first
+
     seconds = json.loads(GROUP_SECONDS.read_text()) if GROUP_SECONDS.exists() else {}
     for item in items:
         item.add_marker(pytest.mark.xdist_group(_group(item)))
