@@ -11,6 +11,7 @@ import fcntl
 import io
 import os
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,6 +24,9 @@ NODES = 2
 """Nodes the dev cluster emulates for these tests (as in CI and `make test`)."""
 PORT_STRIDE = 10
 """Ports a cluster takes above its slurmctld port: +2 slurmdbd, +3 MariaDB, +3+k node k."""
+LEAVE_GRACE_S = 30
+"""How long a test's finished jobs may stay in squeue (Slurm sees a job's end within seconds,
+longer under load) before they count as left behind."""
 UP_LOCK = Path("/var/tmp/trainflow-slurm-up.lock")
 """Held while a cluster starts: apt/dpkg and /etc/hosts take one writer at a time."""
 
@@ -99,6 +103,10 @@ def _no_job_outlives_its_test(slurm_cluster: Path) -> Iterator[None]:
     yield
     if os.environ.get("PYTEST_XDIST_WORKER", "").startswith("gw"):  # own cluster: all ours
         left = _queued_jobs()
+        deadline = time.monotonic() + LEAVE_GRACE_S
+        while left and time.monotonic() < deadline:  # a finished job is still R for a moment
+            time.sleep(1)
+            left = _queued_jobs()
         if left:
             subprocess.run(["scancel", *left], capture_output=True, timeout=30)
             pytest.fail(f"the test left Slurm job(s) {left} queued or running: cancelled")
