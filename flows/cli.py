@@ -179,6 +179,7 @@ def _sweep(args: argparse.Namespace) -> int:
 
     grid = {".".join(path): value for path, value in map(parse_override, args.grid)}
     base, elements = build_sweep(args.preset, args.overrides, grid)  # fail fast, before Prefect
+    _start_warm_ranks(base)
     preflight(base, [cfg.train for _, cfg in elements])
     _prepare_flow_process()
     from trainflow.flows.sweep import sweep
@@ -220,8 +221,18 @@ def _prepare_flow_process() -> None:
     signal.signal(signal.SIGINT, _interrupt)
 
 
+def _start_warm_ranks(cfg: PipelineConfig) -> None:
+    """Start the local executor's warm-rank server first: it imports torch, dynamo and MLflow
+    for the ranks while this process checks the config and imports Prefect (cluster.warm_ranks)."""
+    if cfg.cluster.executor == "local" and cfg.cluster.warm_ranks:
+        from trainflow.cluster.warm_pool import warm_pool
+
+        warm_pool(for_job=False)
+
+
 def _run(args: argparse.Namespace) -> int:
     cfg = build_config(args.preset, args.overrides)  # fail fast, before Prefect starts
+    _start_warm_ranks(cfg)
     print(preflight(cfg).line(), flush=True)
     _prepare_flow_process()
     from trainflow.flows.early_server import preload_tracking_store, start_temporary_server
