@@ -46,7 +46,7 @@ PRELOAD = (
     "torch.distributed",
     "mlflow",
     "mlflow.store.tracking.sqlalchemy_store",  # rank 0's metric sender on a SQLite store
-    "submitit.core._submit",
+    "submitit.core.submission",  # what `-m submitit.core._submit` runs (not itself: runpy)
     "trainflow.tasks.train.job",
 )
 """What every rank imports anyway, imported once here before the first fork."""
