@@ -21,7 +21,7 @@ from tests.unit.datasets import write_dataset
 from trainflow.cluster.config import ClusterConfig
 from trainflow.cluster.executor import make_executor
 from trainflow.cluster.jobs import wait_for_job
-from trainflow.cluster.warm_pool import pool_pid
+from trainflow.cluster.warm_pool import pool_pid, stop_pool
 from trainflow.tasks.train.config import TrainConfig
 from trainflow.tasks.train.job import TrainingJob, TrainJobSpec
 from trainflow.tasks.train.ref import CheckpointRef
@@ -132,3 +132,30 @@ def test_a_warm_rank_trains_exactly_as_a_cold_one(tmp_path: Path) -> None:
     warm_state, cold_state = states
     assert warm_state.keys() == cold_state.keys()
     assert all(torch.equal(warm_state[k], cold_state[k]) for k in warm_state)
+
+
+def test_the_model_export_runs_in_a_warm_fork_and_logs_the_same_model(tmp_path: Path) -> None:
+    import mlflow.pytorch
+    from mlflow.tracking import MlflowClient
+
+    from trainflow.tasks.evaluate.run import load_model
+    from trainflow.tasks.evaluate.warm_export import log_model_warm
+    from trainflow.tasks.tracking.runs import use_tracking_uri
+
+    dataset = write_dataset(tmp_path / "ds")
+    cfg = TrainConfig(epochs=1, batch_size=32, device="cpu", precision="fp32")
+    spec = TrainJobSpec(train=cfg, dataset=dataset, out_dir=tmp_path / "run")
+    ref = wait_for_job(_local(tmp_path / "jobs").submit(TrainingJob(spec)), lambda _: None)
+    assert isinstance(ref, CheckpointRef)
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = MlflowClient(uri)
+    exp = client.create_experiment("t", artifact_location=(tmp_path / "art").as_uri())
+    run_id = client.create_run(exp).info.run_id
+    x = torch.randn(4, 1, 12, 12)
+    model_uri = log_model_warm(ref, cfg, dataset, x.numpy(), uri, run_id)
+    assert model_uri is not None
+    with use_tracking_uri(uri), torch.no_grad():
+        loaded = mlflow.pytorch.load_model(model_uri)
+        torch.testing.assert_close(loaded(x), load_model(ref, cfg, dataset)(x))
+    stop_pool()  # without a server of this process the caller exports (None)
+    assert log_model_warm(ref, cfg, dataset, x.numpy(), uri, run_id) is None
