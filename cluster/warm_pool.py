@@ -37,13 +37,21 @@ def warm_pool(for_job: bool = True) -> Path | None:
         return path if proc.poll() is None else None
     folder = Path(tempfile.mkdtemp(prefix="trainflow-warm-"))  # 0700: the socket is private
     path = folder / "ranks.sock"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "trainflow.cluster.warm_ranks", str(path)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.DEVNULL,
-        stderr=(folder / "server.log").open("wb"),
-        start_new_session=True,  # a terminal's Ctrl-C is the flow's to handle, not its
-    )
+    # Bound and listening before the server starts: a guard may connect at once (it waits in
+    # the backlog until the server's imports are done).
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as listener:
+        listener.bind(str(path))
+        os.chmod(path, 0o600)
+        listener.listen(64)
+        fd = listener.fileno()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "trainflow.cluster.warm_ranks", str(fd)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=(folder / "server.log").open("wb"),
+            pass_fds=(fd,),
+            start_new_session=True,  # a terminal's Ctrl-C is the flow's to handle, not its
+        )
     _pool = (proc, path)
     atexit.register(_stop, proc, folder)
     return path
@@ -69,6 +77,13 @@ def stop_pool() -> None:
         proc, path = _pool
         _stop(proc, path.parent)
         proc.wait()
+
+
+def running_pool() -> Path | None:
+    """The socket of this process's warm-rank server if one runs (never starts one)."""
+    if _pool is None or _pool[0].poll() is not None:
+        return None
+    return _pool[1]
 
 
 def pool_pid() -> int | None:

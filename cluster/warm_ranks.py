@@ -37,7 +37,6 @@ import struct
 import sys
 import threading
 import traceback
-from pathlib import Path
 from typing import Any
 
 PRELOAD = (
@@ -50,6 +49,12 @@ PRELOAD = (
     "trainflow.tasks.train.job",
 )
 """What every rank imports anyway, imported once here before the first fork."""
+
+LATER = ("torch.export._trace", "trainflow.tasks.evaluate.model_logging")
+"""What the evaluate stage's model export (tasks.evaluate.warm_export) imports, imported once
+the first job's ranks are forked and no request came for IDLE_S (the ranks need none of it)."""
+
+IDLE_S = 1.0
 
 MAX_MESSAGE = 1 << 20
 """A request (command line and environment) must fit one SOCK_SEQPACKET message."""
@@ -69,20 +74,22 @@ def _peer_uid(conn: socket.socket) -> int:
     return int(struct.unpack("3i", creds)[1])
 
 
-def serve(path: Path) -> None:
-    """Listen on `path` at once (guards may connect while the imports run), preload, serve."""
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    listener.bind(str(path))
-    os.chmod(path, 0o600)
-    listener.listen(64)
+def serve(listener: socket.socket) -> None:
+    """Preload, then serve the guards connecting to `listener` (bound and listening already:
+    guards that connect while the imports run wait in its backlog)."""
     preload()
     gc.freeze()  # what is loaded now stays shared with every fork (no copy-on-write by gc)
     children: dict[int, socket.socket] = {}  # pid -> the guard's connection
     owners: dict[socket.socket, int] = {}
     stdin_open = True
+    later = list(LATER)
     while stdin_open or children:
         watched = [listener, *owners] + ([sys.stdin] if stdin_open else [])
-        ready, _, _ = select.select(watched, [], [], 0.2)
+        ready, _, _ = select.select(watched, [], [], IDLE_S if later and children else 0.2)
+        if not ready and later and children:  # the first ranks are forked: quiet now
+            preload(tuple(later))
+            later.clear()
+            gc.freeze()
         for item in ready:
             if item is listener:
                 _accept(listener, children, owners)
@@ -232,4 +239,4 @@ def _run_module(module: str, args: list[str]) -> int:
 
 if __name__ == "__main__":
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the flow stops it by closing its stdin
-    serve(Path(sys.argv[1]))
+    serve(socket.socket(fileno=int(sys.argv[1])))  # the listening socket cluster.warm_pool made

@@ -15,6 +15,7 @@ import os
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -62,10 +63,20 @@ def log_model_warm(
         except BaseException:  # interrupted: the export must not outlive the flow's wait
             child.kill()
             raise
-        result = folder / "model_uri.txt"
+        result, error = folder / "model_uri.txt", folder / "error.json"
+        if error.exists():
+            _raise_as_in_process(json.loads(error.read_text()))
         if code != 0 or not result.exists():
             raise ExportFailed(f"the model export (pid {child.pid}) failed with exit code {code}")
         return result.read_text()
+
+
+def _raise_as_in_process(error: dict[str, Any]) -> None:
+    """Raise what the fork raised as this process would have: an OSError with its errno (a
+    full disk stays tasks.diskspace's one line), else ExportFailed naming it."""
+    if error["errno"] is not None:
+        raise OSError(error["errno"], error["strerror"], error["filename"])
+    raise ExportFailed(f"the model export failed: {error['type']}: {error['message']}")
 
 
 def _export(folder: Path) -> None:
@@ -83,5 +94,18 @@ def _export(folder: Path) -> None:
     (folder / "model_uri.txt").write_text(uri)
 
 
+def _main(folder: Path) -> None:
+    """_export, its exception also written down for the flow (the traceback goes to stderr)."""
+    try:
+        _export(folder)
+    except Exception as err:
+        number = err.errno if isinstance(err, OSError) else None
+        record = {"type": type(err).__name__, "message": str(err), "errno": number,
+                  "strerror": getattr(err, "strerror", None),
+                  "filename": getattr(err, "filename", None)}  # fmt: skip
+        (folder / "error.json").write_text(json.dumps(record))
+        raise
+
+
 if __name__ == "__main__":
-    _export(Path(sys.argv[1]))
+    _main(Path(sys.argv[1]))

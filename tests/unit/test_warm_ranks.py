@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import cloudpickle
+import numpy as np
 import psutil
 import pytest
 import submitit
@@ -157,5 +158,21 @@ def test_the_model_export_runs_in_a_warm_fork_and_logs_the_same_model(tmp_path: 
     with use_tracking_uri(uri), torch.no_grad():
         loaded = mlflow.pytorch.load_model(model_uri)
         torch.testing.assert_close(loaded(x), load_model(ref, cfg, dataset)(x))
-    stop_pool()  # without a server of this process the caller exports (None)
-    assert log_model_warm(ref, cfg, dataset, x.numpy(), uri, run_id) is None
+
+
+def test_what_the_warm_export_raised_reaches_the_flow(tmp_path: Path) -> None:
+    from trainflow.cluster.warm_pool import warm_pool
+    from trainflow.tasks.evaluate.warm_export import ExportFailed, log_model_warm
+
+    assert warm_pool() is not None
+    weights = tmp_path / "best.pt"
+    weights.write_bytes(b"not these weights")
+    ckpt = CheckpointRef(path=weights, sha256="-", epoch=1, step=1, metrics={},
+                         history_path=tmp_path / "history.json")  # fmt: skip
+    dataset = write_dataset(tmp_path / "ds")
+    with pytest.raises(ExportFailed, match=r"DataError: checkpoint .* does not match its record"):
+        log_model_warm(ckpt, TrainConfig(), dataset, np.zeros((1, 1, 12, 12), np.float32),
+                       f"sqlite:///{tmp_path}/m.db", "run")  # fmt: skip
+    stop_pool()  # without a server of this process the caller exports itself (None)
+    assert log_model_warm(ckpt, TrainConfig(), dataset, np.zeros((1, 1, 12, 12), np.float32),
+                          f"sqlite:///{tmp_path}/m.db", "run") is None  # fmt: skip
