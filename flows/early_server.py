@@ -103,7 +103,8 @@ def _uvicorn(port: int) -> "subprocess.Popen[bytes]":
     spec = importlib.util.find_spec("prefect")  # its folder, without importing Prefect
     assert spec is not None and spec.origin is not None
     app_dir = os.path.dirname(os.path.dirname(spec.origin))
-    env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1",
+    env = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false",  # as the flow process sets it
+           **os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1",
            "PREFECT__SERVER_FINAL": "1"}  # fmt: skip
     argv = [sys.executable, "-m", "uvicorn", "--app-dir", app_dir,
             "--factory", "prefect.server.api.server:create_app", "--host", "127.0.0.1",
