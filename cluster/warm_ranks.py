@@ -93,10 +93,10 @@ def serve(listener: socket.socket) -> None:
         for item in ready:
             if item is listener:
                 _accept(listener, children, owners)
-            elif item is sys.stdin:
-                stdin_open = bool(os.read(sys.stdin.fileno(), 4096))
-            else:
+            elif isinstance(item, socket.socket):
                 _guard_gone(item, children, owners)
+            else:  # stdin: the flow closes it when it is done with this server
+                stdin_open = bool(os.read(sys.stdin.fileno(), 4096))
         _reap(children, owners)
 
 
