@@ -13,6 +13,10 @@ cgroup counter says so). Then it ends the same way its child did, so srun and th
 controller see what they saw before. cluster.lost_ranks turns these files into the message.
 It also hands the rank its collective timeout (cluster.peer_timeout_s) in the environment.
 
+With `--warm SOCKET` (the local executor, cluster.warm_ranks) the rank is not started here but
+forked by the warm-rank server, which hands this guard its pid and, later, its exit status;
+the guard signals it directly, and its death (the controller's SIGKILL) kills the rank.
+
 Signals: under the local executor only this process is signalled (the controller signals the
 task it started), so SIGINT, SIGTERM, SIGUSR1/2 and SIGCONT are passed on to the rank. Under
 Slurm the step's signals reach every process of the task (proctrack), the rank included: this
