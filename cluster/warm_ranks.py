@@ -52,9 +52,8 @@ PRELOAD = (
 
 LATER = ("torch.export._trace", "trainflow.tasks.evaluate.model_logging")
 """What the evaluate stage's model export (tasks.evaluate.warm_export) imports, imported once
-the first job's ranks are forked and no request came for IDLE_S (the ranks need none of it)."""
-
-IDLE_S = 1.0
+the first job's ranks have all ended (the ranks need none of it; imported while they train,
+it took CPU from them on 2 cores), while the flow evaluates the test split."""
 
 MAX_MESSAGE = 1 << 20
 """A request (command line and environment) must fit one SOCK_SEQPACKET message."""
@@ -82,14 +81,14 @@ def serve(listener: socket.socket) -> None:
     children: dict[int, socket.socket] = {}  # pid -> the guard's connection
     owners: dict[socket.socket, int] = {}
     stdin_open = True
-    later = list(LATER)
+    later, forked = list(LATER), False
     while stdin_open or children:
-        watched = [listener, *owners] + ([sys.stdin] if stdin_open else [])
-        ready, _, _ = select.select(watched, [], [], IDLE_S if later and children else 0.2)
-        if not ready and later and children:  # the first ranks are forked: quiet now
+        if later and forked and not children:  # the first job's ranks have ended
             preload(tuple(later))
             later.clear()
             gc.freeze()
+        watched = [listener, *owners] + ([sys.stdin] if stdin_open else [])
+        ready, _, _ = select.select(watched, [], [], 0.2)
         for item in ready:
             if item is listener:
                 _accept(listener, children, owners)
@@ -97,6 +96,7 @@ def serve(listener: socket.socket) -> None:
                 _guard_gone(item, children, owners)
             else:  # stdin: the flow closes it when it is done with this server
                 stdin_open = bool(os.read(sys.stdin.fileno(), 4096))
+        forked = forked or bool(children)
         _reap(children, owners)
 
 
