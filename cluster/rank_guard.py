@@ -13,6 +13,10 @@ cgroup counter says so). Then it ends the same way its child did, so srun and th
 controller see what they saw before. cluster.lost_ranks turns these files into the message.
 It also hands the rank its collective timeout (cluster.peer_timeout_s) in the environment.
 
+With `--warm SOCKET` (the local executor, cluster.warm_ranks) the rank is not started here but
+forked by the warm-rank server, which hands this guard its pid and, later, its exit status;
+the guard signals it directly, and its death (the controller's SIGKILL) kills the rank.
+
 Signals: under the local executor only this process is signalled (the controller signals the
 task it started), so SIGINT, SIGTERM, SIGUSR1/2 and SIGCONT are passed on to the rank. Under
 Slurm the step's signals reach every process of the task (proctrack), the rank included: this
@@ -28,6 +32,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from trainflow.cluster.warm_pool import WarmChild, spawn_warm
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGCONT)
 
@@ -77,7 +83,7 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def _pass_on(child: subprocess.Popen[bytes]) -> None:
+def _pass_on(child: "subprocess.Popen[bytes] | WarmChild") -> None:
     """Install handlers that forward (local) or ignore (Slurm) the step's signals."""
     under_slurm = "SLURM_STEP_ID" in os.environ or "SLURM_JOB_ID" in os.environ
     for sig in FORWARDED:
@@ -124,7 +130,9 @@ def _written_since(result: Path, since: float) -> bool:
         return False
 
 
-def _wait(child: subprocess.Popen[bytes], result: Path, since: float) -> tuple[int, bool]:
+def _wait(
+    child: "subprocess.Popen[bytes] | WarmChild", result: Path, since: float
+) -> tuple[int, bool]:
     """The child's exit code, and whether it had to be killed after delivering its result
     (a result file older than `since`, the rank's start, is an earlier attempt's).
 
@@ -159,7 +167,18 @@ def _wait(child: subprocess.Popen[bytes], result: Path, since: float) -> tuple[i
         return (0 if outcome == "success" else 1), True
 
 
-def main(command: list[str], peer_timeout_s: str) -> None:
+def _start(
+    command: list[str], env: dict[str, str], warm: str | None
+) -> "subprocess.Popen[bytes] | WarmChild":
+    """The rank: forked by the warm-rank server at `warm` (local executor), else started."""
+    if warm is not None:
+        child = spawn_warm(warm, command, env)
+        if child is not None:
+            return child
+    return subprocess.Popen(command, preexec_fn=_die_with_parent, env=env)
+
+
+def main(command: list[str], peer_timeout_s: str, warm: str | None = None) -> None:
     """Run `command` as this rank, record how it ended, and end the same way."""
     folder, job_id, task = identity()
     node = node_name()
@@ -167,7 +186,7 @@ def main(command: list[str], peer_timeout_s: str) -> None:
     # The variable tasks.train.distributed.peer_timeout() reads (not imported: torch is heavy).
     env = {**os.environ, "TRAINFLOW_PEER_TIMEOUT_S": peer_timeout_s}
     started = time.time()
-    child = subprocess.Popen(command, preexec_fn=_die_with_parent, env=env)
+    child = _start(command, env, warm)
     _pass_on(child)
     where = {
         "task": task,
@@ -175,6 +194,7 @@ def main(command: list[str], peer_timeout_s: str) -> None:
         "slurm_node": os.environ.get("SLURMD_NODENAME"),
         "pid": child.pid,
         "guard_pid": os.getpid(),
+        "warm": isinstance(child, WarmChild),
     }
     _write_json(folder / f"{job_id}_{task}_rank.json", where | {"started": started})
     returncode, hung = _wait(child, folder / f"{job_id}_{task}_result.pkl", started)
@@ -194,8 +214,13 @@ def main(command: list[str], peer_timeout_s: str) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) < 4 or sys.argv[1] != "--peer-timeout-s" or not sys.argv[2].isdigit():
+    args = sys.argv[1:]
+    warm_socket = None
+    if len(args) >= 2 and args[0] == "--warm":
+        warm_socket, args = args[1], args[2:]
+    if len(args) < 3 or args[0] != "--peer-timeout-s" or not args[1].isdigit():
         sys.exit(
-            "usage: python -m trainflow.cluster.rank_guard --peer-timeout-s S <command> [args...]"
+            "usage: python -m trainflow.cluster.rank_guard [--warm SOCKET] --peer-timeout-s S "
+            "<command> [args...]"
         )
-    main(sys.argv[3:], sys.argv[2])
+    main(args[2:], args[1], warm_socket)

@@ -14,7 +14,6 @@ from typing import NoReturn
 
 from trainflow.flows.config import PRESETS, PipelineConfig, build_config
 from trainflow.flows.error_output import DEBUG_ENV, debug_enabled
-from trainflow.flows.preflight import preflight
 from trainflow.tasks.errors import ConfigError, JobError, TrainflowError
 from trainflow.tasks.limits import open_files_advice, too_many_open_files
 
@@ -179,6 +178,9 @@ def _sweep(args: argparse.Namespace) -> int:
 
     grid = {".".join(path): value for path, value in map(parse_override, args.grid)}
     base, elements = build_sweep(args.preset, args.overrides, grid)  # fail fast, before Prefect
+    _start_warm_ranks(base)
+    from trainflow.flows.preflight import preflight
+
     preflight(base, [cfg.train for _, cfg in elements])
     _prepare_flow_process()
     from trainflow.flows.sweep import sweep
@@ -220,20 +222,39 @@ def _prepare_flow_process() -> None:
     signal.signal(signal.SIGINT, _interrupt)
 
 
+def _start_warm_ranks(cfg: PipelineConfig) -> None:
+    """Start the local executor's warm-rank server first: it imports torch, dynamo and MLflow
+    for the ranks while this process checks the config and imports Prefect (cluster.warm_ranks)."""
+    if cfg.cluster.executor == "local" and cfg.cluster.warm_ranks:
+        from trainflow.cluster.warm_pool import warm_pool
+
+        warm_pool(for_job=False)
+
+
 def _run(args: argparse.Namespace) -> int:
     cfg = build_config(args.preset, args.overrides)  # fail fast, before Prefect starts
+    from trainflow.flows.early_server import (
+        api_url_in_use,
+        keep_if_needed,
+        preload_tracking_store,
+        start_temporary_server,
+    )
+
+    # Both boot in their own processes while this one checks the config and imports.
+    _start_warm_ranks(cfg)
+    server = start_temporary_server()
+    from trainflow.flows.preflight import preflight
+
     print(preflight(cfg).line(), flush=True)
     _prepare_flow_process()
-    from trainflow.flows.early_server import preload_tracking_store, start_temporary_server
-
-    server_ready = start_temporary_server()  # boots while the pipeline's modules import
+    server = keep_if_needed(server)
     from trainflow.flows.pipeline import pipeline
     from trainflow.tasks.tracking.runs import resolve_tracking_uri
 
     preload_tracking_store(resolve_tracking_uri(cfg.tracking, cfg.workdir))
     try:
-        server_ready()
-        summary = pipeline(preset=args.preset, overrides=args.overrides)
+        with api_url_in_use(server):
+            summary = pipeline(preset=args.preset, overrides=args.overrides)
     except KeyboardInterrupt:
         print("trainflow: interrupted; the training job was cancelled", file=sys.stderr)
         return 130

@@ -1,56 +1,177 @@
-"""Start Prefect's temporary server early, so it boots while the flow process imports.
+"""Start Prefect's temporary server early, in its own process, so it boots while the flow
+process imports.
 
 Without `PREFECT_API_URL` a flow starts Prefect's temporary server on its first API call: after
 this process has imported torch, MLflow and the pipeline (several seconds), and then it waits
-another 10-15 s for the server to answer. Started here first, the server boots in its own
-process on another core while this one imports; the flow's call then finds it running (Prefect
-keeps one such server per process) and stops it at exit as before.
+another 10-15 s for the server to answer. Prefect's own starter (SubprocessASGIServer) lives in
+`prefect.server.api.server`, which imports the whole server application (FastAPI routes,
+database models, docket: ~2.5 s of CPU alone, 7 s at load 6 on 2 cores) into the flow process
+only to start a subprocess that imports it all again. So the same subprocess is started here
+from its command line (uvicorn on Prefect's app factory, UI off, the temporary server's flags),
+which needs only `prefect.settings`; the flow then runs against it as against a running server
+(`api_url_in_use`), and it stops at exit as Prefect's own temporary server does.
 """
 
+import atexit
 import importlib
+import os
+import socket
+import subprocess
+import sys
 import threading
-from collections.abc import Callable
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from typing import Any
 
 OVERLAP_ALLOWANCE_S = 60
-"""Added to Prefect's start-up timeout (20 s by default): the server now boots while this
-process imports, and on a busy machine the two share the cores (seen: a 2-core machine at
-load 11 timed out at 20 s)."""
+"""Added to Prefect's start-up timeout (20 s by default): the server boots while this process
+imports, and on a busy machine the two share the cores (seen: a 2-core machine at load 11
+timed out at 20 s)."""
+
+PORT_IN_USE_EXIT = 3
+"""uvicorn's exit code when its port was taken meanwhile (then another port is tried)."""
 
 
-def start_temporary_server() -> Callable[[], None]:
-    """Begin starting Prefect's temporary server when no Prefect API is configured.
+class TemporaryServer:
+    """Prefect's temporary server started in a subprocess; `wait()` gives its API URL."""
 
-    Returns a function that waits until the server answers (and re-raises its start-up
-    error); it returns at once when a server is configured or ephemeral mode is off.
+    def __init__(self, timeout_s: float) -> None:
+        self._timeout_s = timeout_s
+        self._errors: list[BaseException] = []
+        self._proc: subprocess.Popen[bytes] | None = None
+        self.api_url: str | None = None
+        self._thread = threading.Thread(target=self._start, name="prefect-temporary-server")
+        self._thread.daemon = True
+        self._thread.start()
+
+    def _start(self) -> None:
+        try:
+            deadline = time.monotonic() + self._timeout_s
+            while True:
+                port = _free_port()
+                self._proc = _uvicorn(port)
+                code = _wait_healthy(self._proc, f"http://127.0.0.1:{port}/api/health", deadline)
+                if code != PORT_IN_USE_EXIT:
+                    break
+            if code is not None:
+                raise RuntimeError(f"Prefect's temporary server exited with code {code}")
+            self.api_url = f"http://127.0.0.1:{port}/api"
+        except BaseException as err:  # handed to the caller of wait()
+            self._errors.append(err)
+
+    def wait(self) -> str:
+        """The server's API URL once it answers; re-raises its start-up error."""
+        self._thread.join()
+        if self._errors:
+            raise self._errors[0]
+        assert self.api_url is not None
+        return self.api_url
+
+    def stop(self) -> None:
+        """Terminate the server (SIGTERM, then SIGKILL after 5 s), as Prefect's own does."""
+        self._thread.join(timeout=1)
+        proc, self._proc = self._proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        print(f"trainflow: stopping Prefect's temporary server ({self.api_url})", file=sys.stderr)
+        proc.terminate()
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _uvicorn(port: int) -> "subprocess.Popen[bytes]":
+    """Prefect's temporary server process, as SubprocessASGIServer starts it (Prefect 3).
+
+    Prefect adds this process's settings to the server's environment; the server reads the
+    same sources itself (environment, profile, .env and pyproject.toml in the same folder),
+    and nothing here sets one in code, so the environment is passed as it is.
     """
-    from prefect.settings import (
-        PREFECT_API_URL,
-        PREFECT_SERVER_EPHEMERAL_ENABLED,
-        PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS,
+    import importlib.util
+
+    spec = importlib.util.find_spec("prefect")  # its folder, without importing Prefect
+    assert spec is not None and spec.origin is not None
+    app_dir = os.path.dirname(os.path.dirname(spec.origin))
+    env = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false",  # as the flow process sets it
+           **os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1",
+           "PREFECT__SERVER_FINAL": "1"}  # fmt: skip
+    argv = [sys.executable, "-m", "uvicorn", "--app-dir", app_dir,
+            "--factory", "prefect.server.api.server:create_app", "--host", "127.0.0.1",
+            "--port", str(port), "--log-level", "error", "--lifespan", "on"]  # fmt: skip
+    return subprocess.Popen(argv, env=env)
+
+
+def _wait_healthy(proc: "subprocess.Popen[bytes]", url: str, deadline: float) -> int | None:
+    """None once `url` answers 200; the exit code if the process ends first; or time out."""
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return proc.returncode
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                if resp.status == 200:
+                    return None
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError(
+        "timed out waiting for Prefect's temporary server: start one (`prefect server start`) "
+        "and set PREFECT_API_URL, or raise PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"
     )
 
-    if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
-        return lambda: None
-    errors: list[BaseException] = []
-    timeout = PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value() + OVERLAP_ALLOWANCE_S
 
-    def start() -> None:
-        try:
-            from prefect.server.api.server import SubprocessASGIServer
+def start_temporary_server() -> TemporaryServer | None:
+    """Begin starting Prefect's temporary server unless the environment names a Prefect API
+    or turns the temporary server off; it is stopped at this process's exit.
 
-            SubprocessASGIServer().start(timeout=timeout)
-        except BaseException as err:  # handed to the caller of wait()
-            errors.append(err)
+    Called before Prefect is imported (its settings alone take ~1-2.5 s to import): a profile
+    may still configure an API, which `keep_if_needed` checks once they are imported.
+    """
+    if os.environ.get("PREFECT_API_URL"):
+        return None
+    if os.environ.get("PREFECT_SERVER_EPHEMERAL_ENABLED", "").lower() in ("0", "false"):
+        return None
+    timeout = float(os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", 20))
+    server = TemporaryServer(timeout + OVERLAP_ALLOWANCE_S)
+    atexit.register(server.stop)
+    return server
 
-    thread = threading.Thread(target=start, name="prefect-temporary-server", daemon=True)
-    thread.start()
 
-    def wait() -> None:
-        thread.join()
-        if errors:
-            raise errors[0]
+def keep_if_needed(server: TemporaryServer | None) -> TemporaryServer | None:
+    """`server`, or None (stopped) where Prefect's settings configure an API after all or
+    leave the temporary server off (a profile, a .env file)."""
+    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
 
-    return wait
+    if server is not None and (
+        PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value()
+    ):
+        server.stop()
+        return None
+    return server
+
+
+@contextmanager
+def api_url_in_use(server: TemporaryServer | None) -> Iterator[Any]:
+    """Prefect's settings pointing at `server` inside the block (nothing when None)."""
+    if server is None:
+        with nullcontext():
+            yield
+        return
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings({PREFECT_API_URL: server.wait()}):
+        yield
 
 
 _DB_SCHEMES = ("sqlite:", "postgresql", "mysql", "mssql")

@@ -22,7 +22,7 @@ from trainflow.tasks.evaluate.run import EvalResult
 from trainflow.tasks.evaluate.task import evaluate_task
 from trainflow.tasks.preprocess.ref import DatasetRef
 from trainflow.tasks.preprocess.task import preprocess
-from trainflow.tasks.prewarm import EVALUATE_MODULES, prewarm_imports
+from trainflow.tasks.prewarm import evaluate_modules, prewarm_imports
 from trainflow.tasks.tracking.lineage import Lineage, log_dataset_input
 from trainflow.tasks.tracking.pipeline_runs import PipelineRuns
 from trainflow.tasks.tracking.report import run_link, runs_and_plots_markdown, summary_markdown
@@ -95,7 +95,7 @@ def run_pipeline(cfg: PipelineConfig) -> PipelineSummary:
             spec = train_spec(cfg, dataset, run_dir, runs.tracking_uri, run_id, paths)
             # Imported while the job runs; joined before MLflow is used again: two threads
             # importing parts of one package with import cycles can see it half initialised.
-            warm = prewarm_imports(EVALUATE_MODULES)
+            warm = prewarm_imports(evaluate_modules())
             ckpt = train_task(spec, cfg.cluster, run_dir / "jobs", cfg.workdir)
             warm.join()
             log_checkpoint(runs.client, run_id, ckpt)

@@ -21,6 +21,14 @@ EVALUATE_MODULES = (
 flow imports them while it waits for the training job (3-4 s of the stage on 2 CPU cores)."""
 
 
+def evaluate_modules() -> tuple[str, ...]:
+    """EVALUATE_MODULES, less the model export's when a warm-rank server of this process
+    will export the model (tasks.evaluate.warm_export): the figures' modules only."""
+    from trainflow.cluster.warm_pool import running_pool
+
+    return EVALUATE_MODULES if running_pool() is None else EVALUATE_MODULES[:1]
+
+
 def prewarm_imports(modules: tuple[str, ...]) -> threading.Thread:
     """Import `modules` in order on a daemon thread; returns the started thread.
 

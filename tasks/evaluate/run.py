@@ -79,11 +79,9 @@ def run_evaluate(
     report = objective.report(batches, dataset.classes)
     client = MlflowClient(tracking_uri)
     _log_results(client, run_id, report, objective, ckpt.history_path)
-    from trainflow.tasks.evaluate.model_logging import (
-        log_model,  # torch.export, MLflow's flavor: lazy
-    )
-
-    uri = log_model(model, example[0], tracking_uri, run_id) if cfg.log_model else None
+    uri = None
+    if cfg.log_model:
+        uri = _log_model(model, ckpt, train, dataset, example[0], tracking_uri, run_id)
     flat = report.metrics
     registry = _register(client, cfg, uri, run_id, flat, objective, version_tags) if uri else None
     headline = f"test_{objective.headline}"
@@ -94,6 +92,27 @@ def run_evaluate(
         model_uri=uri,
         registry=registry,
     )
+
+
+def _log_model(
+    model: torch.nn.Module,
+    ckpt: CheckpointRef,
+    train: TrainConfig,
+    dataset: DatasetRef,
+    example: np.ndarray,
+    tracking_uri: str,
+    run_id: str,
+) -> str:
+    """The model's pt2 export logged to the run: in a warm fork where this process runs a
+    warm-rank server (no torch._dynamo import here), else in this process."""
+    from trainflow.tasks.evaluate.warm_export import log_model_warm
+
+    uri = log_model_warm(ckpt, train, dataset, example, tracking_uri, run_id)
+    if uri is not None:
+        return uri
+    from trainflow.tasks.evaluate.model_logging import log_model  # torch.export: lazy
+
+    return log_model(model, example, tracking_uri, run_id)
 
 
 def _register(

@@ -1,6 +1,7 @@
 """The trainflow command: config errors exit before any work; a kill cancels the training job;
 `trainflow ui` serves the runs' store and artifacts."""
 
+import json
 import os
 import re
 import signal
@@ -11,6 +12,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import psutil
 import pytest
 from mlflow.tracking import MlflowClient
 from PIL import Image
@@ -72,6 +74,10 @@ def test_sigterm_cancels_the_training_job_and_marks_runs_killed(tmp_path: Path) 
         assert [x for x in lines if re.search(r"\| INFO +\| (distributed|dask_cuda)\.", x)] == []
         # Nor MLflow's lines about creating the new workdir's database store.
         assert [x for x in lines if re.search(r" INFO mlflow\.", x)] == []
+        # The warm-rank server (its ranks are its forks: their command lines name no path).
+        servers = [
+            p for p in psutil.Process(proc.pid).children() if "warm_ranks" in " ".join(p.cmdline())
+        ]
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 130
     finally:
@@ -80,11 +86,24 @@ def test_sigterm_cancels_the_training_job_and_marks_runs_killed(tmp_path: Path) 
     time.sleep(2)
     left = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True)
     assert left.stdout.strip() == "", left.stdout
+    records = [json.loads(p.read_text()) for p in tmp_path.glob("runs/*/jobs/*_rank.json")]
+    assert len(records) == 2 and all(r["warm"] for r in records)
+    ranks = [int(r[key]) for r in records for key in ("pid", "guard_pid")]
+    assert len(servers) == 1 and not [p for p in ranks if _alive(p)]
+    _gone, alive = psutil.wait_procs(servers, timeout=10)
+    assert not alive  # the server exits once its ranks are gone
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     exp = client.get_experiment_by_name("trainflow")
     assert exp is not None
     status = {r.info.run_name: r.info.status for r in client.search_runs([exp.experiment_id])}
     assert status == {"tiny": "KILLED", "preprocess": "FINISHED", "train": "KILLED"}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def _ui_env() -> dict[str, str]:

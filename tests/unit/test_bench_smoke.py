@@ -26,3 +26,16 @@ def test_lightning_trains_in_the_precision_trainflow_picks() -> None:
     cpu = torch.device("cpu")
     assert lightning_precision(cpu) == PRECISION[resolve_precision("auto", cpu).name]
     assert set(PRECISION.values()) == {"bf16-mixed", "16-mixed", "32-true"}
+
+
+def test_a_command_is_accounted_with_the_cpu_of_its_children() -> None:
+    import os
+    import sys
+
+    from bench.first_result import CPUACCT, run_accounted
+
+    busy = "import subprocess, sys; subprocess.run([sys.executable, '-c', 'sum(range(3*10**7))'])"
+    out, wall, cpu = run_accounted([sys.executable, "-c", busy], os.environ)
+    assert out.returncode == 0 and wall > 0
+    if os.access(CPUACCT, os.W_OK):
+        assert cpu is not None and cpu > 0.2  # the grandchild's ~0.5 s of summing counted

@@ -2,10 +2,16 @@
 
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 
-from trainflow.flows.early_server import start_temporary_server
+from tests.services import http_status
+from trainflow.flows.early_server import (
+    api_url_in_use,
+    keep_if_needed,
+    start_temporary_server,
+)
 from trainflow.tasks.prewarm import EVALUATE_MODULES, prewarm_imports
 from trainflow.tasks.train.warmup import DYNAMO, prewarm_rank
 
@@ -39,13 +45,36 @@ def test_evaluate_modules_import() -> None:
     assert all(name in sys.modules for name in EVALUATE_MODULES)
 
 
-def test_no_early_server_when_a_prefect_api_is_configured() -> None:
+def test_no_early_server_when_the_environment_names_a_prefect_api(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:9/api")
+    assert start_temporary_server() is None  # nothing was started
+    assert "prefect-temporary-server" not in {t.name for t in threading.enumerate()}
+
+
+def test_the_early_server_answers_in_its_own_process_and_stops(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    monkeypatch.setenv("PREFECT_HOME", str(tmp_path))
+    monkeypatch.setenv(
+        "PREFECT_API_DATABASE_CONNECTION_URL", f"sqlite+aiosqlite:///{tmp_path}/p.db"
+    )
+    app_loaded = "prefect.server.api.server" in sys.modules  # (by another test, maybe)
+    server = start_temporary_server()
+    assert server is not None
+    with temporary_settings(set_defaults={PREFECT_API_URL: None}):
+        assert keep_if_needed(server) is server  # no API configured: it is needed
+        with api_url_in_use(server):
+            assert PREFECT_API_URL.value() == server.api_url
+    assert ("prefect.server.api.server" in sys.modules) == app_loaded  # not imported here
+    assert http_status(f"{server.api_url}/health") == 200
     with temporary_settings({PREFECT_API_URL: "http://127.0.0.1:9/api"}):
-        wait = start_temporary_server()
-        wait()  # returns at once: nothing was started
-    assert "prefect-temporary-server" not in {t.name for t in threading.enumerate()}
+        assert keep_if_needed(server) is None  # a profile names an API after all: stopped
+    assert http_status(f"{server.api_url}/health") is None
 
 
 def test_the_database_store_is_preloaded_only_for_database_uris() -> None:
