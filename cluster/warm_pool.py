@@ -124,6 +124,13 @@ class WarmChild:
         return self.returncode
 
 
+def _current_umask() -> int:
+    """This process's umask (reading it means setting it: set back at once)."""
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask
+
+
 def spawn_warm(socket_path: str, command: list[str], env: dict[str, str]) -> WarmChild | None:
     """Have the server fork `command` (`<python> -u -m <module> args...`, this interpreter)
     with this process's stdio, folder and `env`; None where it cannot, and the guard then
@@ -132,7 +139,10 @@ def spawn_warm(socket_path: str, command: list[str], env: dict[str, str]) -> War
         return None
     if os.path.realpath(command[0]) != os.path.realpath(sys.executable):
         return None
-    request = {"module": command[3], "args": command[4:], "cwd": os.getcwd(), "env": env}
+    request = {
+        **{"module": command[3], "args": command[4:], "cwd": os.getcwd(), "env": env},
+        "umask": _current_umask(),  # 077 for a private job folder (cluster.job_folder)
+    }
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
         conn.connect(socket_path)

@@ -166,7 +166,8 @@ def _reap(children: dict[int, socket.socket], owners: dict[socket.socket, int]) 
 
 
 def _become_rank(request: dict[str, Any], fds: list[int], conn: socket.socket) -> None:
-    """In the forked child: take the guard's stdio, folder and environment, run the module."""
+    """In the forked child: take the guard's stdio, folder, umask and environment, run the
+    module."""
     code = 1
     try:
         _die_with_server()
@@ -175,6 +176,7 @@ def _become_rank(request: dict[str, Any], fds: list[int], conn: socket.socket) -
             os.dup2(fd, target)
             os.close(fd)
         os.chdir(request["cwd"])
+        os.umask(request["umask"])  # the guard's (077 under a job): not the server's
         os.environ.clear()
         os.environ.update(request["env"])
         _unbuffered_stdio()

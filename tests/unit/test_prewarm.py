@@ -66,7 +66,8 @@ def test_the_early_server_answers_in_its_own_process_and_stops(
     app_loaded = "prefect.server.api.server" in sys.modules  # (by another test, maybe)
     server = start_temporary_server()
     assert server is not None
-    with temporary_settings(set_defaults={PREFECT_API_URL: None}):
+    # Restored to its default (none), even where this test process runs a server for others.
+    with temporary_settings(restore_defaults={PREFECT_API_URL}):
         assert keep_if_needed(server) is server  # no API configured: it is needed
         with api_url_in_use(server):
             assert PREFECT_API_URL.value() == server.api_url
