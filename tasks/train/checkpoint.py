@@ -71,7 +71,7 @@ def atomic_save(obj: Any, path: Path, hash_file: bool = False) -> str:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_dir(path.parent)  # the rename is durable only once the directory entry is flushed
+    fsync_dir(path.parent)  # the rename is durable only once the directory entry is flushed
     return sha256
 
 
@@ -88,7 +88,8 @@ def _write_atomically(path: Path, data: bytes) -> None:
         raise
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
+    """Flush `directory`'s entries (a rename into it is durable only then)."""
     dir_fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(dir_fd)

@@ -47,6 +47,7 @@ from trainflow.tasks.train.checkpoint import (
     Resumable,
     atomic_save,
     checkpoints,
+    fsync_dir,
     load_state,
     resumable_checkpoint,
 )
@@ -127,7 +128,7 @@ class ShardedSaver:
             _write_sums(tmp)
             shutil.rmtree(final, ignore_errors=True)  # the same epoch written again
             os.replace(tmp, final)
-            _fsync_dir(final.parent)
+            fsync_dir(final.parent)
             _prune(final.parent, keep={final.name})
         return final
 
@@ -168,14 +169,6 @@ def _sha256(path: Path) -> str:
         while chunk := f.read(1 << 20):
             digest.update(chunk)
     return digest.hexdigest()
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _prune(directory: Path, keep: set[str]) -> None:
