@@ -125,7 +125,10 @@ def postgres() -> Iterator[str | None]:
     try:
         pg("initdb", "-D", f"{folder}/data", "-U", "trainflow", "--pwfile", f"{folder}/pw",
            "--auth-local=trust", "--auth-host=scram-sha-256", "--no-sync")  # fmt: skip
-        pg("pg_ctl", "-D", f"{folder}/data", "-l", f"{folder}/log", "-o", options, "-w", "start")
+        pg(  # -t: pg_ctl's own 60 s wait ran out at load ~6.5 ("stopped waiting")
+            *("pg_ctl", "-D", f"{folder}/data", "-l", f"{folder}/log", "-o", options),
+            *("-w", "-t", "300", "start"),
+        )
         try:
             yield f"trainflow:{password}@127.0.0.1:{port}"
         finally:
