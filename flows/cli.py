@@ -233,6 +233,9 @@ def _start_warm_ranks(cfg: PipelineConfig) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     cfg = build_config(args.preset, args.overrides)  # fail fast, before Prefect starts
+    from trainflow.flows.preflight import check_code, check_inputs
+
+    spec = check_inputs(cfg)  # bad data: refused in ~1 s, before any process is started
     from trainflow.flows.early_server import (
         api_url_in_use,
         keep_if_needed,
@@ -240,12 +243,15 @@ def _run(args: argparse.Namespace) -> int:
         start_temporary_server,
     )
 
-    # Both boot in their own processes while this one checks the config and imports.
+    # Both boot in their own processes while this one imports torch and checks the model.
     _start_warm_ranks(cfg)
     server = start_temporary_server()
-    from trainflow.flows.preflight import preflight
-
-    print(preflight(cfg).line(), flush=True)
+    try:
+        print(check_code(cfg, spec).line(), flush=True)
+    except BaseException:
+        if server is not None:  # refused: the server was not for the user; stop it quietly
+            server.stop(quiet=True)
+        raise
     _prepare_flow_process()
     server = keep_if_needed(server)
     from trainflow.flows.pipeline import pipeline

@@ -70,13 +70,17 @@ class TemporaryServer:
         assert self.api_url is not None
         return self.api_url
 
-    def stop(self) -> None:
-        """Terminate the server (SIGTERM, then SIGKILL after 5 s), as Prefect's own does."""
+    def stop(self, quiet: bool = False) -> None:
+        """Terminate the server (SIGTERM, then SIGKILL after 5 s), as Prefect's own does; it
+        says so unless `quiet` or the server never answered (a run refused before it used it)."""
         self._thread.join(timeout=1)
         proc, self._proc = self._proc, None
         if proc is None or proc.poll() is not None:
             return
-        print(f"trainflow: stopping Prefect's temporary server ({self.api_url})", file=sys.stderr)
+        if not quiet and self.api_url is not None:
+            print(
+                f"trainflow: stopping Prefect's temporary server ({self.api_url})", file=sys.stderr
+            )
         proc.terminate()
         try:
             proc.wait(timeout=5)

@@ -9,44 +9,67 @@ deployment run does not go through the command line).
 import os
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from trainflow.cluster.dask_slurm_checks import check_dask_workers
 from trainflow.cluster.slurm_checks import check_cluster
-from trainflow.cluster.snapshot import plan_snapshot
 from trainflow.flows.config import PipelineConfig
 from trainflow.tasks.diskspace import require_space
 from trainflow.tasks.errors import ConfigError
-from trainflow.tasks.objectives import check_data
-from trainflow.tasks.plugins import resolve
-from trainflow.tasks.preprocess.plugin_source import GROUP as SOURCE_GROUP
 from trainflow.tasks.preprocess.preflight import preflight_source, probe_spec
 from trainflow.tasks.preprocess.size import preprocess_need
 from trainflow.tasks.train.config import TrainConfig
-from trainflow.tasks.train.model_plugins import ModelReport, check_model
+
+if TYPE_CHECKING:  # check_code imports them: they import torch (seconds), check_inputs does not
+    from trainflow.tasks.spec import DataSpec
+    from trainflow.tasks.train.model_plugins import ModelReport
 
 
-def preflight(cfg: PipelineConfig, sweep: Iterable[TrainConfig] = ()) -> ModelReport:
+def preflight(cfg: PipelineConfig, sweep: Iterable[TrainConfig] = ()) -> "ModelReport":
     """ConfigError or DataError (what is wrong and the fix) before any expensive work; what
     the model check found (built on the meta device: nothing allocated). `sweep`: the train
     configs of a sweep's elements, whose models are checked against the same data."""
+    return check_code(cfg, check_inputs(cfg), sweep)
+
+
+def check_inputs(cfg: PipelineConfig) -> "DataSpec":
+    """The checks that import neither torch nor a model: the workdir, the data source and its
+    probe, the disk space the dataset needs, the Slurm requests; the data's spec. `trainflow
+    run` calls this before it starts any process (warm ranks, Prefect's temporary server), so
+    bad data is refused in about a second on an idle machine, alone."""
     check_workdir(cfg.workdir)
     preflight_source(cfg.preprocess)
     spec = probe_spec(cfg.preprocess, cfg.train.objective)
+    datasets = cfg.workdir / "datasets"  # a dataset the workdir's disk cannot hold: now
+    require_space("preprocess", datasets, preprocess_need(cfg.preprocess, datasets))
+    check_cluster(cfg.cluster)  # a Slurm request that can never run, or no Slurm to reach
+    check_dask_workers(cfg.cluster.dask)  # the same for dask worker jobs
+    return spec
+
+
+def check_code(
+    cfg: PipelineConfig, spec: "DataSpec", sweep: Iterable[TrainConfig] = ()
+) -> "ModelReport":
+    """The checks that import torch and the user's code: the objective against the data, the
+    model (and each sweep element's) built on the meta device, the code snapshot's size."""
+    from trainflow.cluster.snapshot import plan_snapshot
+    from trainflow.tasks.objectives import check_data
+    from trainflow.tasks.train.model_plugins import check_model
+
     check_data(cfg.train.objective, cfg.train.objective_args, spec)  # objective vs data
     model = check_model(cfg.train, spec)
     for train in sweep:
         check_model(train, spec)
     plan_snapshot(user_modules(cfg, model))  # a code folder too big to snapshot
-    datasets = cfg.workdir / "datasets"  # a dataset the workdir's disk cannot hold: now
-    require_space("preprocess", datasets, preprocess_need(cfg.preprocess, datasets))
-    check_cluster(cfg.cluster)  # a Slurm request that can never run, or no Slurm to reach
-    check_dask_workers(cfg.cluster.dask)  # the same for dask worker jobs
     return model
 
 
-def user_modules(cfg: PipelineConfig, model: ModelReport) -> list[str]:
+def user_modules(cfg: PipelineConfig, model: "ModelReport") -> list[str]:
     """The modules of the user's plug-ins (model, data source) whose code the run snapshots
     (cluster.snapshot)."""
+    from trainflow.tasks.plugins import resolve
+    from trainflow.tasks.preprocess.plugin_source import GROUP as SOURCE_GROUP
+
     modules = [model.module]
     if cfg.preprocess.is_plugin:
         source = resolve(

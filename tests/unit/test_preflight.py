@@ -2,6 +2,7 @@
 with the same message the preprocess stage gives for it; what needs pixels is left to the stage."""
 
 import re
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -228,3 +229,26 @@ def test_slurm_unreachable_hint_names_slurm_conf_and_the_env_command(tmp_path: P
     silent = unreachable_hint({"SLURM_CONF": str(tmp_path / "slurm.conf")})
     assert "slurmctld" in silent and "trainflow cluster status" in silent
     assert all("executor=local" in hint for hint in (unset, missing, silent))
+
+
+def test_the_command_refuses_bad_data_before_it_starts_any_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`trainflow run` checks the data before it starts warm ranks or Prefect's temporary
+    server (each a process importing torch or Prefect's server, seconds of CPU beside the
+    check): the refusal is one line and nothing was started."""
+    from trainflow.cluster import warm_pool
+    from trainflow.flows import cli
+
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)  # else no temporary server would start
+    monkeypatch.delenv(warm_pool.DISABLE_ENV, raising=False)
+    monkeypatch.setattr(warm_pool, "_pool", None)
+    (tmp_path / "data.npz").write_text("images,labels\n")
+    argv = ["run", "--preset", "tiny", "--set", "preprocess.source=npz"]
+    argv += ["--set", f"preprocess.path={tmp_path / 'data.npz'}", "--set", f"workdir={tmp_path}"]
+
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "it is not an .npz archive" in err, err
+    assert warm_pool._pool is None  # no warm-rank server
+    assert "prefect-temporary-server" not in {t.name for t in threading.enumerate()}
