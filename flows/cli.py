@@ -243,8 +243,9 @@ def _run(args: argparse.Namespace) -> int:
         start_temporary_server,
     )
 
-    # Both boot in their own processes while this one imports torch and checks the model.
-    _start_warm_ranks(cfg)
+    # The temporary server (10-15 s to answer) boots while this process imports torch and
+    # checks the model; the warm ranks (torch, dynamo, MLflow) while it imports Prefect and
+    # preprocesses. A model the check refuses started no rank.
     server = start_temporary_server()
     try:
         print(check_code(cfg, spec).line(), flush=True)
@@ -252,6 +253,7 @@ def _run(args: argparse.Namespace) -> int:
         if server is not None:  # refused: the server was not for the user; stop it quietly
             server.stop(quiet=True)
         raise
+    _start_warm_ranks(cfg)
     _prepare_flow_process()
     server = keep_if_needed(server)
     from trainflow.flows.pipeline import pipeline

@@ -63,6 +63,41 @@ def get_json(url: str, headers: Mapping[str, str] | None = None) -> Any:
         return None
 
 
+def post(url: str, body: dict[str, Any], headers: Mapping[str, str] | None = None) -> Any:
+    """POST JSON; the decoded answer, or the HTTP status when it is an error."""
+    request = urllib.request.Request(
+        url,
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", **dict(headers or {})},
+        method="POST",
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=30) as resp:
+            return json.load(resp)
+    except urllib.error.HTTPError as err:
+        return err.code
+
+
+def run_deployment(api: str, name: str, parameters: dict[str, Any], limit_s: float = 90) -> str:
+    """Start a run of deployment `name` ("flow/deployment") through the Prefect API, as the
+    UI's Run button does, once the deployment exists (a served one registers a moment after
+    its process starts); the flow run's id. One HTTP poll, not a CLI process per try."""
+    deployment = wait_for(
+        lambda: get_json(f"{api}/deployments/name/{name}"), limit_s, f"deployment {name}"
+    )
+    run = post(f"{api}/deployments/{deployment['id']}/create_flow_run", {"parameters": parameters})
+    assert isinstance(run, dict), f"creating a run of {name} failed: HTTP {run}"
+    return str(run["id"])
+
+
+def cancel_flow_run(api: str, flow_run: str) -> None:
+    """Ask Prefect to cancel a flow run, as the UI's Cancel button does (state Cancelling;
+    whatever runs the flow then stops it)."""
+    state = {"type": "CANCELLING", "name": "Cancelling"}
+    done = post(f"{api}/flow_runs/{flow_run}/set_state", {"state": state})
+    assert isinstance(done, dict) and done.get("status") == "ACCEPT", f"cancel refused: {done}"
+
+
 def service_env(**extra: str) -> dict[str, str]:
     """This process's environment plus unbuffered output, no telemetry and `extra`."""
     return {

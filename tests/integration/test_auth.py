@@ -12,15 +12,12 @@ cannot be had, the servers run on SQLite instead (fail in CI, where PostgreSQL i
 """
 
 import base64
-import json
 import os
 import secrets
 import shutil
 import subprocess
 import sys
 import tempfile
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -37,6 +34,7 @@ from tests.services import (
     get_json,
     http_status,
     mlflow_server,
+    post,
     prefect_server,
     service_env,
 )
@@ -61,21 +59,6 @@ def basic(user: str, password: str) -> dict[str, str]:
     """An HTTP basic Authorization header."""
     token = base64.b64encode(f"{user}:{password}".encode()).decode()
     return {"Authorization": f"Basic {token}"}
-
-
-def post(url: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> Any:
-    """POST JSON; the decoded answer, or the HTTP status when it is an error."""
-    request = urllib.request.Request(
-        url,
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json", **(headers or {})},
-        method="POST",
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=30) as resp:
-            return json.load(resp)
-    except urllib.error.HTTPError as err:
-        return err.code
 
 
 @dataclass(frozen=True)

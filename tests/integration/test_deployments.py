@@ -4,8 +4,8 @@ The file brings up one real stack with deploy/stack.sh (a Prefect server on SQLi
 process worker, an MLflow server) on free loopback ports with its state, stores and pool
 under a temporary folder, registers deploy/prefect.yaml with `stack.sh deploy`, starts runs
 with `prefect deployment run` and stops everything with `stack.sh down`. Its tests share the
-stack (one start instead of one per test, ~25 CPU seconds) and each logs to an MLflow
-experiment of its own; the last one checks `down`.
+stack (one start and one `deploy` instead of one per test, ~25 and ~12 CPU seconds) and
+each logs to an MLflow experiment of its own; the last one checks `down`.
 """
 
 import json
@@ -41,6 +41,8 @@ class Stack:
     env: dict[str, str]
     api: str
     mlflow: str
+    deployed: str = ""
+    """What `stack.sh deploy` printed (the fixture deploys once for the file's tests)."""
 
     def sh(self, action: str, timeout: float = 300) -> str:
         """Run `deploy/stack.sh <action>`; its output (it must succeed)."""
@@ -129,6 +131,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     stack = Stack(state, env, api, f"http://127.0.0.1:{mlflow_port}")
     try:
         stack.sh("up")
+        stack.deployed = stack.sh("deploy")  # ~6 CPU s a deployment: once for both tests
         yield stack
     finally:
         subprocess.run([str(REPO / "deploy" / "stack.sh"), "down"], env=env, timeout=300)
@@ -176,7 +179,6 @@ def _training(work: Path) -> registry.ActiveJob | None:
 def test_cancelling_a_deployment_run_stops_training_and_kills_its_runs(
     stack: Stack, tmp_path: Path
 ) -> None:
-    stack.sh("deploy")
     work = tmp_path / "work"
     overrides = {"workdir": str(work), "train.epochs": 5000, "tracking.experiment": "cancel"}
     flow_run = stack.run_deployment("adhoc", overrides)
@@ -207,7 +209,7 @@ def test_deployment_run_completes_and_logs_to_the_stack_mlflow(
     pids = {p.pid for p in stack.processes()}
     again = stack.sh("up")  # idempotent: nothing new starts
     assert again.count("already running") == 3 and {p.pid for p in stack.processes()} == pids
-    assert "deployed trainflow-pipeline/nightly" in stack.sh("deploy")
+    assert "deployed trainflow-pipeline/nightly" in stack.deployed
 
     work = tmp_path / "work"
     user_code = Path(stack.env["PYTHONPATH"])  # the worker's path: the stack's "user code"

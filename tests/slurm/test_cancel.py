@@ -8,7 +8,6 @@ cancels.
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -16,7 +15,14 @@ from pathlib import Path
 
 from mlflow.tracking import MlflowClient
 
-from tests.services import background, get_json, service_env, wait_for
+from tests.services import (
+    background,
+    cancel_flow_run,
+    get_json,
+    run_deployment,
+    service_env,
+    wait_for,
+)
 from trainflow.cluster import registry
 
 _LONG = [
@@ -126,39 +132,16 @@ def test_cancelling_the_prefect_flow_run_cancels_the_slurm_job(
         "from trainflow.flows.pipeline import pipeline; pipeline.serve(name='cancel-test')",
     ]
     with background(serve, tmp_path / "serve.log", env):
-        overrides = json.dumps(
-            [
-                *("cluster.executor=slurm", "train.epochs=5000", f"workdir={tmp_path / 'work'}"),
-                *("cluster.nodes=2", "cluster.ranks_per_node=1"),
-            ]
-        )
-        cli = [sys.executable, "-m", "prefect"]
-
-        def deploy() -> str | None:
-            out = subprocess.run(
-                [
-                    *cli,
-                    "deployment",
-                    "run",
-                    "trainflow-pipeline/cancel-test",
-                    "--param",
-                    "preset=tiny",
-                    "--param",
-                    f"overrides={overrides}",
-                ],
-                capture_output=True,
-                text=True,
-                env=env,
-                timeout=60,
-            )
-            found = re.search(r"UUID:\s*([0-9a-f-]{36})", out.stdout)
-            return found.group(1) if out.returncode == 0 and found else None
-
-        flow_run = str(wait_for(deploy, 90, "the deployment to accept a run"))
+        overrides = [
+            *("cluster.executor=slurm", "train.epochs=5000", f"workdir={tmp_path / 'work'}"),
+            *("cluster.nodes=2", "cluster.ranks_per_node=1"),
+        ]
+        parameters = {"preset": "tiny", "overrides": overrides}
+        flow_run = run_deployment(prefect_api, "trainflow-pipeline/cancel-test", parameters)
         job_id = _running_job(tmp_path / "work")
         ranks = _rank_pids(tmp_path / "work", job_id)
         assert sorted(ranks) == ["tfnode1", "tfnode2"]
-        subprocess.run([*cli, "flow-run", "cancel", flow_run], env=env, check=True, timeout=60)
+        cancel_flow_run(prefect_api, flow_run)
         wait_for(lambda: not _in_squeue(job_id), 30, f"job {job_id} to leave squeue")
         wait_for(lambda: _no_rank_left(ranks), 20, f"no rank of job {job_id} left on any node")
 

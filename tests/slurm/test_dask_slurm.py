@@ -9,7 +9,6 @@
   killed outright are recorded, and `trainflow cleanup`'s cancel_orphans cancels them.
 """
 
-import json
 import os
 import re
 import signal
@@ -19,7 +18,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.services import background, get_json, service_env, wait_for
+from tests.services import (
+    background,
+    cancel_flow_run,
+    get_json,
+    run_deployment,
+    service_env,
+    wait_for,
+)
 from trainflow.cluster import registry
 from trainflow.cluster.config import DaskConfig
 from trainflow.cluster.dask import dask_client
@@ -191,10 +197,10 @@ def test_cancelling_the_prefect_flow_run_cancels_the_worker_jobs(
             'cluster.dask.sbatch_extra={"begin": "now+1hour"}',
             f"workdir={tmp_path / 'work'}",
         ]
-        flow_run = _deploy(env, "trainflow-pipeline/dask-cancel", overrides)
+        parameters = {"preset": "tiny", "overrides": overrides}
+        flow_run = run_deployment(api, "trainflow-pipeline/dask-cancel", parameters)
         wait_for(lambda: _worker_jobs() or None, 240, "the flow to queue its worker job")
-        cli = [sys.executable, "-m", "prefect", "flow-run", "cancel", flow_run]
-        subprocess.run(cli, env=env, check=True, timeout=60, capture_output=True)
+        cancel_flow_run(api, flow_run)
         _no_worker_jobs_left()
 
         def cancelled() -> bool | None:
@@ -202,16 +208,3 @@ def test_cancelling_the_prefect_flow_run_cancels_the_worker_jobs(
             return (run and run["state"]["type"] == "CANCELLED") or None
 
         wait_for(cancelled, 60, "the flow run to be Cancelled")
-
-
-def _deploy(env: dict[str, str], deployment: str, overrides: list[str]) -> str:
-    """`prefect deployment run` (retried until the served deployment exists): the run's id."""
-    argv = [sys.executable, "-m", "prefect", "deployment", "run", deployment]
-    argv += ["--param", "preset=tiny", "--param", f"overrides={json.dumps(overrides)}"]
-
-    def run() -> str | None:
-        out = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=60)
-        found = re.search(r"UUID:\s*([0-9a-f-]{36})", out.stdout)
-        return found.group(1) if out.returncode == 0 and found else None
-
-    return str(wait_for(run, 90, "the deployment to accept a run"))
