@@ -7,6 +7,7 @@ or worker ignores SIGTERM for 25+ s).
 
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -24,10 +25,20 @@ T = TypeVar("T")
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port on 127.0.0.1 that nothing listens on right now, below the kernel's ephemeral
+    range: a port the kernel hands out (bind to 0) is also the source port of any outgoing
+    connection, and with four test workers talking to servers one of those took a port between
+    this check and a server's bind (seen: a Prefect server exiting 'address already in use')."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for _ in range(200):
+        port = random.randrange(10000, max(low, 10001))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise AssertionError(f"no free port found between 10000 and {low}")
 
 
 def wait_for(predicate: Callable[[], T | None], limit_s: float, what: str) -> T:
