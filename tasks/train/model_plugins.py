@@ -19,7 +19,6 @@ from torch import nn
 from trainflow.tasks.plugins import PluginError, Resolved, call, resolve
 from trainflow.tasks.spec import DataSpec
 from trainflow.tasks.train.config import TrainConfig
-from trainflow.tasks.train.sharding import sharding_units
 
 MODEL_GROUP = "trainflow.models"
 """Entry-point group under which installed packages register model factories."""
@@ -98,7 +97,9 @@ def check_model(cfg: TrainConfig, spec: DataSpec) -> ModelReport:
         batch = torch.empty((CHECK_BATCH, *spec.sample_shape), dtype=dtype)
         forward = Resolved(obj=model.eval(), target=factory.target, file=factory.file)
         out = call(forward, f"the forward pass of the model {cfg.model!r}", batch)
-    if cfg.strategy == "fsdp":
+    if cfg.strategy == "fsdp":  # (imports FSDP, ~0.6 s of a flow's start: only for it)
+        from trainflow.tasks.train.sharding import sharding_units
+
         sharding_units(model)  # a model's own shard_units() that names strangers: one line
     need = spec.output_shape(CHECK_BATCH)
     got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
