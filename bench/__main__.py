@@ -18,6 +18,7 @@ BENCHES = [
     "p7_lightning",
     "p8_fixed_costs",
     "p9_fsdp",
+    "new_store",  # P10: a new tracking store without a sync per migration
     "first_result",  # P7 and P8 from the command, with CPU seconds (issue 18 point 1)
 ]
 OPTIONAL = ["cold_start"]

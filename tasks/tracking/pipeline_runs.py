@@ -17,6 +17,7 @@ from mlflow.tracking import MlflowClient
 from trainflow.tasks.diskspace import disk_stage
 from trainflow.tasks.tracking import runs
 from trainflow.tasks.tracking.config import TrackingConfig
+from trainflow.tasks.tracking.new_store import create_local_store
 from trainflow.tasks.tracking.reachability import limit_http_retries, reachable
 from trainflow.tasks.tracking.store_lock import store_lock
 
@@ -45,6 +46,7 @@ class PipelineRuns:
         self.experiment = cfg.experiment
         # A new SQLite store is ~1 MiB, and as much again for its journal while it is created.
         with disk_stage("tracking store", workdir, 2 << 20), store_lock(self.tracking_uri):
+            create_local_store(self.tracking_uri, workdir / "mlartifacts")
             self.client = MlflowClient(self.tracking_uri)
             self.experiment_id = runs.ensure_experiment(self.client, cfg.experiment, workdir)
         self.commit = runs.git_commit()
