@@ -65,7 +65,8 @@ from trainflow.tasks.train.sharded_checkpoint import (
     full_weights,
     load_sharded,
 )
-from trainflow.tasks.train.sharding import checkpoint_activations, sharding_units, wrap_fsdp
+from trainflow.tasks.train.sharded_init import build_on_rank, shard_from_rank0
+from trainflow.tasks.train.sharding import checkpoint_activations, sharding_units
 from trainflow.tasks.train.throughput import (
     NO_FLOPS,
     RankClock,
@@ -132,7 +133,8 @@ class TrainingJob(submitit.helpers.Checkpointable):
             torch.manual_seed(cfg.seed)
             random.seed(cfg.seed)
             policy = resolve_precision(cfg.precision, dist.device)
-            model = build_model(cfg, self.data_spec)  # after the seed: same weights
+            # after the seed: the same weights everywhere (fsdp: rank 0's, the others on meta)
+            model = build_on_rank(lambda: build_model(cfg, self.data_spec), cfg.strategy, dist)
             narrowest = narrowest_conv(model)
             nhwc = use_channels_last(cfg.channels_last, dist.device, narrowest, cfg.strategy)
             train, val = self._load("train", dist, nhwc), self._load("val", dist, nhwc)
@@ -184,7 +186,7 @@ class TrainingJob(submitit.helpers.Checkpointable):
         if cfg.activation_checkpointing:
             checkpoint_activations(sharding_units(model))
         if cfg.strategy == "fsdp":  # the optimizer then holds this rank's shards only
-            model = wrap_fsdp(model, dist, policy, cfg.reshard_after_forward)
+            model = shard_from_rank0(model, dist, policy, cfg.reshard_after_forward)
             optimizer = make_optimizer(cfg, model)
         else:
             optimizer = make_optimizer(cfg, model)

@@ -1,7 +1,9 @@
 """Real gloo rank processes for the sharding tests: each trains a tiny transformer (the charlm
 example's) on its share of a fixed global batch under DDP or FSDP, with trainflow's own
 wrappers, and rank 0 saves what the tests compare (final full weights, losses, the first
-step's full gradient norm, each rank's local shard sizes)."""
+step's full gradient norm, each rank's local shard sizes). Under FSDP the ranks build the
+model as the training job's do (tasks.train.sharded_init): rank 0 whole, the others on the
+meta device, rank 0's weights and buffers broadcast into the shards."""
 
 import math
 import os
@@ -22,7 +24,8 @@ from trainflow.tasks.train.checkpoint import unwrap
 from trainflow.tasks.train.distributed import DistContext, wrap_ddp
 from trainflow.tasks.train.precision import PrecisionPolicy
 from trainflow.tasks.train.sharded_checkpoint import full_weights
-from trainflow.tasks.train.sharding import local_numel, wrap_fsdp
+from trainflow.tasks.train.sharded_init import build_on_rank, shard_from_rank0
+from trainflow.tasks.train.sharding import local_numel
 
 # The charlm example is a user's project, not a package: imported as its runs import it.
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "charlm"))
@@ -112,9 +115,13 @@ def _rank(
     results: dict[str, Any] = {}
     for strategy, precision in runs:
         policy = policy_for(precision, device_type)
-        model = tiny_model().to(device)
+        # as the training job builds it: under fsdp rank 0 builds, the others on meta
+        model = build_on_rank(tiny_model, strategy, ctx)
         full = sum(p.numel() for p in model.parameters())
-        model = wrap_fsdp(model, ctx, policy) if strategy == "fsdp" else wrap_ddp(model, ctx)
+        if strategy == "fsdp":
+            model = shard_from_rank0(model, ctx, policy)
+        else:
+            model = wrap_ddp(model.to(device), ctx)
         losses, norm, optimizer = train(model, policy, rank, world, str(device))
         states = [t for s in optimizer.state.values() for t in s.values() if t.dim() > 0]
         local = {

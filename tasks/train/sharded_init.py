@@ -1,0 +1,77 @@
+"""How the ranks of a train.strategy=fsdp job come to hold their shards without each building
+the whole model: rank 0 builds it (seeded: the weights a DDP or one-process run starts from),
+every other rank builds it on the meta device (no memory), all shard it, and rank 0's weights
+are broadcast tensor by tensor into everyone's shards.
+
+Peak host memory while starting: rank 0 the whole model once (its host copy, dropped once
+distributed) plus its shards; every other rank its shards plus one whole tensor at a time
+(the one being broadcast). Afterwards every rank holds 1/N of the parameters.
+
+Under DDP, or on one rank, every rank builds the whole model as before: one code path, the
+meta build is the only difference.
+"""
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+from trainflow.tasks.train.checkpoint import restore_rng, rng_state
+from trainflow.tasks.train.distributed import DistContext
+from trainflow.tasks.train.precision import PrecisionPolicy
+from trainflow.tasks.train.sharding import wrap_fsdp
+
+
+def builds_on_meta(strategy: str, ctx: DistContext) -> bool:
+    """True on the ranks that build the model on the meta device: all but rank 0 of an fsdp
+    job of several ranks."""
+    return strategy == "fsdp" and ctx.world_size > 1 and not ctx.is_main
+
+
+def build_on_rank(build: Callable[[], nn.Module], strategy: str, ctx: DistContext) -> nn.Module:
+    """`build()` on this rank: on the meta device where builds_on_meta, else as it is.
+
+    Under fsdp on several ranks rank 0's torch and python RNG state is then broadcast (a meta
+    build draws no random numbers): every rank continues from the state a DDP rank has after
+    building, so dropout and data order match a DDP run's (collective)."""
+    if not builds_on_meta(strategy, ctx):
+        model = build()
+    else:
+        with torch.device("meta"):
+            model = build()
+    if strategy == "fsdp" and ctx.world_size > 1:
+        state = [rng_state() if ctx.is_main else None]
+        dist.broadcast_object_list(state, src=0)
+        restore_rng(state[0])
+    return model
+
+
+def shard_from_rank0(
+    model: nn.Module,
+    ctx: DistContext,
+    policy: PrecisionPolicy,
+    reshard_after_forward: bool = True,
+) -> nn.Module:
+    """`model` sharded with wrap_fsdp and filled with rank 0's weights and buffers (collective).
+
+    Rank 0 passes the model it built, the others their meta build (build_on_rank). Rank 0's
+    state dict is taken before sharding (it references the whole tensors fully_shard replaces
+    by shards), the others allocate their shards (`to_empty`), and DCP's set_model_state_dict
+    broadcasts each tensor from rank 0, every rank keeping its shard. Buffers (not sharded)
+    are then broadcast whole: non-persistent ones are not in the state dict. On one rank this
+    is wrap_fsdp."""
+    if ctx.world_size == 1:
+        return wrap_fsdp(model, ctx, policy, reshard_after_forward)
+    full = model.state_dict() if ctx.is_main else {}
+    model = wrap_fsdp(model, ctx, policy, reshard_after_forward)
+    if not ctx.is_main:
+        model.to_empty(device=ctx.device)
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, full, options=options)
+    del full  # rank 0's host copy of the whole model
+    with torch.no_grad():
+        for buffer in model.buffers():
+            dist.broadcast(buffer, src=0)
+    return model
