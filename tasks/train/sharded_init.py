@@ -9,8 +9,16 @@ distributed) plus its shards; every other rank its shards plus one whole tensor 
 
 Under DDP, or on one rank, every rank builds the whole model as before: one code path, the
 meta build is the only difference.
+
+Freed memory goes back to the system under fsdp (fixed_mmap_threshold): FSDP allocates and
+frees each unit's gathered parameters and gradients every step, and glibc's malloc, whose
+mmap threshold grows to the largest block freed so far, then serves those blocks from its
+heap and keeps them: measured here (charlm 512x8, 25M parameters, 4 gloo ranks, 3 AdamW
+steps) each rank's RSS grew 270 -> 890-1010 MiB, step after step, against 270 -> 422 MiB
+(peak 515) with the threshold fixed at 128 KiB: FSDP's saving gone, and more.
 """
 
+import ctypes
 from collections.abc import Callable
 
 import torch
@@ -31,7 +39,8 @@ def builds_on_meta(strategy: str, ctx: DistContext) -> bool:
 
 
 def build_on_rank(build: Callable[[], nn.Module], strategy: str, ctx: DistContext) -> nn.Module:
-    """`build()` on this rank: on the meta device where builds_on_meta, else as it is.
+    """`build()` on this rank: on the meta device where builds_on_meta, else as it is; under
+    fsdp with malloc's mmap threshold fixed first (fixed_mmap_threshold).
 
     Under fsdp on several ranks rank 0's torch and python RNG state is then broadcast (a meta
     build draws no random numbers): every rank continues from the state a DDP rank has after
@@ -41,6 +50,8 @@ def build_on_rank(build: Callable[[], nn.Module], strategy: str, ctx: DistContex
     else:
         with torch.device("meta"):
             model = build()
+    if strategy == "fsdp":
+        fixed_mmap_threshold()
     if strategy == "fsdp" and ctx.world_size > 1:
         state = [rng_state() if ctx.is_main else None]
         dist.broadcast_object_list(state, src=0)
@@ -75,3 +86,23 @@ def shard_from_rank0(
         for buffer in model.buffers():
             dist.broadcast(buffer, src=0)
     return model
+
+
+M_MMAP_THRESHOLD = -3
+"""glibc's mallopt parameter number (malloc.h)."""
+MMAP_THRESHOLD = 128 << 10
+"""glibc's default initial threshold: blocks this large or larger are mmapped, and unmapped
+(returned to the system) when freed."""
+
+
+def fixed_mmap_threshold() -> bool:
+    """Fix glibc malloc's mmap threshold at MMAP_THRESHOLD, which also stops it growing
+    (mallopt: the dynamic threshold is off once set): large blocks freed by FSDP every step
+    return to the system instead of staying in the heap. False where the C library has no
+    mallopt (not glibc): nothing changed."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD))

@@ -66,3 +66,40 @@ def write_rgb_dataset(root: Path, n: int = 8) -> DatasetRef:
     }
     (root / "manifest.json").write_text(json.dumps(manifest))
     return read_manifest(root)
+
+
+def write_token_dataset(
+    root: Path, context: int, vocab: int, n_train: int, n_val: int, seed: int = 0
+) -> DatasetRef:
+    """Next-token data in the preprocessing format: (n, context) int64 ids of a repeating
+    pattern with noise, the same ids shifted by one as targets (train.objective=sequence)."""
+    rng = np.random.default_rng(seed)
+    root.mkdir(parents=True)
+    splits = {}
+    for split, n in (("train", n_train), ("val", n_val), ("test", n_val)):
+        start = rng.integers(0, vocab, (n, 1))
+        ids = (start + np.arange(context + 1)) % vocab  # each next id: the previous + 1
+        noise = rng.random(ids.shape) < 0.1
+        ids = np.where(noise, rng.integers(0, vocab, ids.shape), ids).astype(np.int64)
+        x_name, y_name = f"{split}-00000.x.npy", f"{split}-00000.y.npy"
+        np.save(root / x_name, ids[:, :-1])
+        np.save(root / y_name, ids[:, 1:])
+        x_sha, y_sha = sha256_file(root / x_name), sha256_file(root / y_name)
+        splits[split] = [{"x": x_name, "y": y_name, "n": n, "x_sha256": x_sha, "y_sha256": y_sha}]
+    manifest = {
+        "format_version": 2,
+        "dtype": {"x": "int64", "y": "int64"},
+        "content_hash": f"tokens-{seed}",
+        "cache_key": f"tokens-{seed}",
+        "counts": {name: shards[0]["n"] for name, shards in splits.items()},
+        "shape": [context],
+        "classes": [],
+        "mean": [],
+        "std": [],
+        "target_shape": [context],
+        "num_classes": vocab,
+        "normalisation": "none",
+        "splits": splits,
+    }
+    (root / "manifest.json").write_text(json.dumps(manifest))
+    return read_manifest(root)

@@ -1,0 +1,192 @@
+"""A model whose DDP rank does not fit in a memory limit trains under FSDP on 4 ranks (2 per node
+of the 2-node dev Slurm) inside that limit per rank (issue 17, point 3).
+
+The dev Slurm runs no cgroup plugin, but each node's slurmd forks every step and task it runs:
+the fixture moves each node's slurmd into a memory cgroup (v1) of its own, limited (memory and
+memory+swap) to NODE_LIMIT, twice RANK_LIMIT (the node's RAM for its 2 ranks), and moves it
+back and removes the groups afterwards. The job's ranks are forked inside their node's group
+(each rank reports its cgroup), so the limit holds them for real: exceeding it would OOM-kill
+a rank and fail the job.
+
+The model: examples/charlm's transformer, width 512, 16 blocks: 50.5M parameters. Measured
+here (VmHWM per rank, 2 nodes x 2 ranks, this test's batch, no limit, 2026-11-25):
+- ddp: 1705 MiB rank 0 (its whole checkpoint copied for writing), 1270-1280 MiB the others.
+  In numbers: 16 bytes a parameter (fp32 weights, gradients, AdamW's two moments) = 771 MiB,
+  plus a rank's baseline of ~340 MiB (torch, gloo, the data: the same job with a 1-block
+  width-64 model) = ~1110 MiB > RANK_LIMIT before one activation or checkpoint copy.
+- fsdp: 875 MiB rank 0 (it builds the whole model and gathers it whole for best.pt), 689 MiB
+  the others (1/4 of the state: 193 MiB; the blocks gathered one at a time).
+- this test with train.strategy=ddp (run once by hand): the limit OOM-kills rank 1 on tfnode1
+  and ranks 2-3 on tfnode2 in the first epoch; the job fails. Under fsdp the node groups peaked
+  at 1708 and 1499 MiB of their 2048 (page cache included). ~40 s.
+"""
+
+import json
+import os
+import re
+import signal
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import cloudpickle
+import pytest
+import submitit
+
+from tests.unit.datasets import write_token_dataset
+from trainflow.cluster.config import ClusterConfig
+from trainflow.cluster.dev.slurm import slurm_home
+from trainflow.cluster.executor import make_executor
+from trainflow.cluster.jobs import wait_for_job
+from trainflow.tasks.preprocess.ref import dataset_spec
+from trainflow.tasks.train.config import TrainConfig
+from trainflow.tasks.train.job import TrainingJob, TrainJobSpec
+from trainflow.tasks.train.model_plugins import check_model
+from trainflow.tasks.train.ref import CheckpointRef
+
+pytestmark = pytest.mark.timeout(300)
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+CHARLM = Path(__file__).resolve().parents[2] / "examples" / "charlm"
+V1 = Path("/sys/fs/cgroup/memory")
+RANK_LIMIT = 1024 << 20
+NODE_LIMIT = 2 * RANK_LIMIT
+RANK_BASELINE = 340 << 20
+"""A rank's peak with a negligible model (measured, see the module docstring)."""
+CONTEXT, VOCAB = 64, 96
+
+
+class ReportsMemory(TrainingJob):
+    """Trains, then writes this rank's peak RSS (VmHWM) and memory cgroup to
+    <out_dir>/memory-<rank>.json."""
+
+    def __call__(self) -> CheckpointRef | None:
+        result = super().__call__()
+        rank = submitit.JobEnvironment().global_rank
+        status = Path("/proc/self/status").read_text()
+        hwm = re.search(r"VmHWM:\s+(\d+) kB", status)
+        groups = Path("/proc/self/cgroup").read_text().splitlines()
+        record = {
+            "node": os.environ.get("SLURMD_NODENAME"),
+            "vmhwm": int(hwm[1]) * 1024 if hwm else None,
+            "cgroup": next(g.split(":", 2)[2] for g in groups if ":memory:" in g),
+        }
+        self.spec.out_dir.mkdir(parents=True, exist_ok=True)
+        (self.spec.out_dir / f"memory-{rank}.json").write_text(json.dumps(record))
+        return result
+
+
+def _own_group() -> Path | None:
+    """This process's memory cgroup (v1), when we may create groups under it."""
+    if os.geteuid() != 0 or not V1.is_dir():
+        return None
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _id, controllers, group = line.split(":", 2)
+        if "memory" in controllers.split(","):
+            path = V1 / group.lstrip("/")
+            return path if os.access(path, os.W_OK) else None
+    return None
+
+
+def _memory_group_of(pid: int) -> Path:
+    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+        _id, controllers, group = line.split(":", 2)
+        if "memory" in controllers.split(","):
+            return V1 / group.lstrip("/")
+    raise AssertionError(f"process {pid} is in no memory cgroup")
+
+
+@pytest.fixture
+def node_groups() -> Iterator[dict[str, Path]]:
+    """Each node's slurmd moved into a memory cgroup limited to NODE_LIMIT, by node name;
+    moved back, and the groups removed, afterwards."""
+    parent = _own_group()
+    if parent is None:
+        pytest.skip("needs root and a writable cgroup v1 memory controller")
+    slurmds = {
+        f.stem.removeprefix("slurmd-"): int(f.read_text())
+        for f in sorted((slurm_home() / "run").glob("slurmd-*.pid"))
+    }
+    groups: dict[str, Path] = {}
+    homes: dict[int, Path] = {}
+    try:
+        for node, pid in slurmds.items():
+            group = parent / f"trainflow-fsdp-{node}-{uuid.uuid4().hex[:8]}"
+            group.mkdir()
+            groups[node] = group
+            (group / "memory.limit_in_bytes").write_text(str(NODE_LIMIT))
+            memsw = group / "memory.memsw.limit_in_bytes"
+            if memsw.exists():
+                memsw.write_text(str(NODE_LIMIT))
+            homes[pid] = _memory_group_of(pid)
+            (group / "cgroup.procs").write_text(str(pid))
+        yield groups
+    finally:
+        for pid, home in homes.items():
+            (home / "cgroup.procs").write_text(str(pid))
+        for group in groups.values():
+            _empty(group)
+            group.rmdir()
+
+
+def _empty(group: Path) -> None:
+    """Wait for the job's last processes (slurmstepd) to leave `group`; kill any still there
+    after a minute (forked for this test's job)."""
+    deadline = time.monotonic() + 60
+    while (group / "cgroup.procs").read_text().split() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for pid in (group / "cgroup.procs").read_text().split():
+        os.kill(int(pid), signal.SIGKILL)
+    while (group / "cgroup.procs").read_text().split():
+        time.sleep(0.1)
+
+
+def _oom_kills(group: Path) -> int:
+    """OOM kills in `group` (memory.oom_control's oom_kill; 0 on kernels without it)."""
+    fields = dict(line.split() for line in (group / "memory.oom_control").read_text().splitlines())
+    return int(fields.get("oom_kill", 0))
+
+
+def test_fsdp_trains_a_model_whose_ddp_rank_exceeds_the_per_rank_memory_limit(
+    node_groups: dict[str, Path], tmp_path: Path
+) -> None:
+    world = 4
+    dataset = write_token_dataset(tmp_path / "ds", CONTEXT, VOCAB, world * 4 * 2, world * 4)
+    train = TrainConfig(
+        model="char_transformer:build",
+        model_args={"dim": 512, "layers": 16, "heads": 8, "dropout": 0.0},
+        objective="sequence",
+        strategy="fsdp",
+        epochs=1,
+        batch_size=4,  # 2 steps an epoch
+        precision="fp32",
+        device="cpu",
+    )
+    sys.path.insert(0, str(CHARLM))
+    try:
+        params = check_model(train, dataset_spec(dataset, "sequence")).parameters
+    finally:
+        sys.path.remove(str(CHARLM))
+    assert 16 * params + RANK_BASELINE > RANK_LIMIT  # a DDP rank's state alone: no fit
+    out = tmp_path / "run"
+    spec = TrainJobSpec(train=train, dataset=dataset, out_dir=out, code=[CHARLM])
+    cluster = ClusterConfig(executor="slurm", nodes=2, ranks_per_node=2, timeout_min=10)
+    job = make_executor(cluster, tmp_path / "jobs").submit(ReportsMemory(spec))
+
+    assert isinstance(wait_for_job(job, print), CheckpointRef)
+    ranks: list[dict[str, Any]] = [
+        json.loads((out / f"memory-{r}.json").read_text()) for r in range(world)
+    ]
+    for rank in ranks:
+        group = node_groups[rank["node"]]
+        assert V1 / rank["cgroup"].lstrip("/") == group, rank  # held by its node's limit
+        assert rank["vmhwm"] < RANK_LIMIT, rank
+    assert sorted(r["node"] for r in ranks) == sorted(2 * list(node_groups))
+    for group in node_groups.values():
+        assert _oom_kills(group) == 0
+        usage = int((group / "memory.max_usage_in_bytes").read_text())
+        print(f"{group.name}: peak usage {usage >> 20} MiB (page cache included)")
+        assert usage <= NODE_LIMIT
