@@ -20,6 +20,7 @@ steps) each rank's RSS grew 270 -> 890-1010 MiB, step after step, against 270 ->
 
 import ctypes
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -53,8 +54,9 @@ def build_on_rank(build: Callable[[], nn.Module], strategy: str, ctx: DistContex
     if strategy == "fsdp":
         fixed_mmap_threshold()
     if strategy == "fsdp" and ctx.world_size > 1:
-        state = [rng_state() if ctx.is_main else None]
+        state: list[dict[str, Any] | None] = [rng_state() if ctx.is_main else None]
         dist.broadcast_object_list(state, src=0)
+        assert state[0] is not None
         restore_rng(state[0])
     return model
 
