@@ -118,6 +118,7 @@ def _rank(
         # as the training job builds it: under fsdp rank 0 builds, the others on meta
         model = build_on_rank(tiny_model, strategy, ctx)
         full = sum(p.numel() for p in model.parameters())
+        on_meta = all(p.is_meta for p in model.parameters())
         if strategy == "fsdp":
             model = shard_from_rank0(model, ctx, policy)
         else:
@@ -129,6 +130,7 @@ def _rank(
             "grads": local_numel(p.grad for p in model.parameters() if p.grad is not None),
             "optimizer": local_numel(states),
             "full_params": full,
+            "built_on_meta": on_meta,
         }
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, local)

@@ -49,7 +49,9 @@ def _assert_matches(run: dict[str, Any], ref: dict[str, Any], precision: str) ->
 
 def _assert_sharded(local: list[dict[str, int]], world: int, sharded: bool) -> None:
     """Every rank holds ~1/world (padding: at most one row per parameter) of the
-    parameters, their gradients and the optimizer's state under FSDP; all of them under DDP."""
+    parameters, their gradients and the optimizer's state under FSDP; all of them under DDP.
+    Under FSDP only rank 0 built the whole model (the others on the meta device)."""
+    assert [bool(r["built_on_meta"]) for r in local] == [sharded and i > 0 for i in range(world)]
     for rank in local:
         full = rank["full_params"]
         for key in ("params", "grads", "optimizer"):
