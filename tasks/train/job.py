@@ -133,7 +133,6 @@ class TrainingJob(submitit.helpers.Checkpointable):
             torch.manual_seed(cfg.seed)
             random.seed(cfg.seed)
             policy = resolve_precision(cfg.precision, dist.device)
-            # after the seed: the same weights everywhere (fsdp: rank 0's, the others on meta)
             model = build_on_rank(lambda: build_model(cfg, self.data_spec), cfg.strategy, dist)
             narrowest = narrowest_conv(model)
             nhwc = use_channels_last(cfg.channels_last, dist.device, narrowest, cfg.strategy)

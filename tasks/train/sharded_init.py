@@ -15,7 +15,9 @@ frees each unit's gathered parameters and gradients every step, and glibc's mall
 mmap threshold grows to the largest block freed so far, then serves those blocks from its
 heap and keeps them: measured here (charlm 512x8, 25M parameters, 4 gloo ranks, 3 AdamW
 steps) each rank's RSS grew 270 -> 890-1010 MiB, step after step, against 270 -> 422 MiB
-(peak 515) with the threshold fixed at 128 KiB: FSDP's saving gone, and more.
+(peak 515) with the threshold fixed at 128 KiB: FSDP's saving gone, and more. The price on
+CPU: a page fault per page of every gathered block, every step (bench P9: 1.7x the step time
+at 4 ranks). On a GPU the gathered blocks are CUDA memory, which malloc does not serve.
 """
 
 import ctypes
@@ -40,8 +42,9 @@ def builds_on_meta(strategy: str, ctx: DistContext) -> bool:
 
 
 def build_on_rank(build: Callable[[], nn.Module], strategy: str, ctx: DistContext) -> nn.Module:
-    """`build()` on this rank: on the meta device where builds_on_meta, else as it is; under
-    fsdp with malloc's mmap threshold fixed first (fixed_mmap_threshold).
+    """`build()` on this rank (call it after seeding: every rank that builds gets the same
+    weights): on the meta device where builds_on_meta, else as it is; under fsdp with
+    malloc's mmap threshold fixed first (fixed_mmap_threshold).
 
     Under fsdp on several ranks rank 0's torch and python RNG state is then broadcast (a meta
     build draws no random numbers): every rank continues from the state a DDP rank has after
