@@ -21,6 +21,7 @@ at 4 ranks). On a GPU the gathered blocks are CUDA memory, which malloc does not
 """
 
 import ctypes
+import random
 from collections.abc import Callable
 from typing import Any
 
@@ -29,7 +30,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-from trainflow.tasks.train.checkpoint import restore_rng, rng_state
 from trainflow.tasks.train.distributed import DistContext
 from trainflow.tasks.train.precision import PrecisionPolicy
 from trainflow.tasks.train.sharding import wrap_fsdp
@@ -46,9 +46,9 @@ def build_on_rank(build: Callable[[], nn.Module], strategy: str, ctx: DistContex
     weights): on the meta device where builds_on_meta, else as it is; under fsdp with
     malloc's mmap threshold fixed first (fixed_mmap_threshold).
 
-    Under fsdp on several ranks rank 0's torch and python RNG state is then broadcast (a meta
-    build draws no random numbers): every rank continues from the state a DDP rank has after
-    building, so dropout and data order match a DDP run's (collective)."""
+    Under fsdp on several ranks rank 0's torch (CPU) and python RNG states are then broadcast
+    (a meta build draws no random numbers): every rank continues from the state a DDP rank has
+    after building, so dropout and data order match a DDP run's (collective)."""
     if not builds_on_meta(strategy, ctx):
         model = build()
     else:
@@ -57,10 +57,13 @@ def build_on_rank(build: Callable[[], nn.Module], strategy: str, ctx: DistContex
     if strategy == "fsdp":
         fixed_mmap_threshold()
     if strategy == "fsdp" and ctx.world_size > 1:
-        state: list[dict[str, Any] | None] = [rng_state() if ctx.is_main else None]
+        # torch's CPU generator and python's: the build draws from those (on the host); CUDA
+        # generators are seeded alike on every rank and untouched by it (and the number of
+        # devices a rank sees may differ)
+        state: list[Any] = [(torch.get_rng_state(), random.getstate()) if ctx.is_main else None]
         dist.broadcast_object_list(state, src=0)
-        assert state[0] is not None
-        restore_rng(state[0])
+        torch.set_rng_state(state[0][0])
+        random.setstate(state[0][1])
     return model
 
 

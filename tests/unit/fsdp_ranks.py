@@ -119,6 +119,7 @@ def _rank(
         model = build_on_rank(tiny_model, strategy, ctx)
         full = sum(p.numel() for p in model.parameters())
         on_meta = all(p.is_meta for p in model.parameters())
+        draw = float(torch.rand(()))  # the RNG as the build left it (training draws none)
         if strategy == "fsdp":
             model = shard_from_rank0(model, ctx, policy)
         else:
@@ -131,6 +132,7 @@ def _rank(
             "optimizer": local_numel(states),
             "full_params": full,
             "built_on_meta": on_meta,
+            "draw_after_build": draw,
         }
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, local)

@@ -72,6 +72,10 @@ def test_fsdp_on_2_ranks_matches_ddp_and_one_process_in_fp32_and_bf16(
         _assert_sharded(run["local"], 2, sharded=strategy == "fsdp")
     fsdp, ddp = results["fsdp-fp32"], results["ddp-fp32"]
     assert fsdp["losses"] == pytest.approx(ddp["losses"], rel=1e-6)
+    # every rank continues from the RNG state a DDP rank has after building the model (the
+    # meta build draws nothing: rank 0's state is broadcast)
+    draws = {r["draw_after_build"] for run in (fsdp, ddp) for r in run["local"]}
+    assert len(draws) == 1, draws
 
 
 def test_fsdp_on_4_ranks_averages_gradients_and_holds_a_quarter_per_rank(
