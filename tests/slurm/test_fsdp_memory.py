@@ -180,7 +180,8 @@ def test_fsdp_trains_a_model_whose_ddp_rank_exceeds_the_per_rank_memory_limit(
     ranks: list[dict[str, Any]] = [
         json.loads((out / f"memory-{r}.json").read_text()) for r in range(world)
     ]
-    for rank in ranks:
+    for r, rank in enumerate(ranks):
+        print(f"rank {r} on {rank['node']}: peak RSS {rank['vmhwm'] >> 20} MiB")
         group = node_groups[rank["node"]]
         assert V1 / rank["cgroup"].lstrip("/") == group, rank  # held by its node's limit
         assert rank["vmhwm"] < RANK_LIMIT, rank
