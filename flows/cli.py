@@ -243,16 +243,11 @@ def _run(args: argparse.Namespace) -> int:
         start_temporary_server,
     )
 
-    # The temporary server (10-15 s to answer) boots while this process imports torch and
-    # checks the model; the warm ranks (torch, dynamo, MLflow) while it imports Prefect and
-    # preprocesses. A model the check refuses started no rank.
+    # A mistake in the user's code (import, factory, output shape) is refused before any
+    # process starts too; then the temporary server (10-15 s to answer) and the warm ranks
+    # (torch, dynamo, MLflow) boot while this process imports Prefect and preprocesses.
+    print(check_code(cfg, spec).line(), flush=True)
     server = start_temporary_server()
-    try:
-        print(check_code(cfg, spec).line(), flush=True)
-    except BaseException:
-        if server is not None:  # refused: the server was not for the user; stop it quietly
-            server.stop(quiet=True)
-        raise
     _start_warm_ranks(cfg)
     _prepare_flow_process()
     server = keep_if_needed(server)

@@ -231,24 +231,44 @@ def test_slurm_unreachable_hint_names_slurm_conf_and_the_env_command(tmp_path: P
     assert all("executor=local" in hint for hint in (unset, missing, silent))
 
 
-def test_the_command_refuses_bad_data_before_it_starts_any_process(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+_USER_MODEL = """\
+from torch import nn
+
+
+def wrong_width(spec):
+    return nn.Sequential(nn.Flatten(), nn.LazyLinear(spec.num_classes + 1))
+"""
+
+
+@pytest.mark.parametrize("mistake", ["data", "model"])
+def test_the_command_refuses_bad_data_or_a_bad_model_before_it_starts_any_process(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    mistake: str,
 ) -> None:
-    """`trainflow run` checks the data before it starts warm ranks or Prefect's temporary
-    server (each a process importing torch or Prefect's server, seconds of CPU beside the
-    check): the refusal is one line and nothing was started."""
+    """`trainflow run` checks the data and the user's model before it starts warm ranks or
+    Prefect's temporary server (each a process importing torch or Prefect's server, seconds of
+    CPU beside the check): the refusal is one line and nothing was started."""
     from trainflow.cluster import warm_pool
     from trainflow.flows import cli
 
     monkeypatch.delenv("PREFECT_API_URL", raising=False)  # else no temporary server would start
     monkeypatch.delenv(warm_pool.DISABLE_ENV, raising=False)
     monkeypatch.setattr(warm_pool, "_pool", None)
-    (tmp_path / "data.npz").write_text("images,labels\n")
-    argv = ["run", "--preset", "tiny", "--set", "preprocess.source=npz"]
-    argv += ["--set", f"preprocess.path={tmp_path / 'data.npz'}", "--set", f"workdir={tmp_path}"]
+    argv = ["run", "--preset", "tiny", "--set", f"workdir={tmp_path}"]
+    if mistake == "data":
+        (tmp_path / "data.npz").write_text("images,labels\n")
+        argv += ["--set", "preprocess.source=npz", "--set", f"preprocess.path={tmp_path}/data.npz"]
+        said = "it is not an .npz archive"
+    else:
+        (tmp_path / "tf_user_models.py").write_text(_USER_MODEL)
+        monkeypatch.syspath_prepend(str(tmp_path))
+        argv += ["--set", "train.model=tf_user_models:wrong_width"]
+        said = "gives (2, 5) for a batch of 2"
 
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "it is not an .npz archive" in err, err
+    assert err.count("\n") == 1 and said in err, err
     assert warm_pool._pool is None  # no warm-rank server
     assert "prefect-temporary-server" not in {t.name for t in threading.enumerate()}
