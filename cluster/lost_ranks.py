@@ -43,6 +43,9 @@ class RankEnd:
     """When it ended (or its result was written), for ordering; 0 when unknown."""
     log: Path
     """Its stderr log."""
+    ended_for_peer: int | None = None
+    """The peer whose end made this rank's guard end it (cluster.rank_guard), if so: a
+    survivor, neither lost nor the cause."""
 
     @property
     def failed(self) -> bool:
@@ -55,7 +58,7 @@ class RankEnd:
     def lost(self) -> bool:
         """It ended without raising: killed by a signal, exited without a result, or vanished
         (no exit record: its node, or everything on it, went away)."""
-        return self.failed and self.outcome != "error"
+        return self.failed and self.outcome != "error" and self.ended_for_peer is None
 
     @property
     def raised(self) -> str | None:
@@ -68,6 +71,8 @@ class RankEnd:
         where = f"rank {self.task} on node {self.node or '?'}"
         if self.outcome == "error":
             return f"{where} raised {self.raised}"
+        if self.ended_for_peer is not None:
+            return f"{where} was ended by its guard after rank {self.ended_for_peer} ended"
         if self.returncode is None:
             return f"{where} vanished without an exit status (its node or its parent died)"
         if self.returncode < 0:
@@ -139,6 +144,7 @@ def rank_ends(job: submitit.Job[Any]) -> list[RankEnd]:
             ended = ended or paths.result_pickle.stat().st_mtime
         node = exited.get("node") or started.get("node")
         code = exited.get("returncode")
+        for_peer = exited.get("ended_for_peer")
         ends.append(
             RankEnd(
                 k,
@@ -149,6 +155,7 @@ def rank_ends(job: submitit.Job[Any]) -> list[RankEnd]:
                 trace,
                 ended,
                 paths.stderr,
+                for_peer if isinstance(for_peer, int) else None,
             )
         )
     return ends
@@ -187,7 +194,8 @@ def failure_message(job: submitit.Job[Any], ends: list[RankEnd]) -> tuple[str, s
     # A rank whose error is its collective losing a peer is collateral: the rank that raised
     # something else is the cause and leads, even when it took longer to exit.
     raised = sorted(
-        (e for e in failed if not e.lost), key=lambda e: (_collateral(e), e.ended, e.task)
+        (e for e in failed if not e.lost),
+        key=lambda e: (e.ended_for_peer is not None, _collateral(e), e.ended, e.task),
     )
     if lost:
         first = lost[0]

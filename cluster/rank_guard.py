@@ -17,6 +17,13 @@ With `--warm SOCKET` (the local executor, cluster.warm_ranks) the rank is not st
 forked by the warm-rank server, which hands this guard its pid and, later, its exit status;
 the guard signals it directly, and its death (the controller's SIGKILL) kills the rank.
 
+A peer's end: while its rank runs, the guard reads the job's other exit records every second.
+When a peer has ended without success (a signal, a non-zero code: lost, or it raised) and this
+rank is still running PEER_GRACE_S later, the guard ends it (SIGKILL) and records
+`ended_for_peer`: the survivors of a lost rank otherwise sit in a collective until the peer
+timeout (seen: two FSDP ranks blocked on each other in an all-gather for gloo's 60 s after a
+third was killed). cluster.lost_ranks names the peer, not these ranks.
+
 Signals: under the local executor only this process is signalled (the controller signals the
 task it started), so SIGINT, SIGTERM, SIGUSR1/2 and SIGCONT are passed on to the rank. Under
 Slurm the step's signals reach every process of the task (proctrack), the rank included: this
@@ -25,11 +32,13 @@ process ignores them then and waits for the rank, instead of signalling it twice
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -108,6 +117,34 @@ def end_like(returncode: int) -> None:
 
 HUNG_AFTER_RESULT_S = float(os.environ.get("TRAINFLOW_HUNG_AFTER_RESULT_S", "20"))
 """How long a rank may live on after its result is written before the guard ends it."""
+PEER_GRACE_S = float(os.environ.get("TRAINFLOW_PEER_GRACE_S", "5"))
+"""How long a rank may run on after a peer ended without success before the guard ends it: a
+collective that lost its peer usually fails by itself within this (and then the rank's own
+error is recorded, which says more)."""
+
+
+def ended_peer(folder: Path, job_id: str, task: int, since: float) -> dict[str, Any] | None:
+    """The exit record of a peer of this rank (same job, this attempt: ended at or after
+    `since`) that ended without success and was not itself ended for a peer; else None."""
+    pattern = re.compile(rf"{re.escape(job_id)}_(\d+)_exit\.json")
+    for path in folder.glob(f"{job_id}_*_exit.json"):
+        match = pattern.fullmatch(path.name)
+        if not match or int(match[1]) == task:
+            continue
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        code = record.get("returncode")
+        if (
+            isinstance(code, int)
+            and code != 0
+            and float(record.get("ended", 0)) >= since
+            and not record.get("hung_after_result")
+            and record.get("ended_for_peer") is None
+        ):
+            return dict(record)
+    return None
 
 
 def _outcome(result: Path) -> str | None:
@@ -131,23 +168,42 @@ def _written_since(result: Path, since: float) -> bool:
 
 
 def _wait(
-    child: "subprocess.Popen[bytes] | WarmChild", result: Path, since: float
-) -> tuple[int, bool]:
-    """The child's exit code, and whether it had to be killed after delivering its result
-    (a result file older than `since`, the rank's start, is an earlier attempt's).
+    child: "subprocess.Popen[bytes] | WarmChild",
+    result: Path,
+    since: float,
+    peer: "Callable[[], dict[str, Any] | None]" = lambda: None,
+) -> tuple[int, bool, int | None]:
+    """The child's exit code, whether it had to be killed after delivering its result (a
+    result file older than `since`, the rank's start, is an earlier attempt's), and the task
+    of the peer whose end made the guard end it (`peer()`: ended_peer for this rank), if so.
 
     A rank whose result is written but which does not exit within HUNG_AFTER_RESULT_S is stuck
     in teardown (e.g. a process group destructor deadlocked on the GIL): its work is done,
     so it is killed and counted as exiting the way its result says (0 success, 1 error),
     instead of holding the whole job (the local controller and srun wait for every rank)."""
     written_at: float | None = None
+    peer_seen: tuple[float, dict[str, Any]] | None = None
     while True:
         try:
-            return child.wait(timeout=1.0), False
+            return child.wait(timeout=1.0), False, None
         except subprocess.TimeoutExpired:
             pass
         except InterruptedError:
             continue
+        if peer_seen is None:
+            found = peer()
+            peer_seen = (time.monotonic(), found) if found else None
+        elif time.monotonic() - peer_seen[0] >= PEER_GRACE_S:
+            how = peer_seen[1].get("signal") or f"exit code {peer_seen[1].get('returncode')}"
+            print(
+                f"rank_guard: rank {peer_seen[1].get('task')} of this job ended ({how}) "
+                f"{PEER_GRACE_S:.0f} s ago and this rank still runs: ending it instead of "
+                "waiting for its collectives to time out",
+                file=sys.stderr,
+                flush=True,
+            )
+            child.kill()
+            return child.wait(), False, int(peer_seen[1].get("task", -1))
         if written_at is None:
             written_at = time.monotonic() if _written_since(result, since) else None
             continue
@@ -164,7 +220,7 @@ def _wait(
         )
         child.kill()
         child.wait()
-        return (0 if outcome == "success" else 1), True
+        return (0 if outcome == "success" else 1), True, None
 
 
 def _start(
@@ -197,7 +253,12 @@ def main(command: list[str], peer_timeout_s: str, warm: str | None = None) -> No
         "warm": isinstance(child, WarmChild),
     }
     _write_json(folder / f"{job_id}_{task}_rank.json", where | {"started": started})
-    returncode, hung = _wait(child, folder / f"{job_id}_{task}_result.pkl", started)
+    returncode, hung, for_peer = _wait(
+        child,
+        folder / f"{job_id}_{task}_result.pkl",
+        started,
+        lambda: ended_peer(folder, job_id, task, started),
+    )
     after = oom_kills()
     ended = {
         "returncode": returncode,
@@ -208,6 +269,7 @@ def main(command: list[str], peer_timeout_s: str, warm: str | None = None) -> No
         and after > before,
         "ended": time.time(),
         "hung_after_result": hung,
+        "ended_for_peer": for_peer,
     }
     _write_json(folder / f"{job_id}_{task}_exit.json", where | ended)
     end_like(returncode)

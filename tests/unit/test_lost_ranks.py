@@ -23,7 +23,7 @@ from tests.unit.datasets import write_dataset
 from trainflow.cluster.config import ClusterConfig
 from trainflow.cluster.executor import make_executor
 from trainflow.cluster.jobs import wait_for_job
-from trainflow.cluster.lost_ranks import raised_line
+from trainflow.cluster.lost_ranks import RankLostError, raised_line
 from trainflow.tasks.errors import JobError
 from trainflow.tasks.train.config import TrainConfig
 from trainflow.tasks.train.distributed import distributed
@@ -195,7 +195,7 @@ def test_a_result_left_by_an_earlier_attempt_does_not_end_a_requeued_rank(
     os.utime(stale, (time.time() - 60, time.time() - 60))
     started = time.time()
     child = subprocess.Popen(["sleep", "3"])
-    assert rank_guard._wait(child, stale, started) == (0, False)
+    assert rank_guard._wait(child, stale, started) == (0, False, None)
 
 
 def test_a_killed_fsdp_rank_ends_the_job_in_seconds_named(tmp_path: Path) -> None:
@@ -222,3 +222,50 @@ def test_a_killed_fsdp_rank_ends_the_job_in_seconds_named(tmp_path: Path) -> Non
     head = str(failure.value).splitlines()[0]
     assert f"lost rank 1 (node {socket.gethostname()})" in head
     assert "was killed by signal 9 (SIGKILL)" in head
+
+
+def _die_or_hang() -> int:
+    """Rank 1 is killed (SIGKILL) a moment in; rank 0 never ends by itself: a survivor blocked
+    in something that does not notice the loss (seen: two FSDP ranks waiting on each other in
+    an all-gather until gloo's timeout after a third was killed)."""
+    if submitit.JobEnvironment().global_rank == 1:
+        time.sleep(1)
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(3600)
+    return 0
+
+
+@pytest.mark.timeout(120)
+def test_a_survivor_that_would_wait_forever_is_ended_by_its_guard_after_a_peer_is_lost(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TRAINFLOW_PEER_GRACE_S", "2")
+    job = make_executor(ClusterConfig(ranks_per_node=2, timeout_min=5), tmp_path / "jobs").submit(
+        _die_or_hang
+    )
+    with pytest.raises(JobError) as failure:
+        wait_for_job(job, lambda line: None, poll_s=0.1)
+    head = str(failure.value).splitlines()[0]
+    assert f"lost rank 1 (node {socket.gethostname()})" in head, head
+    assert "was killed by signal 9 (SIGKILL)" in head and "lost rank 0" not in head
+    survivor = json.loads((job.paths.folder / f"{job.job_id}_0_exit.json").read_text())
+    assert survivor["ended_for_peer"] == 1 and survivor["signal"] == "SIGKILL"
+    assert "rank_guard: rank 1 of this job ended (SIGKILL)" in job.task(0).paths.stderr.read_text()
+    assert isinstance(failure.value, RankLostError)  # what cluster.restarts restarts
+    assert [e.task for e in failure.value.lost] == [1]
+
+
+def test_a_peer_record_of_an_earlier_attempt_or_a_success_ends_no_rank(tmp_path: Path) -> None:
+    from trainflow.cluster.rank_guard import ended_peer
+
+    now = time.time()
+    for task, code, ended in [(1, -9, now - 60), (2, 0, now + 1), (3, 1, now + 1)]:
+        record = {"task": task, "returncode": code, "ended": ended, "hung_after_result": False}
+        (tmp_path / f"7_{task}_exit.json").write_text(json.dumps(record))
+    (tmp_path / "77_4_exit.json").write_text(
+        json.dumps({"task": 4, "returncode": -9, "ended": now})
+    )
+    assert ended_peer(tmp_path, "7", 3, now) is None  # its own record is not a peer's
+    found = ended_peer(tmp_path, "7", 0, now)
+    assert found is not None and found["task"] == 3  # not the earlier attempt's, nor the success
+    assert ended_peer(tmp_path, "7", 0, now + 10) is None
