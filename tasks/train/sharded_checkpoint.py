@@ -32,14 +32,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_state_dict,
-    set_state_dict,
-)
 
 from trainflow.tasks.errors import ConfigError, DataError
 from trainflow.tasks.train.checkpoint import (
@@ -105,7 +98,9 @@ class ShardedSaver:
             shutil.rmtree(tmp, ignore_errors=True)  # a killed attempt's, perhaps of more ranks
             # exist_ok: the other ranks' DCP writers create the folder too, before planning
             tmp.mkdir(parents=True, exist_ok=True)
-        model_state, optim_state = get_state_dict(model, optimizer)
+        import torch.distributed.checkpoint as dcp  # (see _dcp_state)
+
+        model_state, optim_state = _dcp_state().get_state_dict(model, optimizer)
         state = {"model": model_state, "optimizer": optim_state}
         future = dcp.async_save(
             state, checkpoint_id=tmp, process_group=self.group, no_dist=self.group is None
@@ -252,16 +247,29 @@ def _choose(directory: Path) -> tuple[str, list[str]] | str | None:
 def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> None:
     """Fill `model` and `optimizer` (sharded over this job's ranks, however many) from the
     checkpoint `folder`, whatever number of ranks wrote it (collective)."""
-    model_state, optim_state = get_state_dict(model, optimizer)  # the shards to fill
+    import torch.distributed.checkpoint as dcp  # (see _dcp_state)
+
+    sd = _dcp_state()
+    model_state, optim_state = sd.get_state_dict(model, optimizer)  # the shards to fill
     state: dict[str, Any] = {"model": model_state, "optimizer": optim_state}
     _quiet_dcp()
     dcp.load(state, checkpoint_id=folder, no_dist=not dist.is_initialized())  # fills in place
-    set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+    sd.set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
 
 
 def full_weights(model: nn.Module) -> dict[str, Any]:
     """The whole model's state dict, gathered onto rank 0's host memory (collective: every
     rank calls it; the others get {}). What best.pt and the logged MLflow model hold, so they
     load into a plain model as a DDP run's do."""
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_model_state_dict(model, options=options)
+    sd = _dcp_state()
+    options = sd.StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return sd.get_model_state_dict(model, options=options)
+
+
+def _dcp_state() -> Any:
+    """torch.distributed.checkpoint.state_dict, imported on first use: DCP imports DTensor and
+    sympy (~0.6 s), which a DDP run (and the flow process, which imports this module with the
+    training job) never needs."""
+    import torch.distributed.checkpoint.state_dict as state_dict
+
+    return state_dict

@@ -28,7 +28,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from trainflow.tasks.train.distributed import DistContext
 from trainflow.tasks.train.precision import PrecisionPolicy
@@ -83,6 +82,8 @@ def shard_from_rank0(
     is wrap_fsdp."""
     if ctx.world_size == 1:
         return wrap_fsdp(model, ctx, policy, reshard_after_forward)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
     full = model.state_dict() if ctx.is_main else {}
     model = wrap_fsdp(model, ctx, policy, reshard_after_forward)
     if not ctx.is_main:

@@ -19,18 +19,22 @@ The device mesh is explicit, one dimension over all ranks, on the rank's device 
 """
 
 import functools
+import sys
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
 
 from trainflow.tasks.errors import ConfigError
 from trainflow.tasks.train.distributed import DistContext
 from trainflow.tasks.train.precision import PrecisionPolicy
+
+if TYPE_CHECKING:  # imported where used: FSDP imports DTensor and sympy (~0.7 s), which a DDP
+    # run, and the flow process that imports this module with the training job, never need
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
 UNITS_METHOD = "shard_units"
 """The method by which a model names its sharding units (its repeated blocks)."""
@@ -88,9 +92,11 @@ def _checkpointed(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any
     return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
-def mixed_precision(policy: PrecisionPolicy) -> MixedPrecisionPolicy:
+def mixed_precision(policy: PrecisionPolicy) -> "MixedPrecisionPolicy":
     """bf16 parameters for compute and fp32 gradient reduction under the bf16 policy (the
     sharded fp32 master weights and optimizer stay fp32); plain fp32 otherwise."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
     if policy.dtype == torch.bfloat16:
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if policy.dtype is not None:
@@ -101,9 +107,11 @@ def mixed_precision(policy: PrecisionPolicy) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy()
 
 
-def device_mesh(ctx: DistContext) -> DeviceMesh:
+def device_mesh(ctx: DistContext) -> "DeviceMesh":
     """A one-dimensional mesh of all ranks on this rank's device type (gloo on CPU, NCCL on
     GPU: the backends the process group was started with)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
     return init_device_mesh(ctx.device.type, (ctx.world_size,), mesh_dim_names=("shard",))
 
 
@@ -122,6 +130,8 @@ def wrap_fsdp(
     if ctx.world_size == 1:
         mixed_precision(policy)  # the same refusal as on several ranks
         return model.to(ctx.device)
+    from torch.distributed.fsdp import fully_shard
+
     mesh = device_mesh(ctx)
     mp = mixed_precision(policy)
     for unit in sharding_units(model):
@@ -132,8 +142,10 @@ def wrap_fsdp(
 
 
 def is_sharded(model: nn.Module) -> bool:
-    """True when `model` was sharded by wrap_fsdp (an FSDP2 module)."""
-    return isinstance(model, FSDPModule)
+    """True when `model` was sharded by wrap_fsdp (an FSDP2 module). Without FSDP imported
+    (by wrap_fsdp) no module can be one."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return fsdp is not None and isinstance(model, fsdp.FSDPModule)
 
 
 def local_numel(tensors: Iterable[torch.Tensor]) -> int:
