@@ -228,8 +228,7 @@ class TrainingJob(submitit.helpers.Checkpointable):
         trainer.scaler.load_state_dict(state["scaler"])
         restore_rng(state["rng"])
         progress = Progress.from_state(state)
-        # Steps count this job's rank layout: another number of ranks (a resharded restart)
-        # takes another number of steps an epoch, and the LR schedule follows epochs done.
+        # Steps follow this job's ranks (a resharded restart has another count an epoch)
         progress.step = progress.epoch * (trainer.total_steps // self.spec.train.epochs)
         if trainer.dist.is_main:
             print(f"resuming from {path} after epoch {progress.epoch}", flush=True)

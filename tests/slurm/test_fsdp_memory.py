@@ -36,6 +36,7 @@ import cloudpickle
 import pytest
 import submitit
 
+from tests.cgroups import V1, memory_group_of, own_memory_group
 from tests.unit.datasets import write_token_dataset
 from trainflow.cluster.config import ClusterConfig
 from trainflow.cluster.dev.slurm import slurm_home
@@ -51,7 +52,6 @@ pytestmark = pytest.mark.timeout(300)
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 CHARLM = Path(__file__).resolve().parents[2] / "examples" / "charlm"
-V1 = Path("/sys/fs/cgroup/memory")
 RANK_LIMIT = 1024 << 20
 NODE_LIMIT = 2 * RANK_LIMIT
 RANK_BASELINE = 340 << 20
@@ -79,31 +79,17 @@ class ReportsMemory(TrainingJob):
         return result
 
 
-def _own_group() -> Path | None:
-    """This process's memory cgroup (v1), when we may create groups under it."""
-    if os.geteuid() != 0 or not V1.is_dir():
-        return None
-    for line in Path("/proc/self/cgroup").read_text().splitlines():
-        _id, controllers, group = line.split(":", 2)
-        if "memory" in controllers.split(","):
-            path = V1 / group.lstrip("/")
-            return path if os.access(path, os.W_OK) else None
-    return None
-
-
 def _memory_group_of(pid: int) -> Path:
-    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
-        _id, controllers, group = line.split(":", 2)
-        if "memory" in controllers.split(","):
-            return V1 / group.lstrip("/")
-    raise AssertionError(f"process {pid} is in no memory cgroup")
+    group = memory_group_of(pid)
+    assert group is not None, f"process {pid} is in no memory cgroup"
+    return group
 
 
 @pytest.fixture
 def node_groups() -> Iterator[dict[str, Path]]:
     """Each node's slurmd moved into a memory cgroup limited to NODE_LIMIT, by node name;
     moved back, and the groups removed, afterwards."""
-    parent = _own_group()
+    parent = own_memory_group()
     if parent is None:
         pytest.skip("needs root and a writable cgroup v1 memory controller")
     slurmds = {

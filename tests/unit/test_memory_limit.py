@@ -30,8 +30,9 @@ import numpy as np
 import pytest
 from mlflow.tracking import MlflowClient
 
+from tests.cgroups import own_memory_group
+
 ROOT = Path(__file__).resolve().parents[2]
-V1 = Path("/sys/fs/cgroup/memory")
 LIMIT = 896 << 20
 """The floor, measured here (VmHWM, a 256 MiB dataset, no limit): the flow process 776 MiB
 (torch, MLflow, Prefect, the dask scheduler, training and evaluation at batch 128), the dask
@@ -44,22 +45,10 @@ FILE_BYTES = 64 << 20
 DATA_BYTES = 3 * LIMIT
 
 
-def _own_group() -> Path | None:
-    """This process's memory cgroup (v1), when we may create groups under it."""
-    if os.geteuid() != 0 or not V1.is_dir():
-        return None
-    for line in Path("/proc/self/cgroup").read_text().splitlines():
-        _id, controllers, group = line.split(":", 2)
-        if "memory" in controllers.split(","):
-            path = V1 / group.lstrip("/")
-            return path if os.access(path, os.W_OK) else None
-    return None
-
-
 @pytest.fixture
 def limited_group() -> Iterator[Path]:
     """A uniquely named memory cgroup limited to LIMIT (no swap beyond it), removed after."""
-    parent = _own_group()
+    parent = own_memory_group()
     if parent is None:
         pytest.skip("needs root and a writable cgroup v1 memory controller")
     group = parent / f"trainflow-test-{uuid.uuid4().hex[:12]}"
