@@ -74,19 +74,39 @@ def get_json(url: str, headers: Mapping[str, str] | None = None) -> Any:
         return None
 
 
-def post(url: str, body: dict[str, Any], headers: Mapping[str, str] | None = None) -> Any:
-    """POST JSON; the decoded answer, or the HTTP status when it is an error."""
+# Answers a client should retry, as Prefect's own client does: a Prefect server answers 503 when
+# its database is busy (SQLite "database is locked" under four test workers; seen in CI).
+RETRY_CODES = frozenset({429, 502, 503})
+
+
+def post(
+    url: str, body: dict[str, Any], headers: Mapping[str, str] | None = None, limit_s: float = 60
+) -> Any:
+    """POST JSON; the decoded answer, or the HTTP status when it is an error. 429/502/503 are
+    retried (Retry-After, else 1 s) for up to limit_s: they mean nothing was done."""
     request = urllib.request.Request(
         url,
         data=json.dumps(body).encode(),
         headers={"Content-Type": "application/json", **dict(headers or {})},
         method="POST",
     )
-    try:
-        with urllib.request.urlopen(request, timeout=30) as resp:
-            return json.load(resp)
-    except urllib.error.HTTPError as err:
-        return err.code
+    deadline = time.monotonic() + limit_s
+    while True:
+        try:
+            with urllib.request.urlopen(request, timeout=30) as resp:
+                return json.load(resp)
+        except urllib.error.HTTPError as err:
+            if err.code not in RETRY_CODES or time.monotonic() > deadline:
+                return err.code
+            retry_after = err.headers.get("Retry-After", "")
+            time.sleep(float(retry_after) if retry_after.isdigit() else 1.0)
+
+
+def post_ok(url: str, body: dict[str, Any], headers: Mapping[str, str] | None = None) -> Any:
+    """POST JSON and return the decoded answer; fail the test on an HTTP error."""
+    answer = post(url, body, headers)
+    assert not isinstance(answer, int), f"POST {url} failed: HTTP {answer}"
+    return answer
 
 
 def run_deployment(api: str, name: str, parameters: dict[str, Any], limit_s: float = 90) -> str:

@@ -11,7 +11,6 @@
 import json
 import re
 import subprocess
-import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -20,7 +19,7 @@ from typing import Any
 from mlflow.entities import Run
 from mlflow.tracking import MlflowClient
 
-from tests.services import service_env, wait_for
+from tests.services import post_ok, service_env, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 TEMPLATES = REPO / "deploy" / "slurm"
@@ -110,14 +109,6 @@ def _live_pid(pid: str) -> bool:
 # --- Prefect and MLflow ----------------------------------------------------------------------
 
 
-def _post(url: str, body: dict[str, Any]) -> Any:
-    request = urllib.request.Request(
-        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(request, timeout=10) as resp:
-        return json.load(resp)
-
-
 def job_env(**extra: str) -> dict[str, str]:
     """What sbatch exports to a job: our environment, without an MLflow server set."""
     env = service_env(**extra)
@@ -180,7 +171,7 @@ def test_pipeline_template_runs_a_whole_pipeline_in_one_allocation(
     assert "== trainflow summary ==" in log
     assert f"parent run id   {parent.info.run_id}" in log
     # The flow ran against the submitter's Prefect server, not a temporary one in the job.
-    flow_runs = _post(f"{prefect_api}/flow_runs/filter", {})
+    flow_runs = post_ok(f"{prefect_api}/flow_runs/filter", {})
     ours = [r for r in flow_runs if str(tmp_path) in json.dumps(r["parameters"])]
     assert [(r["parameters"]["preset"], r["state_type"]) for r in ours] == [("tiny", "COMPLETED")]
 
@@ -309,7 +300,7 @@ def test_worker_template_serves_the_pool_and_requeues_itself(
     )
 
     def worker(name: str) -> dict[str, Any] | None:
-        rows = _post(f"{prefect_api}/work_pools/{pool}/workers/filter", {})
+        rows = post_ok(f"{prefect_api}/work_pools/{pool}/workers/filter", {})
         return next((w for w in rows if w["name"] == name), None)
 
     argv = [

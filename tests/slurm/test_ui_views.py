@@ -21,7 +21,7 @@ from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from tests.browser import Page, chromium, require_chromium
 from tests.gates import GatedJob
-from tests.services import mlflow_server, wait_for
+from tests.services import mlflow_server, post_ok, wait_for
 from trainflow.flows.pipeline import pipeline
 from trainflow.tasks.tracking.lineage import DIGEST_CHARS
 from trainflow.tasks.tracking.report import MODEL_TRAINING_VIEW, experiment_link
@@ -38,18 +38,10 @@ HIDE_ASSISTANT = (
 )
 
 
-def _post(url: str, body: dict[str, Any]) -> Any:
-    request = urllib.request.Request(
-        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(request, timeout=10) as resp:
-        return json.load(resp)
-
-
 def _progress_at(api: str, percent: float) -> dict[str, Any] | None:
     """The newest train-progress artifact when it shows `percent`."""
     query = {"artifacts": {"key": {"any_": ["train-progress"]}}, "sort": "CREATED_DESC"}
-    found = _post(f"{api}/artifacts/filter", {**query, "limit": 1})
+    found = post_ok(f"{api}/artifacts/filter", {**query, "limit": 1})
     return found[0] if found and float(found[0]["data"]) == percent else None
 
 
