@@ -9,15 +9,22 @@ import atexit
 import contextlib
 import json
 import os
+import pickle
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
+import traceback
+from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO, NoReturn, TypeVar
 
-_pool: tuple[subprocess.Popen[bytes], Path] | None = None
+T = TypeVar("T")
+
+_pool: "tuple[subprocess.Popen[bytes] | ForkedServer, Path] | None" = None
 _used = False  # whether a job was handed this pool's socket (else at exit it is killed)
 
 DISABLE_ENV = "TRAINFLOW_COLD_RANKS"
@@ -35,14 +42,8 @@ def warm_pool(for_job: bool = True) -> Path | None:
     if _pool is not None:
         proc, path = _pool
         return path if proc.poll() is None else None
-    folder = Path(tempfile.mkdtemp(prefix="trainflow-warm-"))  # 0700: the socket is private
-    path = folder / "ranks.sock"
-    # Bound and listening before the server starts: a guard may connect at once (it waits in
-    # the backlog until the server's imports are done).
-    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as listener:
-        listener.bind(str(path))
-        os.chmod(path, 0o600)
-        listener.listen(64)
+    folder, path, listener = _listening_socket()
+    with listener:
         fd = listener.fileno()
         proc = subprocess.Popen(
             [sys.executable, "-m", "trainflow.cluster.warm_ranks", str(fd)],
@@ -57,7 +58,165 @@ def warm_pool(for_job: bool = True) -> Path | None:
     return path
 
 
-def _stop(proc: subprocess.Popen[bytes], folder: Path) -> None:
+def _listening_socket() -> tuple[Path, Path, socket.socket]:
+    """A private folder, the server's socket path in it and the socket, bound and listening
+    before the server starts: a guard may connect at once (it waits in the backlog until the
+    server's imports are done)."""
+    folder = Path(tempfile.mkdtemp(prefix="trainflow-warm-"))  # 0700: the socket is private
+    path = folder / "ranks.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(str(path))
+    os.chmod(path, 0o600)
+    listener.listen(64)
+    return folder, path, listener
+
+
+class ForkedServer:
+    """The server when fork_pool forked it from this process: as much of a Popen as this
+    module uses (pid, poll, kill, wait, stdin)."""
+
+    def __init__(self, pid: int, stdin: int) -> None:
+        self.pid = pid
+        self.stdin: BinaryIO | None = os.fdopen(stdin, "wb")
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        """The exit code once it has ended (reaped here), else None."""
+        if self.returncode is None:
+            with contextlib.suppress(ChildProcessError):
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+                if pid:
+                    self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self) -> int:
+        """Wait for its end; the exit code (negative: its signal)."""
+        while (code := self.poll()) is None:
+            try:
+                _, status = os.waitpid(self.pid, 0)
+                self.returncode = os.waitstatus_to_exitcode(status)
+            except ChildProcessError:
+                self.returncode = -signal.SIGKILL  # reaped by somebody else
+        return code
+
+    def kill(self) -> None:
+        """SIGKILL it."""
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+
+
+def fork_pool(first: Callable[[], T]) -> Callable[[], T] | None:
+    """Start this process's warm-rank server as a fork of it, which runs `first()` before it
+    serves: the `trainflow` command forks once torch is imported and has the fork check the
+    user's model (torch, dynamo and the model's own imports: what the ranks need anyway),
+    while it imports Prefect and MLflow itself; one process imports torch instead of two.
+
+    Returns a callable that waits for `first`'s outcome and returns its value or raises its
+    exception (the fork then exits: no server is left). None where no fork is possible
+    (TRAINFLOW_COLD_RANKS=1, a server already runs, or this process runs other threads: a
+    fork copies only the calling thread): the caller runs `first` itself."""
+    global _pool
+    if os.environ.get(DISABLE_ENV) == "1" or _pool is not None or threading.active_count() > 1:
+        return None
+    folder, path, listener = _listening_socket()
+    stdin_r, stdin_w = os.pipe()
+    result_r, result_w = os.pipe()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        os.close(stdin_w)
+        os.close(result_r)
+        _forked_server(first, listener, stdin_r, result_w, folder / "server.log")
+    os.close(stdin_r)
+    os.close(result_w)
+    listener.close()
+    server = ForkedServer(pid, stdin_w)
+    _pool = (server, path)
+    atexit.register(_stop, server, folder)
+
+    def outcome() -> T:
+        with os.fdopen(result_r, "rb") as pipe:
+            data = pipe.read()
+        if data:
+            ok, value = pickle.loads(data)
+            if ok:
+                return value
+        stop_pool()  # it refused, or died: no server is left behind
+        if not data:
+            raise RuntimeError(
+                f"the warm-rank server died while it ran {first!r} (exit code {server.wait()}): "
+                f"rerun with {DISABLE_ENV}=1 and report it, with {folder / 'server.log'}"
+            )
+        assert isinstance(value, BaseException)
+        raise value
+
+    return outcome
+
+
+def _forked_server(
+    first: Callable[[], T], listener: socket.socket, stdin: int, result: int, log: Path
+) -> NoReturn:
+    """In the fork: its own session (the terminal's Ctrl-C is the flow's to handle), run
+    `first` with the command's stdio, hand back its outcome, then serve with stdin a pipe from
+    the flow and stderr in `log`, as a server started by warm_pool is."""
+    code = 0
+    try:
+        os.setsid()
+        _name_process(b"trainflow-warm")  # `ps` tells it from the command it is a copy of
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the flow stops it by closing its stdin
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        try:
+            outcome: tuple[bool, object] = (True, first())
+        except BaseException as err:
+            outcome = (False, _picklable(err))
+        sys.stdout.flush()
+        sys.stderr.flush()
+        with os.fdopen(result, "wb") as pipe:
+            pipe.write(pickle.dumps(outcome))
+        if outcome[0]:
+            _serve_forked(listener, stdin, log)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    finally:
+        os._exit(code)
+
+
+def _name_process(name: bytes) -> None:
+    """Set this process's name (/proc/<pid>/comm, what `ps -e` and psutil's name() show)."""
+    import ctypes
+
+    pr_set_name = 15
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_name, ctypes.c_char_p(name), 0, 0, 0)
+
+
+def _picklable(err: BaseException) -> BaseException:
+    """`err` with its traceback as a note (shown by --debug), or a RuntimeError saying what it
+    was where it does not pickle."""
+    err.add_note("".join(traceback.format_exception(err)).rstrip())
+    try:
+        pickle.loads(pickle.dumps(err))
+    except Exception:
+        return RuntimeError(f"{type(err).__name__}: {err}")
+    return err
+
+
+def _serve_forked(listener: socket.socket, stdin: int, log: Path) -> None:
+    from trainflow.cluster.warm_ranks import serve
+
+    os.dup2(stdin, 0)
+    os.close(stdin)
+    with open(os.devnull, "wb") as devnull:
+        os.dup2(devnull.fileno(), 1)
+    with log.open("ab") as out:
+        os.dup2(out.fileno(), 2)
+    sys.stdin = open(0, closefd=False)  # noqa: SIM115 (serve selects on it; fd 0 stays)
+    serve(listener)  # imports what `first` did not (dynamo, MLflow, the job), then forks ranks
+
+
+def _stop(proc: "subprocess.Popen[bytes] | ForkedServer", folder: Path) -> None:
     """Close the server's stdin: it exits once its last rank has ended (at once when no job
     ever used it: it may still be importing then)."""
     global _pool, _used

@@ -2,21 +2,23 @@
 
 import argparse
 import atexit
+import functools
 import os
 import signal
 import socket
 import sys
 import threading
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import NoReturn, TypeVar
 
 from trainflow.flows.config import PRESETS, PipelineConfig, build_config
 from trainflow.flows.error_output import DEBUG_ENV, debug_enabled
 from trainflow.tasks.errors import ConfigError, JobError, TrainflowError
 from trainflow.tasks.limits import open_files_advice, too_many_open_files
 
+T = TypeVar("T")
 _DEBUG_HELP = "show tracebacks of errors (also: TRAINFLOW_DEBUG=1)"
 
 
@@ -178,12 +180,14 @@ def _sweep(args: argparse.Namespace) -> int:
 
     grid = {".".join(path): value for path, value in map(parse_override, args.grid)}
     base, elements = build_sweep(args.preset, args.overrides, grid)  # fail fast, before Prefect
-    _start_warm_ranks(base)
-    from trainflow.flows.preflight import preflight
+    from trainflow.flows.preflight import preflight, remember
 
-    preflight(base, [cfg.train for _, cfg in elements])
+    trains = [cfg.train for _, cfg in elements]
+    checked = _checked_while_warming(base, lambda: preflight(base, trains))
     _prepare_flow_process()
     from trainflow.flows.sweep import sweep
+
+    remember(base, checked(), trains)
 
     try:
         summary = sweep(preset=args.preset, overrides=args.overrides, grid=grid)
@@ -222,36 +226,55 @@ def _prepare_flow_process() -> None:
     signal.signal(signal.SIGINT, _interrupt)
 
 
-def _start_warm_ranks(cfg: PipelineConfig) -> None:
-    """Start the local executor's warm-rank server first: it imports torch, dynamo and MLflow
-    for the ranks while this process checks the config and imports Prefect (cluster.warm_ranks)."""
+def _checked_while_warming(cfg: PipelineConfig, check: Callable[[], T]) -> Callable[[], T]:
+    """Run `check` (the user's code: it imports torch and their modules) in the local
+    executor's warm-rank server, forked from this process once torch is imported: the server
+    goes on to import dynamo, MLflow and the job for the ranks while this process imports
+    Prefect and the pipeline, and torch is imported once for both (cluster.warm_pool). The
+    returned callable waits for the outcome (a mistake raises; no server is left). Without
+    warm ranks (Slurm, warm_ranks=false) or where no fork is possible, `check` runs here,
+    now, and the warm-rank server (if any) starts after it passed."""
     if cfg.cluster.executor == "local" and cfg.cluster.warm_ranks:
-        from trainflow.cluster.warm_pool import warm_pool
+        import torch  # noqa: F401 -- before the fork: this process and the server share it
 
-        warm_pool(for_job=False)
+        from trainflow.cluster.warm_pool import fork_pool, warm_pool
+
+        pending = fork_pool(check)
+        if pending is not None:
+            return functools.cache(pending)
+        value = check()
+        warm_pool(for_job=False)  # if no job uses it, it is killed at exit
+        return lambda: value
+    value = check()
+    return lambda: value
 
 
 def _run(args: argparse.Namespace) -> int:
     cfg = build_config(args.preset, args.overrides)  # fail fast, before Prefect starts
-    from trainflow.flows.preflight import check_code, check_inputs
+    from trainflow.flows.preflight import check_code, check_inputs, remember
 
     spec = check_inputs(cfg)  # bad data: refused in ~1 s, before any process is started
+    # A mistake in the user's code (import, factory, output shape) is refused before any
+    # Prefect server or job starts too: checked in the warm-rank server as it boots, while
+    # this process imports Prefect and the pipeline.
+    checked = _checked_while_warming(cfg, lambda: check_code(cfg, spec))
     from trainflow.flows.early_server import (
         api_url_in_use,
         keep_if_needed,
         preload_tracking_store,
         start_temporary_server,
+        temporary_server_wanted,
     )
 
-    # A mistake in the user's code (import, factory, output shape) is refused before any
-    # process starts too; then the temporary server (10-15 s to answer) and the warm ranks
-    # (torch, dynamo, MLflow) boot while this process imports Prefect and preprocesses.
-    print(check_code(cfg, spec).line(), flush=True)
+    if temporary_server_wanted():  # it boots for 10-15 s: as early as the check allows
+        print(remember(cfg, checked(), spec=spec).line(), flush=True)
     server = start_temporary_server()
-    _start_warm_ranks(cfg)
     _prepare_flow_process()
     server = keep_if_needed(server)
     from trainflow.flows.pipeline import pipeline
+
+    if server is None:
+        print(remember(cfg, checked(), spec=spec).line(), flush=True)
     from trainflow.tasks.tracking.runs import resolve_tracking_uri
 
     preload_tracking_store(resolve_tracking_uri(cfg.tracking, cfg.workdir))

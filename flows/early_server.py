@@ -135,6 +135,14 @@ def _wait_healthy(proc: "subprocess.Popen[bytes]", url: str, deadline: float) ->
     )
 
 
+def temporary_server_wanted() -> bool:
+    """Whether the environment leaves Prefect to start its temporary server (no API named,
+    the temporary server not turned off); a profile may still name one (keep_if_needed)."""
+    if os.environ.get("PREFECT_API_URL"):
+        return False
+    return os.environ.get("PREFECT_SERVER_EPHEMERAL_ENABLED", "").lower() not in ("0", "false")
+
+
 def start_temporary_server() -> TemporaryServer | None:
     """Begin starting Prefect's temporary server unless the environment names a Prefect API
     or turns the temporary server off; it is stopped at this process's exit.
@@ -142,9 +150,7 @@ def start_temporary_server() -> TemporaryServer | None:
     Called before Prefect is imported (its settings alone take ~1-2.5 s to import): a profile
     may still configure an API, which `keep_if_needed` checks once they are imported.
     """
-    if os.environ.get("PREFECT_API_URL"):
-        return None
-    if os.environ.get("PREFECT_SERVER_EPHEMERAL_ENABLED", "").lower() in ("0", "false"):
+    if not temporary_server_wanted():
         return None
     timeout = float(os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", 20))
     server = TemporaryServer(timeout + OVERLAP_ALLOWANCE_S)

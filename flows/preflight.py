@@ -25,11 +25,40 @@ if TYPE_CHECKING:  # check_code imports them: they import torch (seconds), check
     from trainflow.tasks.train.model_plugins import ModelReport
 
 
+_checked: dict[str, "ModelReport"] = {}
+"""Reports of the configs this process checked already (`remember`), by _key."""
+
+
+def _key(cfg: PipelineConfig, sweep: Iterable[TrainConfig]) -> str:
+    return "\n".join([cfg.model_dump_json(), *(train.model_dump_json() for train in sweep)])
+
+
+def remember(
+    cfg: PipelineConfig,
+    report: "ModelReport",
+    sweep: Iterable[TrainConfig] = (),
+    spec: "DataSpec | None" = None,
+) -> "ModelReport":
+    """Record that `cfg` (and `sweep`) passed every check, with this report, its model for
+    the data's `spec`: the flow that the command then runs in this process checks neither
+    again (the model check may have run in the warm-rank server; here its forward pass would
+    import torch._dynamo into the flow)."""
+    _checked[_key(cfg, sweep)] = report
+    if spec is not None:
+        from trainflow.tasks.train.model_plugins import record_check
+
+        record_check(cfg.train, spec, report)
+    return report
+
+
 def preflight(cfg: PipelineConfig, sweep: Iterable[TrainConfig] = ()) -> "ModelReport":
     """ConfigError or DataError (what is wrong and the fix) before any expensive work; what
     the model check found (built on the meta device: nothing allocated). `sweep`: the train
-    configs of a sweep's elements, whose models are checked against the same data."""
-    return check_code(cfg, check_inputs(cfg), sweep)
+    configs of a sweep's elements, whose models are checked against the same data. A config
+    the `trainflow` command checked seconds ago in this process is not checked again."""
+    sweep = list(sweep)
+    known = _checked.get(_key(cfg, sweep))
+    return known if known is not None else check_code(cfg, check_inputs(cfg), sweep)
 
 
 def check_inputs(cfg: PipelineConfig) -> "DataSpec":

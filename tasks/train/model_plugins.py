@@ -87,9 +87,30 @@ def build_model(cfg: TrainConfig, spec: DataSpec) -> nn.Module:
     return _build(resolve_factory(cfg), cfg, spec)
 
 
+_passed: dict[tuple[str, DataSpec], ModelReport] = {}
+"""Models this process knows pass check_model for a spec (record_check; check_model itself)."""
+
+
+def record_check(cfg: TrainConfig, spec: DataSpec, report: ModelReport) -> None:
+    """Record that cfg's model passed check_model for `spec` (in the warm-rank server forked
+    from this process: the `trainflow` command), with this report."""
+    _passed[(cfg.model_dump_json(), spec)] = report
+
+
 def check_model(cfg: TrainConfig, spec: DataSpec) -> ModelReport:
     """Build cfg's model on the meta device (no weights allocated) and check one forward pass
-    of CHECK_BATCH samples gives spec.output_shape; PluginError (one line) otherwise."""
+    of CHECK_BATCH samples gives spec.output_shape; PluginError (one line) otherwise. Checked
+    once per process for a config and spec: the train stage asks again for the dataset's
+    spec, and the forward pass would import torch._dynamo into the flow (1-2 s)."""
+    known = _passed.get((cfg.model_dump_json(), spec))
+    if known is not None:
+        return known
+    report = _check_model(cfg, spec)
+    record_check(cfg, spec, report)
+    return report
+
+
+def _check_model(cfg: TrainConfig, spec: DataSpec) -> ModelReport:
     factory = resolve_factory(cfg)
     with torch.device("meta"):
         model = _build(factory, cfg, spec)

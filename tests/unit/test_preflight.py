@@ -1,8 +1,12 @@
 """Pre-flight checks: every bad input that needs no pixels is refused before any work starts,
 with the same message the preprocess stage gives for it; what needs pixels is left to the stage."""
 
+import os
 import re
+import subprocess
+import sys
 import threading
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
@@ -272,3 +276,42 @@ def test_the_command_refuses_bad_data_or_a_bad_model_before_it_starts_any_proces
     assert err.count("\n") == 1 and said in err, err
     assert warm_pool._pool is None  # no warm-rank server
     assert "prefect-temporary-server" not in {t.name for t in threading.enumerate()}
+
+
+@pytest.mark.parametrize("debug", [False, True])
+def test_a_model_refused_in_the_forked_warm_server_is_one_line_and_leaves_no_process(
+    tmp_path: Path, debug: bool
+) -> None:
+    """The command (a process of its own, as users start it) checks the model in the warm-rank
+    server it forks once torch is imported (cluster.warm_pool.fork_pool): a mistake is the
+    same one line and exit 2, the fork exits with it and nothing else was started; --debug
+    shows the traceback from the fork."""
+    import psutil
+
+    from trainflow.cluster.warm_pool import DISABLE_ENV
+
+    (tmp_path / "tf_user_models.py").write_text(_USER_MODEL)
+    marker = uuid.uuid4().hex
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), "TRAINFLOW_TEST_MARK": marker}
+    for name in ("PREFECT_API_URL", DISABLE_ENV):
+        env.pop(name, None)
+    argv = [sys.executable, "-m", "trainflow.flows.cli", *(["--debug"] if debug else []),
+            "run", "--preset", "tiny", "--set", f"workdir={tmp_path / 'work'}",
+            "--set", "train.model=tf_user_models:wrong_width"]  # fmt: skip
+    out = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=180)
+    assert out.returncode == 2, out.stderr
+    assert out.stdout == ""
+    said = "gives (2, 5) for a batch of 2"
+    if debug:
+        assert "Traceback" in out.stderr and "_forked_server" in out.stderr, out.stderr
+    else:
+        assert out.stderr.count("\n") == 1 and said in out.stderr, out.stderr
+    assert said in out.stderr.splitlines()[-1]
+
+    def marked(proc: psutil.Process) -> bool:
+        try:
+            return proc.environ().get("TRAINFLOW_TEST_MARK") == marker
+        except psutil.Error:
+            return False
+
+    assert [p for p in psutil.process_iter() if marked(p)] == []  # no server, fork or job
