@@ -2,6 +2,7 @@
 
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -64,8 +65,11 @@ def run_evaluate(
     tracking_uri: str,
     run_id: str,
     version_tags: dict[str, str],
+    say: Callable[[str], object] = lambda line: None,
 ) -> EvalResult:
-    """Evaluate the best checkpoint on the test split and log everything to ``run_id``.
+    """Evaluate the best checkpoint on the test split and log everything to ``run_id``;
+    `say` gets the headline metric as soon as the test pass gives it (the run's first result:
+    plots, the model's export and registration follow).
 
     With registration on, the logged model becomes a new registered version tagged with
     ``version_tags`` (dataset_hash, git_commit, config_hash) and may take the champion alias.
@@ -77,6 +81,11 @@ def run_evaluate(
     example: list[np.ndarray] = []
     batches = test_batches(model, dataset, cfg.batch_size, example)  # the split streams
     report = objective.report(batches, dataset.classes)
+    headline = f"test_{objective.headline}"
+    say(
+        f"{headline.replace('_', ' ')} {report.metrics[headline]:.4f} (first result; plots, "
+        "the model's export and its registration follow)"
+    )
     client = MlflowClient(tracking_uri)
     _log_results(client, run_id, report, objective, ckpt.history_path)
     uri = None
@@ -84,7 +93,6 @@ def run_evaluate(
         uri = _log_model(model, ckpt, train, dataset, example[0], tracking_uri, run_id)
     flat = report.metrics
     registry = _register(client, cfg, uri, run_id, flat, objective, version_tags) if uri else None
-    headline = f"test_{objective.headline}"
     return EvalResult(
         headline=headline,
         headline_value=flat[headline],

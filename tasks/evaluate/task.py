@@ -1,6 +1,6 @@
 """Prefect entry of the evaluation stage."""
 
-from prefect import task
+from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from trainflow.tasks.diskspace import disk_stage, require_space
@@ -26,4 +26,5 @@ def evaluate_task(
     need = 2 * ckpt.path.stat().st_size
     require_space("evaluate", ckpt.path.parent, need)  # before the model is exported
     with disk_stage("evaluate", ckpt.path.parent, need):
-        return run_evaluate(cfg, train, dataset, ckpt, tracking_uri, run_id, version_tags)
+        say = get_run_logger().info
+        return run_evaluate(cfg, train, dataset, ckpt, tracking_uri, run_id, version_tags, say)

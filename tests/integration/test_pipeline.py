@@ -11,6 +11,7 @@ from mlflow.tracking import MlflowClient
 from prefect.artifacts import Artifact
 from prefect.client.schemas.objects import Artifact as ArtifactResponse
 
+from tests.services import wait_for
 from trainflow.flows.config import build_config, config_hash
 from trainflow.flows.pipeline import PipelineSummary, pipeline
 from trainflow.tasks.tracking.packages import package_lock_hash
@@ -163,6 +164,33 @@ def test_prefect_shows_training_progress_and_the_summary_links_each_stage(
         assert f"- {stage}: [{run.info.run_id}](" in text  # type: ignore[attr-defined]
     evaluate = _children(client, first)["evaluate"].info.run_id  # type: ignore[attr-defined]
     assert f"get-artifact?path=training_curves.png&run_uuid={evaluate})" in text
+
+
+def test_the_test_accuracy_is_logged_before_plots_export_and_registration(
+    first: PipelineSummary,
+) -> None:
+    """The run's first result is said as soon as the test pass gives it: the evaluate task
+    logs it before the task's slower rest (figures, the model's export, registration)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    summary = Artifact.get("trainflow-summary")  # the newest: this run's (see the test above)
+    assert isinstance(summary, ArtifactResponse) and summary.flow_run_id is not None
+    said = f"test accuracy {first.headline_value:.4f} (first result;"
+    with get_client(sync_client=True) as client:
+        ours = LogFilter(flow_run_id=LogFilterFlowRunId(any_=[summary.flow_run_id]))
+        # The flow's log lines reach the API in batches, a moment after the flow returned.
+        line = wait_for(
+            lambda: next((x for x in client.read_logs(ours) if x.message.startswith(said)), None),
+            30,
+            f"the log line {said!r}",
+        )
+        assert line.task_run_id is not None
+        task_run = client.read_task_run(line.task_run_id)
+        assert task_run.end_time is not None and task_run.state_name == "Completed"
+        assert task_run.name.startswith("evaluate")
+    # Logged while the task still had its figures, export and registration to do.
+    assert (task_run.end_time - line.timestamp).total_seconds() > 0
 
 
 def test_second_run_hits_the_preprocess_cache(first: PipelineSummary, workdir: Path) -> None:

@@ -34,8 +34,12 @@ def test_a_command_is_accounted_with_the_cpu_of_its_children() -> None:
 
     from bench.first_result import CPUACCT, run_accounted
 
-    busy = "import subprocess, sys; subprocess.run([sys.executable, '-c', 'sum(range(3*10**7))'])"
-    out, wall, cpu = run_accounted([sys.executable, "-c", busy], os.environ)
-    assert out.returncode == 0 and wall > 0
+    busy = (
+        "import subprocess, sys; print('begun', flush=True); "
+        "subprocess.run([sys.executable, '-c', 'sum(range(3*10**7))']); print('done')"
+    )
+    out, wall, cpu, begun = run_accounted([sys.executable, "-c", busy], os.environ, mark="begun")
+    assert out.returncode == 0 and out.stdout == "begun\ndone\n"
+    assert begun is not None and 0 < begun < wall  # the time of the marked line, as it came
     if os.access(CPUACCT, os.W_OK):
         assert cpu is not None and cpu > 0.2  # the grandchild's ~0.5 s of summing counted
