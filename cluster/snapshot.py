@@ -151,6 +151,16 @@ def _module_root(name: str) -> tuple[Path, list[str]] | None:
     return path.parents[depth], parts
 
 
+def user_module(name: str) -> bool:
+    """Whether the imported module `name` is the user's own code (a file outside the
+    environment, not trainflow's): what a snapshot copies."""
+    module = sys.modules.get(name)
+    file = getattr(module, "__file__", None)
+    if name.split(".")[0] == "trainflow" or not isinstance(file, str):
+        return False
+    return not _installed(Path(file).resolve())
+
+
 def _installed(path: Path) -> bool:
     prefixes = {sysconfig.get_paths()[k] for k in ("purelib", "platlib", "stdlib", "platstdlib")}
     places = [Path(p).resolve() for p in prefixes]

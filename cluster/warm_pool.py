@@ -167,10 +167,12 @@ def _forked_server(
         _name_process(b"trainflow-warm")  # `ps` tells it from the command it is a copy of
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the flow stops it by closing its stdin
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        modules, path = set(sys.modules), list(sys.path)
         try:
             outcome: tuple[bool, object] = (True, first())
         except BaseException as err:
             outcome = (False, _picklable(err))
+        _forget_user_code(modules, path)
         sys.stdout.flush()
         sys.stderr.flush()
         with os.fdopen(result, "wb") as pipe:
@@ -182,6 +184,19 @@ def _forked_server(
         code = 1
     finally:
         os._exit(code)
+
+
+def _forget_user_code(modules: set[str], path: list[str]) -> None:
+    """Drop what `first` imported from outside the environment (the user's model and the
+    modules it imports) and the folders it added to sys.path: a rank must import the user's
+    code from the run's snapshot (cluster.snapshot), as a fresh rank does, never a copy that
+    the server imported from the project."""
+    from trainflow.cluster.snapshot import user_module
+
+    for name in set(sys.modules) - modules:
+        if user_module(name):
+            del sys.modules[name]
+    sys.path[:] = path
 
 
 def _name_process(name: bytes) -> None:

@@ -241,6 +241,11 @@ def _checked_while_warming(cfg: PipelineConfig, check: Callable[[], T]) -> Calla
 
         pending = fork_pool(check)
         if pending is not None:
+            from trainflow.tasks.plugins import search_working_folder
+
+            # The fork imported the user's modules; this process imports them later (the code
+            # snapshot, the job's pickle) and must find them where the fork did.
+            search_working_folder()
             return functools.cache(pending)
         value = check()
         warm_pool(for_job=False)  # if no job uses it, it is killed at exit

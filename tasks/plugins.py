@@ -102,7 +102,7 @@ def user_frame(exc: BaseException, file: str) -> str:
     return file
 
 
-def _search_working_folder() -> None:
+def search_working_folder() -> None:
     """Let `trainflow run` started in a project folder import that folder's modules, as
     `python -m` would; searched last, so it never shadows an installed package."""
     cwd = os.getcwd()
@@ -122,7 +122,7 @@ def _entry_point(name: str, setting: str, group: str) -> str | None:
 
 
 def _import(module_name: str, setting: str, ref: str) -> Any:
-    _search_working_folder()
+    search_working_folder()
     try:
         return importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
