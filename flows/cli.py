@@ -19,6 +19,7 @@ from trainflow.tasks.errors import ConfigError, JobError, TrainflowError
 from trainflow.tasks.limits import open_files_advice, too_many_open_files
 
 T = TypeVar("T")
+_WARM_SOCKET_HELP = "$XDG_RUNTIME_DIR/trainflow/warm.sock, else /tmp/trainflow-<uid>/warm.sock"
 _DEBUG_HELP = "show tracebacks of errors (also: TRAINFLOW_DEBUG=1)"
 
 
@@ -58,6 +59,10 @@ def _parser() -> argparse.ArgumentParser:
         help="a train.* key and its values as a JSON list (repeatable: the grid is the product)",
     )
     sub.add_parser("presets", help="list the named presets")
+    warm = sub.add_parser(
+        "warm", help="serve `trainflow run` and `sweep` from a process with their imports done"
+    )
+    warm.add_argument("--socket", type=Path, default=None, help="default: " + _WARM_SOCKET_HELP)
     clu = sub.add_parser("cluster", help="a dev Slurm cluster of N nodes on this machine")
     clu.add_argument("action", choices=["up", "down", "status"])
     clu.add_argument("--nodes", type=int, help="up: nodes to emulate (default: as before, else 2)")
@@ -310,6 +315,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         if args.command == "sweep":
             return _sweep(args)
+        if args.command == "warm":
+            from trainflow.flows.warm_command import default_socket, serve
+
+            return serve(args.socket or default_socket())
         if args.command == "cluster":
             from trainflow.cluster.dev.slurm import run as slurm
 
@@ -337,8 +346,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def entry() -> NoReturn:
-    """The ``trainflow`` command: main(), then an exit without the interpreter's teardown."""
-    exit_fast(main())
+    """The ``trainflow`` command: main() (in the warm command service where one is set and
+    can run it: flows.warm_command), then an exit without the interpreter's teardown."""
+    from trainflow.flows.warm_command import run_served
+
+    served = run_served(sys.argv[1:])
+    exit_fast(main() if served is None else served)
 
 
 def exit_fast(code: int) -> NoReturn:
