@@ -97,8 +97,10 @@ def default_socket() -> Path:
 
 
 def import_time_env(env: dict[str, str]) -> dict[str, str]:
-    """The part of `env` that libraries read when they are imported."""
-    return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_ENV)}
+    """The part of `env` that libraries read when they are imported (PYTHONUNBUFFERED is
+    not: the served command's stdout is buffered as its own environment says)."""
+    return {k: v for k, v in env.items()
+            if k.startswith(IMPORT_TIME_ENV) and k != "PYTHONUNBUFFERED"}  # fmt: skip
 
 
 # --- the command's side --------------------------------------------------------------------

@@ -12,6 +12,7 @@ import json
 import re
 import signal
 import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -208,7 +209,7 @@ def test_deployment_run_completes_and_logs_to_the_stack_mlflow(
     """Last in the file: it ends with `stack.sh down`."""
     pids = {p.pid for p in stack.processes()}
     again = stack.sh("up")  # idempotent: nothing new starts
-    assert again.count("already running") == 3 and {p.pid for p in stack.processes()} == pids
+    assert again.count("already running") == 4 and {p.pid for p in stack.processes()} == pids
     assert "deployed trainflow-pipeline/nightly" in stack.deployed
 
     work = tmp_path / "work"
@@ -261,6 +262,16 @@ def test_deployment_run_completes_and_logs_to_the_stack_mlflow(
     # The worker runs flows from the repository root (the pull step prefect deploy recorded).
     [pull] = nightly["pull_steps"]
     assert pull["prefect.deployments.steps.set_working_directory"]["directory"] == str(REPO)
+
+    # The stack's warm command service runs `trainflow run` for a shell that exports its socket
+    # (a config refusal: the served fork's own one line, cheap).
+    sock = stack.dir / "warm" / "warm.sock"
+    assert f"TRAINFLOW_WARM_SOCKET={sock}" in stack.sh("status")
+    env = {**stack.env, "TRAINFLOW_WARM_SOCKET": str(sock)}
+    argv = [sys.executable, "-m", "trainflow.flows.cli", "run", "--set", "train.epochs=0"]
+    out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and out.stderr.startswith("trainflow: error: invalid config")
+    assert "runs run --set train.epochs=0" in stack.log("warm")
 
     assert stack.processes()  # so that the check below can fail
     stack.sh("down")
