@@ -316,7 +316,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "sweep":
             return _sweep(args)
         if args.command == "warm":
-            from trainflow.flows.warm_command import default_socket, serve
+            from trainflow.flows.warm_command import default_socket
+            from trainflow.flows.warm_service import serve
 
             return serve(args.socket or default_socket())
         if args.command == "cluster":

@@ -3,6 +3,7 @@ commands as forks of itself; nothing mocked. A served run trains as a cold one d
 command's signals and death reach it, and a command the service cannot run as a fresh process
 would runs cold, saying why."""
 
+import contextlib
 import json
 import os
 import re
@@ -17,6 +18,7 @@ import psutil
 import pytest
 from mlflow.tracking import MlflowClient
 
+from tests.cgroups import own_memory_group
 from tests.services import background, service_env, wait_for
 from trainflow.flows.warm_command import SOCKET_ENV
 
@@ -117,10 +119,15 @@ def test_other_import_time_settings_run_cold_saying_why(tmp_path: Path, service:
     assert _served(service) == before
 
 
-def _start_long_run(service: Path, work: Path) -> tuple[subprocess.Popen[str], int]:
-    """A served run training for long; (its command, the served child's pid) at epoch 2."""
+def _start_long_run(
+    service: Path, work: Path, group: Path | None = None
+) -> tuple[subprocess.Popen[str], int]:
+    """A served run training for long (its command in cgroup `group`); (its command, the
+    served child's pid) at epoch 2."""
     argv = _trainflow("run", "--preset", "tiny", "--set", "train.epochs=5000",
                       "--set", f"workdir={work}")  # fmt: skip
+    if group is not None:
+        argv = ["sh", "-c", f'echo $$ > {group}/cgroup.procs && exec "$@"', "sh", *argv]
     proc = subprocess.Popen(argv, env=_env(service), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)  # fmt: skip
     assert proc.stdout is not None
@@ -151,8 +158,34 @@ def _statuses(work: Path) -> dict[str, str]:
     return {r.info.run_name: r.info.status for r in runs}
 
 
-def test_sigterm_to_a_served_command_cancels_its_job(tmp_path: Path, service: Path) -> None:
-    proc, pid = _start_long_run(service, tmp_path)
+@pytest.fixture
+def memory_group() -> Iterator[Path | None]:
+    """A memory cgroup of the test's own (v1, root), removed after; None where none can be."""
+    parent = own_memory_group()
+    if parent is None:
+        yield None
+        return
+    group = parent / f"trainflow-warm-test-{os.getpid()}"
+    group.mkdir()
+    try:
+        yield group
+    finally:
+        for pid in (group / "cgroup.procs").read_text().split():
+            with contextlib.suppress(OSError):
+                (parent / "cgroup.procs").write_text(pid)
+        group.rmdir()
+
+
+def test_sigterm_to_a_served_command_cancels_its_job(
+    tmp_path: Path, service: Path, memory_group: Path | None
+) -> None:
+    """...and the served run runs in the command's cgroup (a memory limit, a Slurm job's)."""
+    proc, pid = _start_long_run(service, tmp_path, memory_group)
+    if memory_group is not None:
+        inside = {int(p) for p in (memory_group / "cgroup.procs").read_text().split()}
+        assert pid in inside and proc.pid in inside
+        ranks = [json.loads(p.read_text()) for p in tmp_path.glob("runs/*/jobs/*_rank.json")]
+        assert len(ranks) == 2 and {int(r["pid"]) for r in ranks} <= inside
     try:
         proc.send_signal(signal.SIGTERM)  # passed on to the fork, which cancels as cold does
         assert proc.wait(timeout=60) == 130
