@@ -42,6 +42,9 @@ IMPORT_TIME_ENV = ("OMP_", "MKL_", "KMP_", "OPENBLAS_", "TORCH", "PYTORCH", "CUD
 """Environment variables read when libraries are imported: a command whose values differ from
 the service's runs cold (its libraries would behave otherwise in a fresh process)."""
 
+SERVED_AS_THEIRS = ("PYTHONUNBUFFERED", "PYTHONPATH")
+"""Import-time variables the fork follows the command in (stdout buffering, sys.path)."""
+
 
 def code_stamp() -> str:
     """sha256 of this Python, trainflow's source files (names, sizes, mtimes) and the
@@ -67,10 +70,11 @@ def default_socket() -> Path:
 
 
 def import_time_env(env: dict[str, str]) -> dict[str, str]:
-    """The part of `env` that libraries read when they are imported (PYTHONUNBUFFERED is
-    not: the served command's stdout is buffered as its own environment says)."""
+    """The part of `env` that libraries read when they are imported. Not PYTHONUNBUFFERED (the
+    served command's stdout is buffered as its own environment says) nor PYTHONPATH (the fork
+    takes the command's sys.path; the service checks it holds no other copy of a library)."""
     return {k: v for k, v in env.items()
-            if k.startswith(IMPORT_TIME_ENV) and k != "PYTHONUNBUFFERED"}  # fmt: skip
+            if k.startswith(IMPORT_TIME_ENV) and k not in SERVED_AS_THEIRS}  # fmt: skip
 
 
 # --- the command's side --------------------------------------------------------------------
@@ -118,7 +122,11 @@ def _wait_served(conn: socket.socket, pid: int) -> int:
         except InterruptedError:  # a signal arrived and was passed on: keep waiting
             continue
     if not data:
-        print("trainflow: error: the warm command service ended during the run", file=sys.stderr)
+        print(
+            "trainflow: error: the warm command service ended during the run (the run got "
+            "SIGTERM: it cancelled its jobs)",
+            file=sys.stderr,
+        )
         return 1
     code = int(json.loads(data)["returncode"])
     return code if code >= 0 else 128 - code

@@ -115,7 +115,35 @@ def _refusal(request: dict[str, Any], stamp: str, env: dict[str, str]) -> str | 
     differ = sorted(k for k in set(theirs) | set(env) if theirs.get(k) != env.get(k))
     if differ:
         return f"the warm command service was started with other {', '.join(differ[:3])}"
+    return _shadowing(request["path"])
+
+
+def _shadowing(path: list[str]) -> str | None:
+    """Why the command's own sys.path folders (PYTHONPATH, its project) would import another
+    copy of a library the service has imported, or None: the fork uses the command's sys.path,
+    and only the user's code (never imported here) may come from those folders."""
+    loaded = {name.partition(".")[0] for name in sys.modules}
+    for folder in path:
+        if not folder or folder in sys.path or not os.path.isdir(folder):
+            continue
+        with contextlib.suppress(OSError):
+            names = {n.partition(".")[0] for n in os.listdir(folder)} & loaded
+            clash = sorted(n for n in names if not _same_module(folder, n))
+            if clash:
+                return f"{folder} on the command's path holds {', '.join(clash[:3])}"
     return None
+
+
+def _same_module(folder: str, name: str) -> bool:
+    """Whether `name` in `folder` is the very module the service imported (the repository
+    that holds the editable trainflow, say)."""
+    file = getattr(sys.modules.get(name), "__file__", None)
+    if not isinstance(file, str):
+        return False
+    origin = os.path.dirname(file) if os.path.basename(file) == "__init__.py" else file
+    here = os.path.join(folder, name)
+    candidates = [here, f"{here}.py"]
+    return any(os.path.realpath(c) == os.path.realpath(origin) for c in candidates)
 
 
 def _accept(
@@ -129,6 +157,8 @@ def _accept(
             raise PermissionError("a command of another user")
         data, fds, _, _ = socket.recv_fds(conn, MAX_MESSAGE, 3)
         request = json.loads(data)
+        if len(fds) != 3:
+            raise ValueError(f"{len(fds)} file descriptors, not stdin, stdout and stderr")
     except (OSError, ValueError) as err:
         print(f"trainflow warm: refused a request: {err}", file=sys.stderr, flush=True)
         conn.close()
@@ -244,6 +274,7 @@ def _become_command(request: dict[str, Any], fds: list[int]) -> None:
     code = 1
     try:
         os.setsid()  # the command passes its terminal's signals on; the service's are not ours
+        _end_with_service()
         signal.set_wakeup_fd(-1)
         for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD):
             signal.signal(sig, signal.SIG_DFL)
@@ -265,6 +296,15 @@ def _become_command(request: dict[str, Any], fds: list[int]) -> None:
     except BaseException:
         traceback.print_exc()
     exit_fast(code)
+
+
+def _end_with_service() -> None:
+    """SIGTERM when the service dies (killed outright): the run cancels its jobs and ends, as
+    its command, which lost the service, reports (never a run nobody waits for)."""
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0)
 
 
 def _stdio(env: dict[str, str]) -> None:

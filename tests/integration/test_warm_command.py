@@ -104,17 +104,26 @@ def test_a_refused_model_is_one_line_through_the_service(tmp_path: Path, service
     assert wait_for(lambda: _ended(service, pid), 30, "the service to log the end") == 2
 
 
-def test_other_import_time_settings_run_cold_saying_why(tmp_path: Path, service: Path) -> None:
+@pytest.mark.parametrize("differs", ["environment", "path"])
+def test_what_a_fork_would_import_otherwise_runs_cold_saying_why(
+    tmp_path: Path, service: Path, differs: str
+) -> None:
+    """Another import-time setting (OMP_NUM_THREADS: read by torch when imported), or a folder
+    on the command's path holding another copy of a library the service imported (torch)."""
     before = _served(service)
     argv = _trainflow("run", "--set", "train.epochs=0", "--set", f"workdir={tmp_path}")
-    env = _env(service, OMP_NUM_THREADS="3")  # read by torch when it is imported
+    if differs == "environment":
+        env = _env(service, OMP_NUM_THREADS="3")
+        why = "the warm command service was started with other OMP_NUM_THREADS"
+    else:
+        (tmp_path / "shadow" / "torch").mkdir(parents=True)
+        (tmp_path / "shadow" / "torch" / "__init__.py").write_text("")
+        env = _env(service, PYTHONPATH=str(tmp_path / "shadow"))
+        why = f"{tmp_path / 'shadow'} on the command's path holds torch"
     out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     first, error = out.stderr.splitlines()[:2]
-    assert first == (
-        "trainflow: the warm command service was started with other OMP_NUM_THREADS: running "
-        "without the warm command service"
-    )
+    assert first == f"trainflow: {why}: running without the warm command service"
     assert error.startswith("trainflow: error: ") and "train.epochs" in out.stderr
     assert _served(service) == before
 
