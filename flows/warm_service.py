@@ -47,6 +47,9 @@ _added: dict[str, str] = {}
 def serve(path: Path) -> int:
     """Import the command's libraries, then serve commands on a socket at `path` until SIGTERM
     or SIGINT (running commands get SIGTERM then: they cancel their jobs)."""
+    if _answers(path):
+        print(f"trainflow warm: a service already serves on {path} (stop it first)")
+        return 2
     launched = dict(os.environ)
     for name in PRELOAD:
         try:
@@ -66,7 +69,7 @@ def serve(path: Path) -> int:
     if folder.st_uid != os.getuid() or folder.st_mode & 0o077:
         print(f"trainflow warm: {path.parent} must be a folder of yours that only you can open")
         return 2
-    path.unlink(missing_ok=True)
+    path.unlink(missing_ok=True)  # a dead service's socket
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(str(path))
     os.chmod(path, 0o600)
@@ -93,6 +96,16 @@ def serve(path: Path) -> int:
             os.kill(pid, signal.SIGTERM)
     path.unlink(missing_ok=True)
     return 0
+
+
+def _answers(path: Path) -> bool:
+    """Whether a process listens on the socket at `path`."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as probe:
+        try:
+            probe.connect(str(path))
+        except OSError:
+            return False
+    return True
 
 
 def _stop_pipe() -> int:

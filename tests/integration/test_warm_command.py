@@ -88,6 +88,14 @@ def test_a_served_run_trains_as_a_cold_run_does(tmp_path: Path, service: Path) -
     assert line == [x for x in outputs["cold"].splitlines() if x.startswith("test accuracy")]
 
 
+def test_a_second_service_on_the_same_socket_is_refused(service: Path) -> None:
+    sock = service.parent / "sockets" / "warm.sock"
+    out = subprocess.run(_trainflow("warm", "--socket", str(sock)), capture_output=True,
+                         text=True, timeout=60)  # fmt: skip
+    assert out.returncode == 2
+    assert out.stdout == f"trainflow warm: a service already serves on {sock} (stop it first)\n"
+
+
 def test_a_refused_model_is_one_line_through_the_service(tmp_path: Path, service: Path) -> None:
     (tmp_path / "tf_user_models.py").write_text(
         "from torch import nn\n\n\ndef wrong_width(spec):\n"
