@@ -18,7 +18,7 @@ import sys
 import tempfile
 import threading
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import BinaryIO, NoReturn, TypeVar
 
@@ -106,7 +106,7 @@ class ForkedServer:
                 os.kill(self.pid, signal.SIGKILL)
 
 
-def fork_pool(first: Callable[[], T]) -> Callable[[], T] | None:
+def fork_pool(first: Callable[[], T], close: Sequence[int] = ()) -> Callable[[], T] | None:
     """Start this process's warm-rank server as a fork of it, which runs `first()` before it
     serves: the `trainflow` command forks once torch is imported and has the fork check the
     user's model (torch, dynamo and the model's own imports: what the ranks need anyway),
@@ -115,7 +115,9 @@ def fork_pool(first: Callable[[], T]) -> Callable[[], T] | None:
     Returns a callable that waits for `first`'s outcome and returns its value or raises its
     exception (the fork then exits: no server is left). None where no fork is possible
     (TRAINFLOW_COLD_RANKS=1, a server already runs, or this process runs other threads: a
-    fork copies only the calling thread): the caller runs `first` itself."""
+    fork copies only the calling thread): the caller runs `first` itself. `close`: file
+    descriptors of this process's that the server must not hold (a pipe whose end means
+    something to another process)."""
     global _pool
     if os.environ.get(DISABLE_ENV) == "1" or _pool is not None or threading.active_count() > 1:
         return None
@@ -126,8 +128,8 @@ def fork_pool(first: Callable[[], T]) -> Callable[[], T] | None:
     sys.stderr.flush()
     pid = os.fork()
     if pid == 0:
-        os.close(stdin_w)
-        os.close(result_r)
+        for fd in (stdin_w, result_r, *close):
+            os.close(fd)
         _forked_server(first, listener, stdin_r, result_w, folder / "server.log")
     os.close(stdin_r)
     os.close(result_w)

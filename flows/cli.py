@@ -231,7 +231,9 @@ def _prepare_flow_process() -> None:
     signal.signal(signal.SIGINT, _interrupt)
 
 
-def _checked_while_warming(cfg: PipelineConfig, check: Callable[[], T]) -> Callable[[], T]:
+def _checked_while_warming(
+    cfg: PipelineConfig, check: Callable[[], T], close: Sequence[int] = ()
+) -> Callable[[], T]:
     """Run `check` (the user's code: it imports torch and their modules) in the local
     executor's warm-rank server, forked from this process once torch is imported: the server
     goes on to import dynamo, MLflow and the job for the ranks while this process imports
@@ -244,7 +246,7 @@ def _checked_while_warming(cfg: PipelineConfig, check: Callable[[], T]) -> Calla
 
         from trainflow.cluster.warm_pool import fork_pool, warm_pool
 
-        pending = fork_pool(check)
+        pending = fork_pool(check, close)
         if pending is not None:
             from trainflow.tasks.plugins import search_working_folder
 
@@ -264,29 +266,27 @@ def _run(args: argparse.Namespace) -> int:
     from trainflow.flows.preflight import check_code, check_inputs, remember
 
     spec = check_inputs(cfg)  # bad data: refused in ~1 s, before any process is started
-    # A mistake in the user's code (import, factory, output shape) is refused before any
-    # Prefect server or job starts too: checked in the warm-rank server as it boots, while
-    # this process imports Prefect and the pipeline.
-    checked = _checked_while_warming(cfg, lambda: check_code(cfg, spec))
     from trainflow.flows.early_server import (
         api_url_in_use,
+        hold_temporary_server,
         keep_if_needed,
         preload_tracking_store,
         start_temporary_server,
-        temporary_server_wanted,
     )
 
-    if temporary_server_wanted():  # it boots for 10-15 s: as early as the check allows
-        print(remember(cfg, checked(), spec=spec).line(), flush=True)
-    server = start_temporary_server()
+    # A mistake in the user's code (import, factory, output shape) is refused before any
+    # Prefect server or job starts too: checked in the warm-rank server as it boots, while
+    # this process imports Prefect and the pipeline, and Prefect's temporary server (if one
+    # is wanted) imports its application, held: it serves only once the check passed.
+    held = hold_temporary_server()
+    pipe = [held.stdin.fileno()] if held is not None and held.stdin is not None else []
+    checked = _checked_while_warming(cfg, lambda: check_code(cfg, spec), pipe)
     _prepare_flow_process()
-    server = keep_if_needed(server)
     from trainflow.flows.pipeline import pipeline
-
-    if server is None:
-        print(remember(cfg, checked(), spec=spec).line(), flush=True)
     from trainflow.tasks.tracking.runs import resolve_tracking_uri
 
+    print(remember(cfg, checked(), spec=spec).line(), flush=True)
+    server = keep_if_needed(start_temporary_server(held))  # released: ~0.6 s to answer
     preload_tracking_store(resolve_tracking_uri(cfg.tracking, cfg.workdir))
     try:
         with api_url_in_use(server):

@@ -38,8 +38,9 @@ PORT_IN_USE_EXIT = 3
 class TemporaryServer:
     """Prefect's temporary server started in a subprocess; `wait()` gives its API URL."""
 
-    def __init__(self, timeout_s: float) -> None:
+    def __init__(self, timeout_s: float, held: "subprocess.Popen[bytes] | None" = None) -> None:
         self._timeout_s = timeout_s
+        self._held = held
         self._errors: list[BaseException] = []
         self._proc: subprocess.Popen[bytes] | None = None
         self.api_url: str | None = None
@@ -52,7 +53,8 @@ class TemporaryServer:
             deadline = time.monotonic() + self._timeout_s
             while True:
                 port = _free_port()
-                self._proc = _uvicorn(port)
+                self._proc = _release(self._held, port) if self._held else _uvicorn(port)
+                self._held = None
                 code = _wait_healthy(self._proc, f"http://127.0.0.1:{port}/api/health", deadline)
                 if code != PORT_IN_USE_EXIT:
                     break
@@ -95,6 +97,44 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def hold_temporary_server() -> "subprocess.Popen[bytes] | None":
+    """Where the temporary server will be wanted, start it held (flows.held_server): it
+    imports Prefect's server application beside the model check and starts serving only once
+    start_temporary_server hands it a port; at this process's exit, unused, it just ends."""
+    if not temporary_server_wanted():
+        return None
+    argv = [sys.executable, "-m", "trainflow.flows.held_server"]
+    held = subprocess.Popen(argv, env=_server_env(), stdin=subprocess.PIPE)
+    atexit.register(_let_go, held)
+    return held
+
+
+def _let_go(held: "subprocess.Popen[bytes]") -> None:
+    """End a held server that was never released (a refused model, an interrupted command);
+    a released one is the temporary server, stopped as such."""
+    if not getattr(held, "released", False) and held.poll() is None:
+        held.kill()
+        held.wait()
+
+
+def _release(held: "subprocess.Popen[bytes]", port: int) -> "subprocess.Popen[bytes]":
+    """The held server, told to serve on `port`; a fresh one where it has ended meanwhile."""
+    try:
+        assert held.stdin is not None
+        held.stdin.write(f"{port}\n".encode())
+        held.stdin.close()
+    except (OSError, ValueError):
+        return _uvicorn(port)
+    held.released = True  # type: ignore[attr-defined]
+    return held
+
+
+def _server_env() -> dict[str, str]:
+    return {"PREFECT_SERVER_ANALYTICS_ENABLED": "false",  # as the flow process sets it
+            **os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1",
+            "PREFECT__SERVER_FINAL": "1"}  # fmt: skip
+
+
 def _uvicorn(port: int) -> "subprocess.Popen[bytes]":
     """Prefect's temporary server process, as SubprocessASGIServer starts it (Prefect 3).
 
@@ -107,9 +147,7 @@ def _uvicorn(port: int) -> "subprocess.Popen[bytes]":
     spec = importlib.util.find_spec("prefect")  # its folder, without importing Prefect
     assert spec is not None and spec.origin is not None
     app_dir = os.path.dirname(os.path.dirname(spec.origin))
-    env = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false",  # as the flow process sets it
-           **os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1",
-           "PREFECT__SERVER_FINAL": "1"}  # fmt: skip
+    env = _server_env()
     argv = [sys.executable, "-m", "uvicorn", "--app-dir", app_dir,
             "--factory", "prefect.server.api.server:create_app", "--host", "127.0.0.1",
             "--port", str(port), "--log-level", "error", "--lifespan", "on"]  # fmt: skip
@@ -143,7 +181,9 @@ def temporary_server_wanted() -> bool:
     return os.environ.get("PREFECT_SERVER_EPHEMERAL_ENABLED", "").lower() not in ("0", "false")
 
 
-def start_temporary_server() -> TemporaryServer | None:
+def start_temporary_server(
+    held: "subprocess.Popen[bytes] | None" = None,
+) -> TemporaryServer | None:
     """Begin starting Prefect's temporary server unless the environment names a Prefect API
     or turns the temporary server off; it is stopped at this process's exit.
 
@@ -153,7 +193,7 @@ def start_temporary_server() -> TemporaryServer | None:
     if not temporary_server_wanted():
         return None
     timeout = float(os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", 20))
-    server = TemporaryServer(timeout + OVERLAP_ALLOWANCE_S)
+    server = TemporaryServer(timeout + OVERLAP_ALLOWANCE_S, held)
     atexit.register(server.stop)
     return server
 

@@ -2,6 +2,7 @@
 
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -87,3 +88,36 @@ def test_the_database_store_is_preloaded_only_for_database_uris() -> None:
         assert name not in sys.modules
     preload_tracking_store("sqlite:////tmp/x.db")
     assert name in sys.modules
+
+
+def test_a_held_server_serves_once_released_and_an_unreleased_one_never_listens(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """flows.held_server: imported beside the model check, serving only once released (a
+    refused model ends it: no Prefect server ever listened)."""
+    import psutil
+
+    from trainflow.flows.early_server import _let_go, hold_temporary_server
+
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    monkeypatch.setenv("PREFECT_HOME", str(tmp_path))
+    monkeypatch.setenv(
+        "PREFECT_API_DATABASE_CONNECTION_URL", f"sqlite+aiosqlite:///{tmp_path}/p.db"
+    )
+    refused = hold_temporary_server()
+    assert refused is not None
+    time.sleep(1)
+    assert psutil.Process(refused.pid).net_connections(kind="inet") == []  # held: no port
+    _let_go(refused)  # what the command's exit does when the model was refused
+    assert refused.returncode is not None and not (tmp_path / "p.db").exists()
+
+    held = hold_temporary_server()
+    server = start_temporary_server(held)
+    assert server is not None and held is not None
+    try:
+        url = server.wait()
+        assert http_status(f"{url}/health") == 200
+        assert psutil.Process(held.pid).net_connections(kind="inet")  # the held process serves
+    finally:
+        server.stop(quiet=True)
+    assert http_status(f"{url}/health") is None
