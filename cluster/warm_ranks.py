@@ -147,22 +147,32 @@ def _guard_gone(
         os.waitpid(pid, 0)
 
 
-def _reap(children: dict[int, socket.socket], owners: dict[socket.socket, int]) -> None:
-    """Send each ended child's exit status (Popen's returncode convention) to its guard."""
+def reap(children: dict[int, socket.socket]) -> list[tuple[int, socket.socket, int]]:
+    """Send each ended child's exit status (Popen's returncode convention) on its connection
+    and close it; (pid, connection, code) of each (the warm command service shares this)."""
+    ended = []
     while children:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
-            return
+            break
         if pid == 0:
-            return
+            break
         conn = children.pop(pid, None)
         if conn is None:
             continue
-        owners.pop(conn, None)
+        code = os.waitstatus_to_exitcode(status)
         with contextlib.suppress(OSError):
-            conn.sendall(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}).encode())
+            conn.sendall(json.dumps({"returncode": code}).encode())
         conn.close()
+        ended.append((pid, conn, code))
+    return ended
+
+
+def _reap(children: dict[int, socket.socket], owners: dict[socket.socket, int]) -> None:
+    """Send each ended rank's exit status to its guard."""
+    for _pid, conn, _code in reap(children):
+        owners.pop(conn, None)
 
 
 def _become_rank(request: dict[str, Any], fds: list[int], conn: socket.socket) -> None:

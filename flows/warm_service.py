@@ -261,21 +261,10 @@ def _client_gone(conn: socket.socket, children: dict[int, socket.socket]) -> set
 
 
 def _reap(children: dict[int, socket.socket]) -> None:
-    """Send each ended child's exit status to its command."""
-    while children:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-        conn = children.pop(pid, None)
-        if conn is None:
-            continue
-        code = os.waitstatus_to_exitcode(status)
-        with contextlib.suppress(OSError):
-            conn.sendall(json.dumps({"returncode": code}).encode())
-        conn.close()
+    """Send each ended child's exit status to its command (cluster.warm_ranks.reap)."""
+    from trainflow.cluster.warm_ranks import reap
+
+    for pid, _conn, code in reap(children):
         print(f"trainflow warm: pid {pid} ended with {code}", flush=True)
 
 
