@@ -18,6 +18,7 @@ import distributed
 import numpy as np
 
 from trainflow.cluster.config import DaskConfig
+from trainflow.cluster.dask_quiet import register_quiet_heartbeat
 from trainflow.tasks.errors import ConfigError
 
 Backend = Literal["numpy", "cupy"]
@@ -63,6 +64,7 @@ def dask_client(
                 cluster, backend = _local_cluster(cfg)
             stack.enter_context(cluster)
             client = stack.enter_context(distributed.Client(cluster))
+        register_quiet_heartbeat(client)  # a teardown race's traceback: only with --debug
         log.info("dask cluster ready: %s (backend %s)", client.dashboard_link, backend)
         yield client, backend
 

@@ -11,18 +11,13 @@ TRAINFLOW_DEBUG=1 (`trainflow --debug ...`) to see everything.
 """
 
 import logging
-import os
 import re
 
-from trainflow.tasks.errors import TrainflowError
+from trainflow.tasks.errors import DEBUG_ENV, TrainflowError, debug_enabled
 
-DEBUG_ENV = "TRAINFLOW_DEBUG"
+__all__ = ["DEBUG_ENV", "RankTracebacks", "UserErrorEcho", "debug_enabled", "quiet_user_errors"]
+
 _KEY_CHARS = 48  # enough of a message to recognise its echoes, short of any quoting
-
-
-def debug_enabled() -> bool:
-    """Whether the user asked for tracebacks (TRAINFLOW_DEBUG set to anything but 0/empty)."""
-    return os.environ.get(DEBUG_ENV, "") not in ("", "0")
 
 
 class UserErrorEcho(logging.Filter):

@@ -1,5 +1,15 @@
 """Errors a user can act on. Each message says what is wrong and how to fix it."""
 
+import os
+
+DEBUG_ENV = "TRAINFLOW_DEBUG"
+"""Set (`trainflow --debug`) to show tracebacks: the flow's, the ranks' and dask workers'."""
+
+
+def debug_enabled() -> bool:
+    """Whether the user asked for tracebacks (TRAINFLOW_DEBUG set to anything but 0/empty)."""
+    return os.environ.get(DEBUG_ENV, "") not in ("", "0")
+
 
 class TrainflowError(Exception):
     """Base class: the CLI prints these without a traceback."""

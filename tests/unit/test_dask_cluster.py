@@ -116,3 +116,33 @@ def test_array_helpers() -> None:
         array_module("torch")
     out = to_numpy([1, 2, 3])
     assert isinstance(out, np.ndarray) and out.tolist() == [1, 2, 3]
+
+
+def _heartbeat_lost(dask_worker: object) -> None:
+    """What distributed.worker.Worker.heartbeat logs when the scheduler's comm is gone."""
+    try:
+        raise OSError("Stream is closed")
+    except OSError:
+        logging.getLogger("distributed.worker").exception(
+            "Failed to communicate with scheduler during heartbeat."
+        )
+    logging.getLogger("distributed.worker").warning("another worker warning")
+
+
+@pytest.mark.parametrize("debug", [False, True])
+def test_a_lost_heartbeat_shows_its_traceback_only_with_debug(
+    debug: bool, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The teardown race of a failed stage (a worker's heartbeat in flight as the scheduler
+    closes) printed 25 lines of traceback after the user's one error line; real worker
+    processes, whose stderr is this process's."""
+    if debug:
+        monkeypatch.setenv("TRAINFLOW_DEBUG", "1")
+    else:
+        monkeypatch.delenv("TRAINFLOW_DEBUG", raising=False)
+    with dask_client(DaskConfig(backend="cpu", n_workers=1)) as (client, _):
+        client.run(_heartbeat_lost)
+    err = capfd.readouterr().err
+    assert "another worker warning" in err  # the worker's other records still show
+    assert ("Traceback" in err) is debug, err
+    assert ("Failed to communicate with scheduler" in err) is debug, err
