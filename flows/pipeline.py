@@ -100,7 +100,7 @@ def run_pipeline(cfg: PipelineConfig) -> PipelineSummary:
             warm.join()
             log_checkpoint(runs.client, run_id, ckpt)
             runs.tag(run_id, lineage_of(runs, cfg, dataset, ckpt, code_hash).tags())
-        result = evaluate_stage(runs, cfg, dataset, ckpt, t, code_hash)
+        result = evaluate_stage(runs, cfg, dataset, ckpt, t, code_hash, paths)
     return summarize(runs, dataset, cached, result, t)
 
 
@@ -177,16 +177,18 @@ def evaluate_stage(
     ckpt: CheckpointRef,
     t: dict[str, float],
     code_hash: str | None = None,
+    code: list[Path] | None = None,
 ) -> EvalResult:
     """The evaluate child run for ``ckpt`` (trained by ``cfg``), then headline numbers on the
-    parent run. The run and a registered version carry the lineage (tracking.lineage).
+    parent run. The run and a registered version carry the lineage (tracking.lineage); `code`
+    (the snapshot's folders) is where the model export imports the user's modules from.
     """
     tags = lineage_of(runs, cfg, dataset, ckpt, code_hash).tags()
     with runs.stage("evaluate", flatten(cfg.evaluate)) as run_id, timed(t, "evaluate"):
         log_dataset_input(runs.client, run_id, dataset, "evaluation")
         runs.tag(run_id, tags)
         result = evaluate_task(
-            cfg.evaluate, cfg.train, dataset, ckpt, runs.tracking_uri, run_id, tags
+            cfg.evaluate, cfg.train, dataset, ckpt, runs.tracking_uri, run_id, tags, code or []
         )
     seconds = {f"seconds_{k}": v for k, v in t.items()}
     runs.log_summary(runs.parent_id, {result.headline: result.headline_value, **seconds})

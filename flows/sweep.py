@@ -86,7 +86,7 @@ def run_sweep(
         )
         get_run_logger().info("best element %d: %s", best, element)
         result = evaluate_stage(
-            runs, best_cfg, dataset, best_ckpt, t, code.sha256 if code else None
+            runs, best_cfg, dataset, best_ckpt, t, code.sha256 if code else None, paths
         )
     accuracies = [
         o.metrics.get("val_accuracy") if isinstance(o, CheckpointRef) else None for o in outcomes

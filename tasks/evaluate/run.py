@@ -2,7 +2,7 @@
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -66,10 +66,12 @@ def run_evaluate(
     run_id: str,
     version_tags: dict[str, str],
     say: Callable[[str], object] = lambda line: None,
+    code: Sequence[Path] = (),
 ) -> EvalResult:
     """Evaluate the best checkpoint on the test split and log everything to ``run_id``;
     `say` gets the headline metric as soon as the test pass gives it (the run's first result:
-    plots, the model's export and registration follow).
+    plots, the model's export and registration follow). `code`: the run's code snapshot
+    folders, which a forked model export imports the user's modules from.
 
     With registration on, the logged model becomes a new registered version tagged with
     ``version_tags`` (dataset_hash, git_commit, config_hash) and may take the champion alias.
@@ -90,7 +92,7 @@ def run_evaluate(
     _log_results(client, run_id, report, objective, ckpt.history_path)
     uri = None
     if cfg.log_model:
-        uri = _log_model(model, ckpt, train, dataset, example[0], tracking_uri, run_id)
+        uri = _log_model(model, ckpt, train, dataset, example[0], tracking_uri, run_id, code)
     flat = report.metrics
     registry = _register(client, cfg, uri, run_id, flat, objective, version_tags) if uri else None
     return EvalResult(
@@ -110,12 +112,14 @@ def _log_model(
     example: np.ndarray,
     tracking_uri: str,
     run_id: str,
+    code: Sequence[Path] = (),
 ) -> str:
     """The model's pt2 export logged to the run: in a warm fork where this process runs a
-    warm-rank server (no torch._dynamo import here), else in this process."""
+    warm-rank server (no torch._dynamo import here; the user's modules from the snapshot
+    folders `code`), else in this process."""
     from trainflow.tasks.evaluate.warm_export import log_model_warm
 
-    uri = log_model_warm(ckpt, train, dataset, example, tracking_uri, run_id)
+    uri = log_model_warm(ckpt, train, dataset, example, tracking_uri, run_id, code)
     if uri is not None:
         return uri
     from trainflow.tasks.evaluate.model_logging import log_model  # torch.export: lazy

@@ -1,5 +1,7 @@
 """Prefect entry of the evaluation stage."""
 
+from pathlib import Path
+
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
@@ -20,6 +22,7 @@ def evaluate_task(
     tracking_uri: str,
     run_id: str,
     version_tags: dict[str, str],
+    code: list[Path] | None = None,
 ) -> EvalResult:
     """Test metrics, plots, the logged model and its registered version for the best checkpoint."""
     # The logged model is a copy of the best weights; plots and metrics are small.
@@ -27,4 +30,6 @@ def evaluate_task(
     require_space("evaluate", ckpt.path.parent, need)  # before the model is exported
     with disk_stage("evaluate", ckpt.path.parent, need):
         say = get_run_logger().info
-        return run_evaluate(cfg, train, dataset, ckpt, tracking_uri, run_id, version_tags, say)
+        return run_evaluate(
+            cfg, train, dataset, ckpt, tracking_uri, run_id, version_tags, say, code or []
+        )

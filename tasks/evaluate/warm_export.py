@@ -14,6 +14,7 @@ import json
 import os
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,9 +36,12 @@ def log_model_warm(
     example: np.ndarray,
     tracking_uri: str,
     run_id: str,
+    code: Sequence[Path] = (),
 ) -> str | None:
     """Log the checkpoint's model to `run_id` from a warm fork; its model URI, or None where
-    no warm-rank server runs in this process (the caller then logs it itself)."""
+    no warm-rank server runs in this process (the caller then logs it itself). The fork
+    imports the user's modules from the run's code snapshot folders `code` first, as the
+    ranks do: the files in the working folder may have changed since the run was submitted."""
     from trainflow.cluster.warm_pool import running_pool, spawn_warm
 
     socket_path = running_pool()
@@ -52,6 +56,7 @@ def log_model_warm(
             "dataset": dataset.model_dump_json(),
             "tracking_uri": tracking_uri,
             "run_id": run_id,
+            "code": [str(p) for p in code],
         }
         (folder / "request.json").write_text(json.dumps(request))
         argv = [sys.executable, "-u", "-m", __name__, str(folder)]
@@ -59,15 +64,15 @@ def log_model_warm(
         if child is None:
             return None
         try:
-            code = child.wait()
+            status = child.wait()
         except BaseException:  # interrupted: the export must not outlive the flow's wait
             child.kill()
             raise
         result, error = folder / "model_uri.txt", folder / "error.json"
         if error.exists():
             _raise_as_in_process(json.loads(error.read_text()))
-        if code != 0 or not result.exists():
-            raise ExportFailed(f"the model export (pid {child.pid}) failed with exit code {code}")
+        if status != 0 or not result.exists():
+            raise ExportFailed(f"the model export (pid {child.pid}) failed with exit code {status}")
         return result.read_text()
 
 
@@ -81,10 +86,12 @@ def _raise_as_in_process(error: dict[str, Any]) -> None:
 
 def _export(folder: Path) -> None:
     """In the fork: rebuild the model from the checkpoint and log it (model_logging)."""
+    from trainflow.cluster.snapshot import code_first
     from trainflow.tasks.evaluate.model_logging import log_model
     from trainflow.tasks.evaluate.run import load_model
 
     request = json.loads((folder / "request.json").read_text())
+    code_first(Path(p) for p in request["code"])  # the code as submitted (cluster.snapshot)
     ckpt = CheckpointRef.model_validate_json(request["ckpt"])
     train = TrainConfig.model_validate_json(request["train"])
     dataset = DatasetRef.model_validate_json(request["dataset"])

@@ -176,3 +176,58 @@ def test_what_the_warm_export_raised_reaches_the_flow(tmp_path: Path) -> None:
     stop_pool()  # without a server of this process the caller exports itself (None)
     assert log_model_warm(ckpt, TrainConfig(), dataset, np.zeros((1, 1, 12, 12), np.float32),
                           f"sqlite:///{tmp_path}/m.db", "run") is None  # fmt: skip
+
+
+_EDITED_MODELS = """\
+from torch import nn
+
+
+def build(spec):
+    c, h, w = spec.sample_shape
+    return nn.Sequential(nn.Flatten(), nn.Linear(c * h * w, spec.num_classes))
+"""
+
+
+def test_the_warm_export_builds_the_submitted_model_not_the_edited_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The user edits their model file while the run trains: the forked export (which runs
+    in the flow's working folder) must build the model from the run's code snapshot."""
+    import mlflow.pytorch
+    from mlflow.tracking import MlflowClient
+
+    from trainflow.cluster.snapshot import code_path, snapshot_for_jobs
+    from trainflow.tasks.evaluate.run import load_model
+    from trainflow.tasks.evaluate.warm_export import log_model_warm
+    from trainflow.tasks.tracking.runs import use_tracking_uri
+
+    project = tmp_path / "proj"
+    project.mkdir()
+    (project / "edited_models.py").write_text(_EDITED_MODELS)
+    monkeypatch.syspath_prepend(str(project))
+    monkeypatch.chdir(project)  # the live file is in the working folder of every fork too
+    code = snapshot_for_jobs(["edited_models"], tmp_path / "run" / "jobs")
+    assert code is not None
+    dataset = write_dataset(tmp_path / "ds")
+    cfg = TrainConfig(model="edited_models:build", epochs=1, batch_size=32, device="cpu",
+                      precision="fp32")  # fmt: skip
+    spec = TrainJobSpec(train=cfg, dataset=dataset, out_dir=tmp_path / "run", code=code.paths)
+    ref = wait_for_job(_local(tmp_path / "jobs").submit(TrainingJob(spec)), lambda _: None)
+    assert isinstance(ref, CheckpointRef)
+    (project / "edited_models.py").write_text(
+        "def build(spec):\n    raise RuntimeError('edited after submission')\n"
+    )
+    sys.modules.pop("edited_models", None)
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = MlflowClient(uri)
+    exp = client.create_experiment("t", artifact_location=(tmp_path / "art").as_uri())
+    run_id = client.create_run(exp).info.run_id
+    x = torch.randn(4, 1, 12, 12)
+    model_uri = log_model_warm(ref, cfg, dataset, x.numpy(), uri, run_id, code.paths)
+    assert model_uri is not None
+    try:
+        with code_path(code.paths), use_tracking_uri(uri), torch.no_grad():
+            expected = load_model(ref, cfg, dataset)(x)
+            torch.testing.assert_close(mlflow.pytorch.load_model(model_uri)(x), expected)
+    finally:
+        sys.modules.pop("edited_models", None)
