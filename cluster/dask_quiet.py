@@ -3,9 +3,9 @@
 When a stage fails, the flow closes its dask cluster at once; a worker whose heartbeat was in
 flight while the scheduler closed logs `Failed to communicate with scheduler during heartbeat.`
 with a 25-line traceback (distributed.worker.Worker.heartbeat, `logger.exception`) straight to
-the stderr the user reads, after the one error line that says what went wrong (seen in CI: the
-error-output test failed on it about once in ten runs). A scheduler really lost mid-work is
-reported by the client side (the flow names it); the worker's record says nothing more.
+the stderr the user reads, after the one error line that says what went wrong (seen in a
+fresh-clone run of the suite: the error-output test failed on it). A scheduler really lost
+mid-work is reported by the client side (the flow names it); the worker's record adds nothing.
 """
 
 import logging
