@@ -14,8 +14,7 @@ from pathlib import Path
 from typing import NoReturn, TypeVar
 
 from trainflow.flows.config import PRESETS, PipelineConfig, build_config
-from trainflow.flows.error_output import DEBUG_ENV, debug_enabled
-from trainflow.tasks.errors import ConfigError, JobError, TrainflowError
+from trainflow.tasks.errors import DEBUG_ENV, ConfigError, JobError, TrainflowError, debug_enabled
 from trainflow.tasks.limits import open_files_advice, too_many_open_files
 
 T = TypeVar("T")

@@ -13,9 +13,7 @@ TRAINFLOW_DEBUG=1 (`trainflow --debug ...`) to see everything.
 import logging
 import re
 
-from trainflow.tasks.errors import DEBUG_ENV, TrainflowError, debug_enabled
-
-__all__ = ["DEBUG_ENV", "RankTracebacks", "UserErrorEcho", "debug_enabled", "quiet_user_errors"]
+from trainflow.tasks.errors import TrainflowError, debug_enabled
 
 _KEY_CHARS = 48  # enough of a message to recognise its echoes, short of any quoting
 

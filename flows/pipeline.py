@@ -188,7 +188,7 @@ def evaluate_stage(
         log_dataset_input(runs.client, run_id, dataset, "evaluation")
         runs.tag(run_id, tags)
         result = evaluate_task(
-            cfg.evaluate, cfg.train, dataset, ckpt, runs.tracking_uri, run_id, tags, code or []
+            cfg.evaluate, cfg.train, dataset, ckpt, runs.tracking_uri, run_id, tags, code
         )
     seconds = {f"seconds_{k}": v for k, v in t.items()}
     runs.log_summary(runs.parent_id, {result.headline: result.headline_value, **seconds})
