@@ -17,8 +17,9 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO, NoReturn, TypeVar
 
@@ -89,8 +90,16 @@ class ForkedServer:
                     self.returncode = os.waitstatus_to_exitcode(status)
         return self.returncode
 
-    def wait(self) -> int:
-        """Wait for its end; the exit code (negative: its signal)."""
+    def wait(self, timeout: float | None = None) -> int:
+        """Wait for its end; the exit code (negative: its signal); TimeoutExpired as Popen
+        raises it when `timeout` seconds pass first."""
+        if timeout is not None:
+            deadline = time.monotonic() + timeout
+            while (code := self.poll()) is None:
+                if time.monotonic() >= deadline:
+                    raise subprocess.TimeoutExpired(["forked", str(self.pid)], timeout)
+                time.sleep(0.02)
+            return code
         while (code := self.poll()) is None:
             try:
                 _, status = os.waitpid(self.pid, 0)
@@ -99,14 +108,22 @@ class ForkedServer:
                 self.returncode = -signal.SIGKILL  # reaped by somebody else
         return code
 
-    def kill(self) -> None:
-        """SIGKILL it."""
+    def send_signal(self, sig: int) -> None:
+        """Signal it while it runs."""
         if self.poll() is None:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, signal.SIGKILL)
+                os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        """SIGTERM it."""
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        """SIGKILL it."""
+        self.send_signal(signal.SIGKILL)
 
 
-def fork_pool(first: Callable[[], T], close: Sequence[int] = ()) -> Callable[[], T] | None:
+def fork_pool(first: Callable[[], T]) -> Callable[[], T] | None:
     """Start this process's warm-rank server as a fork of it, which runs `first()` before it
     serves: the `trainflow` command forks once torch is imported and has the fork check the
     user's model (torch, dynamo and the model's own imports: what the ranks need anyway),
@@ -115,9 +132,7 @@ def fork_pool(first: Callable[[], T], close: Sequence[int] = ()) -> Callable[[],
     Returns a callable that waits for `first`'s outcome and returns its value or raises its
     exception (the fork then exits: no server is left). None where no fork is possible
     (TRAINFLOW_COLD_RANKS=1, a server already runs, or this process runs other threads: a
-    fork copies only the calling thread): the caller runs `first` itself. `close`: file
-    descriptors of this process's that the server must not hold (a pipe whose end means
-    something to another process)."""
+    fork copies only the calling thread): the caller runs `first` itself."""
     global _pool
     if os.environ.get(DISABLE_ENV) == "1" or _pool is not None or threading.active_count() > 1:
         return None
@@ -128,7 +143,7 @@ def fork_pool(first: Callable[[], T], close: Sequence[int] = ()) -> Callable[[],
     sys.stderr.flush()
     pid = os.fork()
     if pid == 0:
-        for fd in (stdin_w, result_r, *close):
+        for fd in (stdin_w, result_r):
             os.close(fd)
         _forked_server(first, listener, stdin_r, result_w, folder / "server.log")
     os.close(stdin_r)

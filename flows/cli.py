@@ -230,9 +230,7 @@ def _prepare_flow_process() -> None:
     signal.signal(signal.SIGINT, _interrupt)
 
 
-def _checked_while_warming(
-    cfg: PipelineConfig, check: Callable[[], T], close: Sequence[int] = ()
-) -> Callable[[], T]:
+def _checked_while_warming(cfg: PipelineConfig, check: Callable[[], T]) -> Callable[[], T]:
     """Run `check` (the user's code: it imports torch and their modules) in the local
     executor's warm-rank server, forked from this process once torch is imported: the server
     goes on to import dynamo, MLflow and the job for the ranks while this process imports
@@ -245,7 +243,7 @@ def _checked_while_warming(
 
         from trainflow.cluster.warm_pool import fork_pool, warm_pool
 
-        pending = fork_pool(check, close)
+        pending = fork_pool(check)
         if pending is not None:
             from trainflow.tasks.plugins import search_working_folder
 
@@ -276,11 +274,13 @@ def _run(args: argparse.Namespace) -> int:
     # A mistake in the user's code (import, factory, output shape) is refused before any
     # Prefect server or job starts too: checked in the warm-rank server as it boots, while
     # this process imports Prefect and the pipeline, and Prefect's temporary server (if one
-    # is wanted) imports its application, held: it serves only once the check passed.
-    held = hold_temporary_server()
-    pipe = [held.stdin.fileno()] if held is not None and held.stdin is not None else []
-    checked = _checked_while_warming(cfg, lambda: check_code(cfg, spec), pipe)
+    # is wanted: a fork of this process once Prefect is imported) imports its application,
+    # held: it serves only once the check passed.
+    checked = _checked_while_warming(cfg, lambda: check_code(cfg, spec))
     _prepare_flow_process()
+    import prefect  # noqa: F401 -- first of the flow's imports: the held server's fork shares it
+
+    held = hold_temporary_server()
     from trainflow.flows.pipeline import pipeline
     from trainflow.tasks.tracking.runs import resolve_tracking_uri
 

@@ -24,7 +24,12 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
-from typing import Any
+from typing import Any, TypeAlias
+
+from trainflow.cluster.warm_pool import ForkedServer
+
+Held: TypeAlias = "subprocess.Popen[bytes] | ForkedServer"
+"""Prefect's temporary server held by this process: a fork of it, or a process of its own."""
 
 OVERLAP_ALLOWANCE_S = 60
 """Added to Prefect's start-up timeout (20 s by default): the server boots while this process
@@ -38,11 +43,11 @@ PORT_IN_USE_EXIT = 3
 class TemporaryServer:
     """Prefect's temporary server started in a subprocess; `wait()` gives its API URL."""
 
-    def __init__(self, timeout_s: float, held: "subprocess.Popen[bytes] | None" = None) -> None:
+    def __init__(self, timeout_s: float, held: "Held | None" = None) -> None:
         self._timeout_s = timeout_s
         self._held = held
         self._errors: list[BaseException] = []
-        self._proc: subprocess.Popen[bytes] | None = None
+        self._proc: Held | None = None
         self.api_url: str | None = None
         self._thread = threading.Thread(target=self._start, name="prefect-temporary-server")
         self._thread.daemon = True
@@ -97,19 +102,27 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def hold_temporary_server() -> "subprocess.Popen[bytes] | None":
+def hold_temporary_server(fork: bool = True) -> "Held | None":
     """Where the temporary server will be wanted, start it held (flows.held_server): it
     imports Prefect's server application beside the model check and starts serving only once
-    start_temporary_server hands it a port; at this process's exit, unused, it just ends."""
+    start_temporary_server hands it a port; at this process's exit, unused, it just ends.
+    A fork of this process where Prefect is imported here (the fork shares it: ~1 CPU s less
+    than a process of its own), else (or `fork=False`) a process of its own."""
     if not temporary_server_wanted():
         return None
-    argv = [sys.executable, "-m", "trainflow.flows.held_server"]
-    held = subprocess.Popen(argv, env=_server_env(), stdin=subprocess.PIPE)
+    held: Held | None = None
+    if fork and "prefect" in sys.modules:
+        from trainflow.flows.held_server import fork_held
+
+        held = fork_held()
+    if held is None:
+        argv = [sys.executable, "-m", "trainflow.flows.held_server"]
+        held = subprocess.Popen(argv, env=_server_env(), stdin=subprocess.PIPE)
     atexit.register(_let_go, held)
     return held
 
 
-def _let_go(held: "subprocess.Popen[bytes]") -> None:
+def _let_go(held: "Held") -> None:
     """End a held server that was never released (a refused model, an interrupted command);
     a released one is the temporary server, stopped as such."""
     if not getattr(held, "released", False) and held.poll() is None:
@@ -117,7 +130,7 @@ def _let_go(held: "subprocess.Popen[bytes]") -> None:
         held.wait()
 
 
-def _release(held: "subprocess.Popen[bytes]", port: int) -> "subprocess.Popen[bytes]":
+def _release(held: "Held", port: int) -> "Held":
     """The held server, told to serve on `port`; a fresh one where it has ended meanwhile."""
     try:
         assert held.stdin is not None
@@ -125,7 +138,7 @@ def _release(held: "subprocess.Popen[bytes]", port: int) -> "subprocess.Popen[by
         held.stdin.close()
     except (OSError, ValueError):
         return _uvicorn(port)
-    held.released = True  # type: ignore[attr-defined]
+    held.released = True  # type: ignore[union-attr]
     return held
 
 
@@ -154,7 +167,7 @@ def _uvicorn(port: int) -> "subprocess.Popen[bytes]":
     return subprocess.Popen(argv, env=env)
 
 
-def _wait_healthy(proc: "subprocess.Popen[bytes]", url: str, deadline: float) -> int | None:
+def _wait_healthy(proc: "Held", url: str, deadline: float) -> int | None:
     """None once `url` answers 200; the exit code if the process ends first; or time out."""
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -182,7 +195,7 @@ def temporary_server_wanted() -> bool:
 
 
 def start_temporary_server(
-    held: "subprocess.Popen[bytes] | None" = None,
+    held: "Held | None" = None,
 ) -> TemporaryServer | None:
     """Begin starting Prefect's temporary server unless the environment names a Prefect API
     or turns the temporary server off; it is stopped at this process's exit.

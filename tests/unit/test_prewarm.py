@@ -1,5 +1,8 @@
 """Background imports (ranks, the flow while it waits) and the early temporary Prefect server."""
 
+import json
+import os
+import subprocess
 import sys
 import threading
 import time
@@ -104,14 +107,14 @@ def test_a_held_server_serves_once_released_and_an_unreleased_one_never_listens(
     monkeypatch.setenv(
         "PREFECT_API_DATABASE_CONNECTION_URL", f"sqlite+aiosqlite:///{tmp_path}/p.db"
     )
-    refused = hold_temporary_server()
+    refused = hold_temporary_server(fork=False)  # the fork: the next test
     assert refused is not None
     time.sleep(1)
     assert psutil.Process(refused.pid).net_connections(kind="inet") == []  # held: no port
     _let_go(refused)  # what the command's exit does when the model was refused
     assert refused.returncode is not None and not (tmp_path / "p.db").exists()
 
-    held = hold_temporary_server()
+    held = hold_temporary_server(fork=False)
     server = start_temporary_server(held)
     assert server is not None and held is not None
     try:
@@ -121,3 +124,25 @@ def test_a_held_server_serves_once_released_and_an_unreleased_one_never_listens(
     finally:
         server.stop(quiet=True)
     assert http_status(f"{url}/health") is None
+
+
+def test_a_held_server_forked_from_the_command_shares_its_prefect_and_none_of_its_pipes(
+    tmp_path: Path,
+) -> None:
+    """What `trainflow run` does once it has imported Prefect (tests/unit/held_fork_driver.py,
+    a process of its own: a fork of pytest would copy its threads): the held server is a fork,
+    holds no pipe of the command's (the warm-rank server ends when its stdin pipe closes),
+    never listens while held, and serves once released."""
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env.update(PREFECT_HOME=str(tmp_path),
+               PREFECT_API_DATABASE_CONNECTION_URL=f"sqlite+aiosqlite:///{tmp_path}/p.db")  # fmt: skip
+    done = subprocess.run([sys.executable, "-m", "tests.unit.held_fork_driver"], env=env,
+                          capture_output=True, text=True, timeout=180)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(done.stdout.splitlines()[-1])
+    assert report["forked"] and report["parent"] == report["pid_of_command"]
+    assert report["pipe_held_by_fork"] is False
+    assert report["held_listens"] == [] and report["refused_ended"]
+    assert not report["db_after_refusal"]
+    assert report["health"] == 200 and report["released_listens"]
+    assert report["health_after_stop"] is None
