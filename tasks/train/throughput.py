@@ -43,7 +43,10 @@ GPU_PEAKS: tuple[tuple[str, float, float], ...] = (
     ("V100", 125e12, 15.7e12),
 )
 _CPU_MATMUL_N = 512
-_CPU_MATMUL_S = 0.3
+_CPU_MATMUL_S = 0.05
+"""Long enough: on this 2-core EPYC, one thread, bf16, six measures each gave 209-221 GFLOP/s
+over 0.1 s, 214-220 over 0.05 s and 214-217 over 0.3 s; it runs on rank 0 before the first
+step, while the other ranks wait, so every job's start paid 0.3 s for it before."""
 
 
 @dataclass(frozen=True)
@@ -133,7 +136,7 @@ def gpu_peak(name: str, precision: str) -> Peak:
 
 
 def measured_cpu_peak(dtype: torch.dtype) -> float:
-    """FLOP/s of square matmuls in `dtype` on this process's threads for ~0.3 s."""
+    """FLOP/s of square matmuls in `dtype` on this process's threads for ~0.05 s."""
     n = _CPU_MATMUL_N
     a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
     torch.mm(a, b)  # first call allocates and picks kernels
