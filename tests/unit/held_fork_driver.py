@@ -22,7 +22,7 @@ def _holds_pipe(pid: int, inode: int) -> bool:
 def main() -> None:
     db = Path(os.environ["PREFECT_API_DATABASE_CONNECTION_URL"].split("///", 1)[1])
     report: dict[str, object] = {"pid_of_command": os.getpid()}
-    pipe_r, pipe_w = os.pipe()  # stands for the warm-rank server's stdin pipe
+    _pipe_r, pipe_w = os.pipe()  # stands for the warm-rank server's stdin pipe
     refused = hold_temporary_server()
     assert refused is not None
     report["forked"] = isinstance(refused, ForkedServer)

@@ -134,10 +134,10 @@ def test_a_held_server_forked_from_the_command_shares_its_prefect_and_none_of_it
     holds no pipe of the command's (the warm-rank server ends when its stdin pipe closes),
     never listens while held, and serves once released."""
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
-    env.update(PREFECT_HOME=str(tmp_path),
-               PREFECT_API_DATABASE_CONNECTION_URL=f"sqlite+aiosqlite:///{tmp_path}/p.db")  # fmt: skip
-    done = subprocess.run([sys.executable, "-m", "tests.unit.held_fork_driver"], env=env,
-                          capture_output=True, text=True, timeout=180)  # fmt: skip
+    env["PREFECT_HOME"] = str(tmp_path)
+    env["PREFECT_API_DATABASE_CONNECTION_URL"] = f"sqlite+aiosqlite:///{tmp_path}/p.db"
+    argv = [sys.executable, "-m", "tests.unit.held_fork_driver"]
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads(done.stdout.splitlines()[-1])
     assert report["forked"] and report["parent"] == report["pid_of_command"]
