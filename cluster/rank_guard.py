@@ -42,6 +42,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from trainflow.cluster.prctl import die_with_parent
 from trainflow.cluster.warm_pool import WarmChild, spawn_warm
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGCONT)
@@ -73,15 +74,6 @@ def oom_kills() -> int | None:
     except (OSError, IndexError, ValueError):
         return None
     return None
-
-
-def _die_with_parent() -> None:
-    """In the child: be killed when this guard dies (e.g. the local controller's SIGKILL after
-    a cancel), so no rank outlives its guard."""
-    import ctypes
-
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
@@ -231,7 +223,13 @@ def _start(
         child = spawn_warm(warm, command, env)
         if child is not None:
             return child
-    return subprocess.Popen(command, preexec_fn=_die_with_parent, env=env)
+    # The rank is killed when this guard dies (e.g. the local controller's SIGKILL after a
+    # cancel): no rank outlives its guard.
+    return subprocess.Popen(command, preexec_fn=_die_with_guard, env=env)
+
+
+def _die_with_guard() -> None:
+    die_with_parent(signal.SIGKILL)
 
 
 def main(command: list[str], peer_timeout_s: str, warm: str | None = None) -> None:

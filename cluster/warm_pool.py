@@ -23,6 +23,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO, NoReturn, TypeVar
 
+from trainflow.cluster.prctl import name_process
+
 T = TypeVar("T")
 
 _pool: "tuple[subprocess.Popen[bytes] | ForkedServer, Path] | None" = None
@@ -181,7 +183,7 @@ def _forked_server(
     code = 0
     try:
         os.setsid()
-        _name_process(b"trainflow-warm")  # `ps` tells it from the command it is a copy of
+        name_process(b"trainflow-warm")  # `ps` tells it from the command it is a copy of
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the flow stops it by closing its stdin
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         modules, path = set(sys.modules), list(sys.path)
@@ -214,14 +216,6 @@ def _forget_user_code(modules: set[str], path: list[str]) -> None:
         if user_module(name):
             del sys.modules[name]
     sys.path[:] = path
-
-
-def _name_process(name: bytes) -> None:
-    """Set this process's name (/proc/<pid>/comm, what `ps -e` and psutil's name() show)."""
-    import ctypes
-
-    pr_set_name = 15
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_name, ctypes.c_char_p(name), 0, 0, 0)
 
 
 def _picklable(err: BaseException) -> BaseException:

@@ -39,6 +39,8 @@ import threading
 import traceback
 from typing import Any
 
+from trainflow.cluster.prctl import die_with_parent
+
 PRELOAD = (
     "torch",
     "torch._dynamo",  # DDP's constructor and every torch.optim optimizer import it
@@ -180,7 +182,7 @@ def _become_rank(request: dict[str, Any], fds: list[int], conn: socket.socket) -
     module."""
     code = 1
     try:
-        _die_with_server()
+        die_with_parent(signal.SIGKILL)  # the server's death kills its ranks
         conn.close()
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
@@ -203,13 +205,6 @@ def _become_rank(request: dict[str, Any], fds: list[int], conn: socket.socket) -
             sys.stderr.flush()
         finally:
             os._exit(code)
-
-
-def _die_with_server() -> None:
-    import ctypes
-
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
 
 
 def _unbuffered_stdio() -> None:

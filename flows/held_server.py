@@ -18,6 +18,7 @@ import threading
 import traceback
 from typing import IO
 
+from trainflow.cluster.prctl import die_with_parent
 from trainflow.cluster.warm_pool import ForkedServer
 
 SERVER_ENV = {"PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1",
@@ -34,12 +35,16 @@ def fork_held() -> ForkedServer | None:
     port_r, port_w = os.pipe()
     sys.stdout.flush()
     sys.stderr.flush()
+    command = os.getpid()
     pid = os.fork()
     if pid == 0:
         os.close(port_w)
         _close_inherited(keep=port_r)
         code = 1
         try:
+            die_with_parent(signal.SIGTERM)  # a command killed outright leaves no server
+            if os.getppid() != command:  # it died before that took effect
+                raise SystemExit(0)
             signal.signal(signal.SIGINT, signal.default_int_handler)  # a terminal's Ctrl-C
             signal.signal(signal.SIGTERM, signal.SIG_DFL)  # as the command's own server
             os.environ.update(SERVER_ENV)

@@ -19,6 +19,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from trainflow.cluster.prctl import die_with_parent
 from trainflow.flows.warm_command import SOCKET_ENV, code_stamp, import_time_env
 
 PRELOAD = (
@@ -276,7 +277,9 @@ def _become_command(request: dict[str, Any], fds: list[int]) -> None:
     code = 1
     try:
         os.setsid()  # the command passes its terminal's signals on; the service's are not ours
-        _end_with_service()
+        # SIGTERM when the service dies (killed outright): the run cancels its jobs and ends,
+        # as its command, which lost the service, reports (never a run nobody waits for).
+        die_with_parent(signal.SIGTERM)
         signal.set_wakeup_fd(-1)
         for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD):
             signal.signal(sig, signal.SIG_DFL)
@@ -298,15 +301,6 @@ def _become_command(request: dict[str, Any], fds: list[int]) -> None:
     except BaseException:
         traceback.print_exc()
     exit_fast(code)
-
-
-def _end_with_service() -> None:
-    """SIGTERM when the service dies (killed outright): the run cancels its jobs and ends, as
-    its command, which lost the service, reports (never a run nobody waits for)."""
-    import ctypes
-
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0)
 
 
 def _stdio(env: dict[str, str]) -> None:

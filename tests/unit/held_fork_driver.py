@@ -3,6 +3,7 @@ what tests/unit/test_prewarm.py checks as one JSON line (a test payload)."""
 
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -17,6 +18,16 @@ from trainflow.flows.early_server import _let_go, hold_temporary_server, start_t
 def _holds_pipe(pid: int, inode: int) -> bool:
     links = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
     return f"pipe:[{inode}]" in links
+
+
+def orphaned() -> None:
+    """Release a forked server, say its pid, then wait to be killed (SIGKILL: no atexit)."""
+    held = hold_temporary_server()
+    server = start_temporary_server(held)
+    assert server is not None and held is not None
+    server.wait()
+    print(json.dumps({"server": held.pid}), flush=True)
+    time.sleep(600)
 
 
 def main() -> None:
@@ -48,4 +59,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    orphaned() if sys.argv[1:] == ["--orphaned"] else main()

@@ -146,3 +146,27 @@ def test_a_held_server_forked_from_the_command_shares_its_prefect_and_none_of_it
     assert not report["db_after_refusal"]
     assert report["health"] == 200 and report["released_listens"]
     assert report["health_after_stop"] is None
+
+
+def test_a_forked_temporary_server_ends_when_its_command_is_killed(tmp_path: Path) -> None:
+    """SIGKILL to the command (no atexit runs): its forked Prefect server gets SIGTERM from the
+    kernel (PDEATHSIG) and ends; no server outlives the run."""
+    import psutil
+
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env["PREFECT_HOME"] = str(tmp_path)
+    env["PREFECT_API_DATABASE_CONNECTION_URL"] = f"sqlite+aiosqlite:///{tmp_path}/p.db"
+    argv = [sys.executable, "-m", "tests.unit.held_fork_driver", "--orphaned"]
+    command = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, text=True)
+    server: psutil.Process | None = None
+    try:
+        assert command.stdout is not None
+        server = psutil.Process(json.loads(command.stdout.readline())["server"])
+        assert server.ppid() == command.pid and server.is_running()
+        command.kill()
+        command.wait()
+        server.wait(timeout=30)  # raises TimeoutExpired if it outlived its command
+    finally:
+        command.kill()
+        if server is not None and server.is_running():
+            server.kill()
