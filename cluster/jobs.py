@@ -214,10 +214,11 @@ def wait_for_jobs(
         return [_debug_outcome(job) for job in debug]
     tails = [t for i, job in enumerate(jobs) for t in log_tails(job, f"{i} ")]
     ended = _Ended()
+    poll_s = poll_s or _poll_s(jobs)
     try:
         while not ended(jobs):
             _forward(tails, log)
-            time.sleep(poll_s or _poll_s(jobs))
+            time.sleep(poll_s)
         _forward(tails, log, final=True)
     except BaseException:
         for job in jobs:

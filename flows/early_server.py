@@ -27,6 +27,7 @@ from contextlib import contextmanager, nullcontext
 from typing import Any, TypeAlias
 
 from trainflow.cluster.warm_pool import ForkedServer
+from trainflow.flows.held_server import SERVER_ENV, fork_held
 
 Held: TypeAlias = "subprocess.Popen[bytes] | ForkedServer"
 """Prefect's temporary server held by this process: a fork of it, or a process of its own."""
@@ -112,8 +113,6 @@ def hold_temporary_server(fork: bool = True) -> "Held | None":
         return None
     held: Held | None = None
     if fork and "prefect" in sys.modules:
-        from trainflow.flows.held_server import fork_held
-
         held = fork_held()
     if held is None:
         argv = [sys.executable, "-m", "trainflow.flows.held_server"]
@@ -144,8 +143,7 @@ def _release(held: "Held", port: int) -> "Held":
 
 def _server_env() -> dict[str, str]:
     return {"PREFECT_SERVER_ANALYTICS_ENABLED": "false",  # as the flow process sets it
-            **os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1",
-            "PREFECT__SERVER_FINAL": "1"}  # fmt: skip
+            **os.environ, **SERVER_ENV}  # fmt: skip
 
 
 def _uvicorn(port: int) -> "subprocess.Popen[bytes]":
