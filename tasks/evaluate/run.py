@@ -84,10 +84,7 @@ def run_evaluate(
     batches = test_batches(model, dataset, cfg.batch_size, example)  # the split streams
     report = objective.report(batches, dataset.classes)
     headline = f"test_{objective.headline}"
-    say(
-        f"{headline.replace('_', ' ')} {report.metrics[headline]:.4f} (first result; plots, "
-        "the model's export and its registration follow)"
-    )
+    say(_headline_line(headline, report.metrics[headline], ckpt.test_metrics.get(headline)))
     client = MlflowClient(tracking_uri)
     _log_results(client, run_id, report, objective, ckpt.history_path)
     uri = None
@@ -102,6 +99,15 @@ def run_evaluate(
         model_uri=uri,
         registry=registry,
     )
+
+
+def _headline_line(headline: str, value: float, job_value: float | None) -> str:
+    """The test pass's headline line: the run's first result, unless the job gave it."""
+    follow = "plots, the model's export and its registration follow"
+    words = headline.replace("_", " ")
+    if job_value is None:
+        return f"{words} {value:.4f} (first result; {follow})"
+    return f"{words} {value:.4f} (the training job's test pass: {job_value:.4f}; {follow})"
 
 
 def _log_model(

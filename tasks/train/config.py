@@ -48,6 +48,10 @@ class TrainConfig(StrictModel):
     """Seed of weights and data order."""
     log_every_epochs: int = Field(1, ge=1)
     """Metrics are flushed to MLflow in one batch every N epochs."""
+    test_after_training: bool = True
+    """The job runs the test split through the best weights as training ends (all ranks, in
+    fp32 as the evaluate stage does): the run's first result, on the console and the train
+    run seconds before the evaluate stage's report (tasks.train.first_result)."""
     channels_last: Literal["auto", "on", "off"] = "auto"
     """Memory format of images and conv weights. auto: channels_last (NHWC) on CUDA, and on
     CPUs with oneDNN (reference CNN, batch 64, one EPYC core: 1.6x faster fp32, 2.2x bf16)."""

@@ -40,6 +40,7 @@ from trainflow.tasks.train.distributed import (
     wrap_ddp,
 )
 from trainflow.tasks.train.early_signal import deliver_held_signal
+from trainflow.tasks.train.first_result import first_result
 from trainflow.tasks.train.log_lines import announce, progress_line
 from trainflow.tasks.train.loop import Trainer, evaluate_split, make_optimizer, train_epoch
 from trainflow.tasks.train.model_plugins import build_model
@@ -157,8 +158,11 @@ class TrainingJob(submitit.helpers.Checkpointable):
             )
             relog(progress, logger, self.spec.out_dir)
             self._train(trainer, train, val, progress, logger, recorder)
-            recorder.wait()
-            result = finish_run(spec.out_dir, progress) if dist.is_main else None
+            recorder.wait()  # the last epoch's line, best.pt and checkpoint are written
+            del train, val
+            path, out = spec.dataset.path, spec.out_dir
+            tested = first_result(trainer, cfg, path, out, progress, nhwc, logger)
+            result = finish_run(out, progress, tested) if dist.is_main else None
         if not (cfg.compile or cfg.cuda_graphs):  # compiled runs keep the teardown that
             exit_fast_at_shutdown(trainer)  # stops inductor's compile workers
         return result

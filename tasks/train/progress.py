@@ -31,6 +31,7 @@ MAY_CHANGE_ON_RESUME = {
     "ddp_bucket_cap_mb",
     "reshard_after_forward",
     "activation_checkpointing",
+    "test_after_training",
 }
 
 
@@ -90,8 +91,11 @@ def relog(progress: Progress, logger: MetricLogger, out_dir: Path) -> None:
         logger.log(metrics, step=int(entry["epoch"]))
 
 
-def finish_run(out_dir: Path, progress: Progress) -> CheckpointRef:
-    """Write history.json into out_dir and describe its best.pt (rank 0, at the end)."""
+def finish_run(
+    out_dir: Path, progress: Progress, test_metrics: dict[str, float] | None = None
+) -> CheckpointRef:
+    """Write history.json into out_dir and describe its best.pt (rank 0, at the end);
+    `test_metrics`: the job's test pass of it (tasks.train.first_result), if any."""
     history_path = out_dir / "history.json"
     tmp = history_path.with_name(f"history.json.tmp-{os.getpid()}")
     tmp.write_text(json.dumps(progress.history, indent=1))
@@ -106,4 +110,5 @@ def finish_run(out_dir: Path, progress: Progress) -> CheckpointRef:
         metrics={k: v for k, v in entry.items() if k.startswith("val_")},
         history_path=history_path,
         package_lock_hash=package_lock_hash(),
+        test_metrics=test_metrics or {},
     )

@@ -24,3 +24,5 @@ class CheckpointRef(BaseModel):
     """JSON file with the per-epoch metric history of the whole run."""
     package_lock_hash: str | None = None
     """sha256 of the installed package set as rank 0 saw it (tasks.tracking.packages)."""
+    test_metrics: dict[str, float] = {}
+    """The job's own test pass of these weights (tasks.train.first_result); {}: none."""

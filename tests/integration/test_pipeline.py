@@ -3,6 +3,7 @@
 import re
 import shutil
 from pathlib import Path
+from typing import Any
 
 import mlflow
 import pytest
@@ -166,31 +167,44 @@ def test_prefect_shows_training_progress_and_the_summary_links_each_stage(
     assert f"get-artifact?path=training_curves.png&run_uuid={evaluate})" in text
 
 
-def test_the_test_accuracy_is_logged_before_plots_export_and_registration(
+def test_the_training_job_gives_the_test_accuracy_before_the_evaluate_stage_starts(
     first: PipelineSummary,
 ) -> None:
-    """The run's first result is said as soon as the test pass gives it: the evaluate task
-    logs it before the task's slower rest (figures, the model's export, registration)."""
+    """The run's first result comes from the training job: rank 0 says the best weights'
+    test accuracy (the evaluate stage's own number) and logs it to the train run while the
+    train task still runs; the evaluate task then says it again before its slower rest
+    (figures, the model's export, registration)."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
 
     summary = Artifact.get("trainflow-summary")  # the newest: this run's (see the test above)
     assert isinstance(summary, ArtifactResponse) and summary.flow_run_id is not None
-    said = f"test accuracy {first.headline_value:.4f} (first result;"
+    value = f"{first.headline_value:.4f}"
+    job_said = f"[rank0] test accuracy {value} (first result: epoch "
+    evaluate_said = f"test accuracy {value} (the training job's test pass: {value};"
     with get_client(sync_client=True) as client:
         ours = LogFilter(flow_run_id=LogFilterFlowRunId(any_=[summary.flow_run_id]))
+
+        def said(text: str) -> Any:
+            return next((x for x in client.read_logs(ours) if x.message.startswith(text)), None)
+
         # The flow's log lines reach the API in batches, a moment after the flow returned.
-        line = wait_for(
-            lambda: next((x for x in client.read_logs(ours) if x.message.startswith(said)), None),
-            30,
-            f"the log line {said!r}",
-        )
-        assert line.task_run_id is not None
-        task_run = client.read_task_run(line.task_run_id)
-        assert task_run.end_time is not None and task_run.state_name == "Completed"
-        assert task_run.name.startswith("evaluate")
-    # Logged while the task still had its figures, export and registration to do.
-    assert (task_run.end_time - line.timestamp).total_seconds() > 0
+        job_line = wait_for(lambda: said(job_said), 30, f"the log line {job_said!r}")
+        evaluate_line = wait_for(lambda: said(evaluate_said), 30, repr(evaluate_said))
+        assert job_line.task_run_id is not None and evaluate_line.task_run_id is not None
+        train_task = client.read_task_run(job_line.task_run_id)
+        evaluate_task = client.read_task_run(evaluate_line.task_run_id)
+    assert train_task.name.startswith("train") and evaluate_task.name.startswith("evaluate")
+    assert train_task.end_time is not None and evaluate_task.start_time is not None
+    assert job_line.timestamp <= train_task.end_time <= evaluate_task.start_time
+    # Said while the evaluate task still had its figures, export and registration to do.
+    assert evaluate_task.end_time is not None
+    assert (evaluate_task.end_time - evaluate_line.timestamp).total_seconds() > 0
+    mlflow_client = MlflowClient(first.tracking_uri)
+    train_run = _children(mlflow_client, first)["train"].info.run_id  # type: ignore[attr-defined]
+    (point,) = mlflow_client.get_metric_history(train_run, "test_accuracy")
+    assert point.value == pytest.approx(first.headline_value)
+    assert f"epoch {point.step}'s best weights" in job_line.message
 
 
 def test_second_run_hits_the_preprocess_cache(first: PipelineSummary, workdir: Path) -> None:

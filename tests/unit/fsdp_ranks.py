@@ -20,8 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainflow.tasks.spec import DataSpec
-from trainflow.tasks.train.checkpoint import unwrap
+from trainflow.tasks.train.checkpoint import save_best_weights, unwrap
 from trainflow.tasks.train.distributed import DistContext, wrap_ddp
+from trainflow.tasks.train.first_result import load_best
 from trainflow.tasks.train.precision import PrecisionPolicy
 from trainflow.tasks.train.sharded_checkpoint import full_weights
 from trainflow.tasks.train.sharded_init import build_on_rank, shard_from_rank0
@@ -139,13 +140,21 @@ def _rank(
         if strategy == "fsdp":
             weights = full_weights(model)
         else:
-            weights = {k: v.cpu() for k, v in unwrap(model).state_dict().items()}
+            weights = {k: v.cpu().clone() for k, v in unwrap(model).state_dict().items()}
+        # The first result's load of best.pt (tasks.train.first_result): the built weights
+        # back into the trained model, DDP-wrapped or sharded.
+        best = Path(f"{out}.best.pt")
+        if rank == 0:
+            save_best_weights(tiny_model().state_dict(), best, {})
+        load_best(model, best, ctx)
+        reloaded = full_weights(model) if strategy == "fsdp" else unwrap(model).state_dict()
         if rank == 0:
             results[f"{strategy}-{precision}"] = {
                 "losses": losses,
                 "grad_norm": norm,
                 "weights": weights,
                 "local": gathered,
+                "reloaded": {k: v.cpu() for k, v in reloaded.items()},
             }
     if rank == 0:
         torch.save(results, out)

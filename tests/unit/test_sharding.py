@@ -70,6 +70,11 @@ def test_fsdp_on_2_ranks_matches_ddp_and_one_process_in_fp32_and_bf16(
         run = results[f"{strategy}-{precision}"]
         _assert_matches(run, one_process[precision], precision)
         _assert_sharded(run["local"], 2, sharded=strategy == "fsdp")
+        built = fsdp_ranks.tiny_model().state_dict()  # best.pt, loaded into the trained model
+        assert run["reloaded"].keys() == built.keys()
+        for key, value in built.items():
+            assert torch.equal(run["reloaded"][key], value), (strategy, precision, key)
+            assert not torch.equal(run["weights"][key], value) or key.endswith("mask"), key
     fsdp, ddp = results["fsdp-fp32"], results["ddp-fp32"]
     assert fsdp["losses"] == pytest.approx(ddp["losses"], rel=1e-6)
     # every rank continues from the RNG state a DDP rank has after building the model (the

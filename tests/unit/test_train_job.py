@@ -12,6 +12,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import cloudpickle
 import psutil
@@ -25,15 +26,22 @@ from trainflow.cluster.executor import make_executor
 from trainflow.cluster.jobs import wait_for_job
 from trainflow.tasks.errors import ConfigError, JobError
 from trainflow.tasks.hashing import sha256_file
-from trainflow.tasks.preprocess.ref import DatasetRef
+from trainflow.tasks.objectives import make_objective
+from trainflow.tasks.preprocess.ref import DatasetRef, dataset_spec
 from trainflow.tasks.train.checkpoint import host_copy, latest_checkpoint, training_state
 from trainflow.tasks.train.config import TrainConfig
-from trainflow.tasks.train.data import Split, SplitData, eval_batches, rank_batches
-from trainflow.tasks.train.distributed import distributed
+from trainflow.tasks.train.data import (
+    Split,
+    SplitData,
+    eval_batches,
+    load_split_to,
+    rank_batches,
+)
+from trainflow.tasks.train.distributed import DistContext, distributed
 from trainflow.tasks.train.job import Progress, TrainingJob, TrainJobSpec
-from trainflow.tasks.train.loop import Trainer, cosine_lr
+from trainflow.tasks.train.loop import Trainer, cosine_lr, evaluate_split
 from trainflow.tasks.train.models import ReferenceCNN
-from trainflow.tasks.train.precision import cpu_supports_bf16
+from trainflow.tasks.train.precision import PrecisionPolicy, cpu_supports_bf16
 from trainflow.tasks.train.recorder import EpochRecorder
 from trainflow.tasks.train.ref import CheckpointRef
 
@@ -92,6 +100,61 @@ def test_two_ranks_train_and_rank0_returns_the_best_checkpoint(
     assert best["meta"]["train"]["precision"] == "fp32"
     assert any(line.startswith("[rank0] epoch 4/4 loss") for line in lines)
     assert not any(line.startswith("[rank1] epoch") for line in lines)
+
+
+class FirstEpochIsBest(TrainingJob):
+    """Keeps epoch 1 as the best whatever later epochs score: the job's test pass must then
+    load best.pt instead of testing the weights it ends with."""
+
+    def _decide(
+        self, trainer: Trainer, progress: Progress, metrics: dict[str, float]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        if progress.epoch == 1:
+            return super()._decide(trainer, progress, metrics)
+        kept = progress.best_metric, progress.best_epoch
+        flush, _ = super()._decide(trainer, progress, metrics)
+        progress.best_metric, progress.best_epoch = kept
+        return flush, None
+
+
+def _test_metrics(dataset: DatasetRef, weights: dict[str, torch.Tensor]) -> dict[str, float]:
+    """The test split's metrics of `weights`, computed here in one process, in fp32."""
+    model = ReferenceCNN(1, 4, 12, 12)
+    model.load_state_dict(weights)
+    objective = make_objective("classification", dataset_spec(dataset, "classification"))
+    split = load_split_to(Path(dataset.path), "test", torch.device("cpu"))
+    one = DistContext(0, 1, 0, torch.device("cpu"), None)
+    policy = PrecisionPolicy("cpu", None, False, "fp32")
+    return {
+        f"test_{k}": v for k, v in evaluate_split(model, split, 64, policy, one, objective).items()
+    }
+
+
+@pytest.mark.parametrize("job_class", [TrainingJob, FirstEpochIsBest])
+def test_the_job_tests_the_best_weights_as_training_ends(
+    dataset: DatasetRef, tmp_path: Path, job_class: type[TrainingJob]
+) -> None:
+    """The run's first result (tasks.train.first_result): the best epoch's weights through the
+    test split, in the job (2 ranks), said in one line by rank 0 and handed back."""
+    lines: list[str] = []
+    spec = _spec(dataset, tmp_path / "run", epochs=2, precision="bf16")
+    ref = wait_for_job(_local(tmp_path).submit(job_class(spec)), lines.append, poll_s=0.1)
+    assert isinstance(ref, CheckpointRef)
+    best = torch.load(ref.path, weights_only=True)["model"]
+    expected = _test_metrics(dataset, best)
+    assert ref.test_metrics == pytest.approx(expected, rel=1e-5)  # fp32, not the training bf16
+    said = (
+        f"[rank0] test accuracy {expected['test_accuracy']:.4f} (first result: epoch {ref.epoch}'s"
+    )
+    assert sum(line.startswith(said) for line in lines) == 1, lines
+    if job_class is FirstEpochIsBest:  # best.pt, not the last epoch's weights, was tested
+        assert ref.epoch == 1
+        newest = latest_checkpoint(spec.out_dir / "checkpoints")
+        assert newest is not None
+        last = torch.load(newest, weights_only=True)
+        assert _test_metrics(dataset, last["model"])["test_loss"] != pytest.approx(
+            ref.test_metrics["test_loss"], rel=1e-5
+        )
 
 
 def test_a_failing_rank_fails_the_job_fast_with_its_traceback(
