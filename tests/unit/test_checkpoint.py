@@ -166,7 +166,11 @@ def test_a_resumed_job_logs_every_epoch_to_mlflow_exactly_once(
         "achieved_flops_per_s",
         "model_flops_per_sample",
         "mfu",
+        # the best weights' test pass as the job ends (tasks.train.first_result)
+        "test_loss",
+        "test_accuracy",
     }
+    assert len(client.get_metric_history(run_id, "test_accuracy")) == 1  # the ending job's
 
 
 def test_a_checkpoint_of_another_run_is_not_resumed(dataset: DatasetRef, tmp_path: Path) -> None:
