@@ -1,11 +1,13 @@
 """Shared test settings: no Prefect telemetry, no stray MLflow store in the working folder;
 one real Prefect server per test process for the tests that need one."""
 
+import contextlib
 import json
 import os
 import signal
 import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -16,10 +18,13 @@ os.environ.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "false")
 
 # Under pytest-xdist (make test runs several workers) each worker's `trainflow run`s get a Prefect
 # home of their own: two temporary Prefect servers migrating one SQLite file at once can fail.
+WORKER_HOME: Path | None = None
+"""That Prefect home, where this process made one."""
 if "PYTEST_XDIST_WORKER" in os.environ and "PREFECT_HOME" not in os.environ:
     os.environ["PREFECT_HOME"] = tempfile.mkdtemp(
         prefix=f"trainflow-tests-prefect-{os.environ['PYTEST_XDIST_WORKER']}-"
     )
+    WORKER_HOME = Path(os.environ["PREFECT_HOME"])
 
 # Run from a background shell (`make test &`, nohup, some CI runners) this process starts with
 # SIGINT ignored, and every local job controller the tests start would inherit that and ignore
@@ -70,10 +75,21 @@ def prefect_api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     Requested by every test under tests/integration and tests/slurm (their conftest.py)."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from tests.services import prefect_server
+    from tests.services import migrated_prefect_db, prefect_server, save_template
 
     previous = os.environ.get("PREFECT_API_URL")
-    with prefect_server(tmp_path_factory.mktemp("prefect-server"), env=QUIET_SERVER) as api:
+    folder = tmp_path_factory.mktemp("prefect-server")
+    shared = _shared_tmp(tmp_path_factory)
+    with contextlib.ExitStack() as stack:
+        # A database at Prefect's head revision: the run's first server migrates one, the
+        # others (and this worker's temporary servers, WORKER_HOME) start from a copy.
+        with migrated_prefect_db(shared, folder) as seeded:
+            api = stack.enter_context(prefect_server(folder, env=QUIET_SERVER))
+            if not seeded:
+                save_template(shared, folder)
+        if WORKER_HOME is not None:
+            with migrated_prefect_db(shared, WORKER_HOME):
+                pass
         os.environ["PREFECT_API_URL"] = api
         try:
             with temporary_settings({PREFECT_API_URL: api}):
@@ -83,3 +99,25 @@ def prefect_api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
                 os.environ.pop("PREFECT_API_URL", None)
             else:
                 os.environ["PREFECT_API_URL"] = previous
+
+
+@pytest.fixture(scope="session")
+def migrated_prefect(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Prefect SQLite database at Prefect's head revision, for a test to copy where its
+    server need not migrate a new one (made by a real server of this run: the first that
+    needed one, or here)."""
+    from tests.services import migrated_prefect_db, prefect_server, save_template
+
+    shared = _shared_tmp(tmp_path_factory)
+    folder = tmp_path_factory.mktemp("prefect-template")
+    with migrated_prefect_db(shared, folder) as seeded:
+        if not seeded:
+            with prefect_server(folder, env=QUIET_SERVER):
+                save_template(shared, folder)
+    return folder / "prefect.db"
+
+
+def _shared_tmp(factory: pytest.TempPathFactory) -> Path:
+    """A folder every xdist worker of this pytest run shares (this run's base folder)."""
+    base = factory.getbasetemp()
+    return base.parent if "PYTEST_XDIST_WORKER" in os.environ else base

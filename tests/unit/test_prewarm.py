@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.services import http_status
+from tests.unit.held_fork_driver import SEED_ENV
 from trainflow.flows.early_server import (
     api_url_in_use,
     keep_if_needed,
@@ -58,10 +60,11 @@ def test_no_early_server_when_the_environment_names_a_prefect_api(
 
 
 def test_the_early_server_answers_in_its_own_process_and_stops(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, migrated_prefect: Path
 ) -> None:
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
+    shutil.copyfile(migrated_prefect, tmp_path / "p.db")  # no migration to wait for
     monkeypatch.delenv("PREFECT_API_URL", raising=False)
     monkeypatch.setenv("PREFECT_HOME", str(tmp_path))
     monkeypatch.setenv(
@@ -94,7 +97,7 @@ def test_the_database_store_is_preloaded_only_for_database_uris() -> None:
 
 
 def test_a_held_server_serves_once_released_and_an_unreleased_one_never_listens(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, migrated_prefect: Path
 ) -> None:
     """flows.held_server: imported beside the model check, serving only once released (a
     refused model ends it: no Prefect server ever listened)."""
@@ -114,6 +117,7 @@ def test_a_held_server_serves_once_released_and_an_unreleased_one_never_listens(
     _let_go(refused)  # what the command's exit does when the model was refused
     assert refused.returncode is not None and not (tmp_path / "p.db").exists()
 
+    shutil.copyfile(migrated_prefect, tmp_path / "p.db")  # no migration to wait for
     held = hold_temporary_server(fork=False)
     server = start_temporary_server(held)
     assert server is not None and held is not None
@@ -127,7 +131,7 @@ def test_a_held_server_serves_once_released_and_an_unreleased_one_never_listens(
 
 
 def test_a_held_server_forked_from_the_command_shares_its_prefect_and_none_of_its_pipes(
-    tmp_path: Path,
+    tmp_path: Path, migrated_prefect: Path
 ) -> None:
     """What `trainflow run` does once it has imported Prefect (tests/unit/held_fork_driver.py,
     a process of its own: a fork of pytest would copy its threads): the held server is a fork,
@@ -136,6 +140,7 @@ def test_a_held_server_forked_from_the_command_shares_its_prefect_and_none_of_it
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     env["PREFECT_HOME"] = str(tmp_path)
     env["PREFECT_API_DATABASE_CONNECTION_URL"] = f"sqlite+aiosqlite:///{tmp_path}/p.db"
+    env[SEED_ENV] = str(migrated_prefect)  # copied in once the refusal is checked
     argv = [sys.executable, "-m", "tests.unit.held_fork_driver"]
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -148,7 +153,9 @@ def test_a_held_server_forked_from_the_command_shares_its_prefect_and_none_of_it
     assert report["health_after_stop"] is None
 
 
-def test_a_forked_temporary_server_ends_when_its_command_is_killed(tmp_path: Path) -> None:
+def test_a_forked_temporary_server_ends_when_its_command_is_killed(
+    tmp_path: Path, migrated_prefect: Path
+) -> None:
     """SIGKILL to the command (no atexit runs): its forked Prefect server gets SIGTERM from the
     kernel (PDEATHSIG) and ends; no server outlives the run."""
     import psutil
@@ -156,6 +163,7 @@ def test_a_forked_temporary_server_ends_when_its_command_is_killed(tmp_path: Pat
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     env["PREFECT_HOME"] = str(tmp_path)
     env["PREFECT_API_DATABASE_CONNECTION_URL"] = f"sqlite+aiosqlite:///{tmp_path}/p.db"
+    shutil.copyfile(migrated_prefect, tmp_path / "p.db")  # no migration to wait for
     argv = [sys.executable, "-m", "tests.unit.held_fork_driver", "--orphaned"]
     command = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, text=True)
     server: psutil.Process | None = None
