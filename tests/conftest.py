@@ -1,9 +1,11 @@
 """Shared test settings: no Prefect telemetry, no stray MLflow store in the working folder;
 one real Prefect server per test process for the tests that need one."""
 
+import atexit
 import contextlib
 import json
 import os
+import shutil
 import signal
 import tempfile
 from collections.abc import Iterator
@@ -25,6 +27,7 @@ if "PYTEST_XDIST_WORKER" in os.environ and "PREFECT_HOME" not in os.environ:
         prefix=f"trainflow-tests-prefect-{os.environ['PYTEST_XDIST_WORKER']}-"
     )
     WORKER_HOME = Path(os.environ["PREFECT_HOME"])
+    atexit.register(shutil.rmtree, WORKER_HOME, ignore_errors=True)  # none left in /tmp
 
 # Run from a background shell (`make test &`, nohup, some CI runners) this process starts with
 # SIGINT ignored, and every local job controller the tests start would inherit that and ignore
