@@ -29,10 +29,8 @@ from trainflow.tasks.train.distributed import DistContext
 from trainflow.tasks.train.loop import Trainer, evaluate_split
 from trainflow.tasks.train.precision import PrecisionPolicy
 from trainflow.tasks.train.progress import Progress
+from trainflow.tasks.train.sharded_init import fill_from_rank0
 from trainflow.tasks.train.sharding import is_sharded
-
-LINE_MARK = "(first result:"
-"""In the line rank 0 prints with the test metric (the bench's mark of the first result)."""
 
 
 def first_result(
@@ -50,7 +48,7 @@ def first_result(
     if not cfg.test_after_training:
         return {}
     ctx = trainer.dist
-    best_epoch = rank0_best_epoch(progress.best_epoch, trainer)
+    best_epoch = rank0_best_epoch(progress.best_epoch, ctx)
     if best_epoch == 0:
         return {}
     test = load_split_to(dataset_path, "test", ctx.device, channels_last, cfg.data_placement)
@@ -77,9 +75,8 @@ def first_result(
     return tested
 
 
-def rank0_best_epoch(best_epoch: int, trainer: Trainer) -> int:
+def rank0_best_epoch(best_epoch: int, ctx: DistContext) -> int:
     """Rank 0's best epoch on every rank (only rank 0 decides it under DDP; collective)."""
-    ctx = trainer.dist
     if ctx.world_size == 1:
         return best_epoch
     value = torch.tensor([best_epoch], dtype=torch.int64, device=ctx.device)
@@ -100,14 +97,8 @@ def load_best(model: nn.Module, best: Path, ctx: DistContext) -> None:
     if not is_sharded(model):
         unwrap(model).load_state_dict(load_state(best)["model"])
         return
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
     full: dict[str, Any] = load_state(best)["model"] if ctx.is_main else {}
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-    set_model_state_dict(model, full, options=options)
-    with torch.no_grad():
-        for buffer in model.buffers():
-            dist.broadcast(buffer, src=0)
+    fill_from_rank0(model, full, ctx)
 
 
 def result_line(metrics: dict[str, float], headline: str, best_epoch: int, samples: int) -> str:
@@ -115,7 +106,7 @@ def result_line(metrics: dict[str, float], headline: str, best_epoch: int, sampl
     key = f"test_{headline}"
     others = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k != key)
     return (
-        f"{key.replace('_', ' ')} {metrics[key]:.4f} {LINE_MARK} epoch {best_epoch}'s best "
+        f"{key.replace('_', ' ')} {metrics[key]:.4f} (first result: epoch {best_epoch}'s best "
         f"weights on {samples:,} test samples{'; ' + others if others else ''}; the evaluate "
         "stage's report follows)"
     )

@@ -53,6 +53,7 @@ from trainflow.tasks.train.models import (
 from trainflow.tasks.train.precision import PrecisionPolicy, resolve_precision
 from trainflow.tasks.train.progress import (
     Progress,
+    best_meta,
     check_same_run,
     finish_run,
     relog,
@@ -354,7 +355,7 @@ class TrainingJob(submitit.helpers.Checkpointable):
             trainer.objective, select, value, progress.best_metric
         ):
             progress.best_metric, progress.best_epoch = value, epoch
-            return flush, self._best_meta(progress)
+            return flush, best_meta(self.spec.train, self.spec.dataset, progress)
         return flush, None
 
     def _record_sharded(
@@ -389,16 +390,3 @@ class TrainingJob(submitit.helpers.Checkpointable):
             print(f"epoch {epoch}/{cfg.epochs} {progress_line(metrics)}", flush=True)
 
         recorder.submit(write)
-
-    def _best_meta(self, progress: Progress) -> dict[str, Any]:
-        """What evaluation needs next to the weights: how to rebuild the model, and when."""
-        ref = self.spec.dataset
-        return {
-            "epoch": progress.epoch,
-            "step": progress.step,
-            "metrics": dict(progress.history[-1]),
-            "train": self.spec.train.model_dump(mode="json"),
-            "shape": list(ref.shape),
-            "num_classes": ref.n_classes,
-            "dataset_hash": ref.content_hash,
-        }

@@ -9,6 +9,7 @@ from typing import Any
 
 from trainflow.tasks.errors import ConfigError
 from trainflow.tasks.hashing import sha256_file
+from trainflow.tasks.preprocess.ref import DatasetRef
 from trainflow.tasks.tracking.handed import handed_through
 from trainflow.tasks.tracking.logger import MetricLogger
 from trainflow.tasks.tracking.packages import package_lock_hash
@@ -89,6 +90,19 @@ def relog(progress: Progress, logger: MetricLogger, out_dir: Path) -> None:
     for entry in progress.history[done:]:
         metrics = {k: v for k, v in entry.items() if k not in NOT_LOGGED}
         logger.log(metrics, step=int(entry["epoch"]))
+
+
+def best_meta(train: TrainConfig, ref: DatasetRef, progress: Progress) -> dict[str, Any]:
+    """What evaluation needs next to the best weights: how to rebuild the model, and when."""
+    return {
+        "epoch": progress.epoch,
+        "step": progress.step,
+        "metrics": dict(progress.history[-1]),
+        "train": train.model_dump(mode="json"),
+        "shape": list(ref.shape),
+        "num_classes": ref.n_classes,
+        "dataset_hash": ref.content_hash,
+    }
 
 
 def finish_run(

@@ -82,19 +82,29 @@ def shard_from_rank0(
     is wrap_fsdp."""
     if ctx.world_size == 1:
         return wrap_fsdp(model, ctx, policy, reshard_after_forward)
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
     full = model.state_dict() if ctx.is_main else {}
     model = wrap_fsdp(model, ctx, policy, reshard_after_forward)
     if not ctx.is_main:
         model.to_empty(device=ctx.device)
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-    set_model_state_dict(model, full, options=options)
+    fill_from_rank0(model, full, ctx)
     del full  # rank 0's host copy of the whole model
-    with torch.no_grad():
-        for buffer in model.buffers():
-            dist.broadcast(buffer, src=0)
     return model
+
+
+def fill_from_rank0(model: nn.Module, full: dict[str, Any], ctx: DistContext) -> None:
+    """Rank 0's whole state dict `full` ({} on the other ranks) into the sharded `model`
+    (collective): DCP's set_model_state_dict broadcasts each tensor from rank 0, every rank
+    keeping its shard; buffers are then broadcast whole (non-persistent ones are not in a
+    state dict). Also the fsdp model's load of best.pt (tasks.train.first_result)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    many = ctx.world_size > 1
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=many)
+    set_model_state_dict(model, full, options=options)
+    if many:
+        with torch.no_grad():
+            for buffer in model.buffers():
+                dist.broadcast(buffer, src=0)
 
 
 M_MMAP_THRESHOLD = -3
