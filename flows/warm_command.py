@@ -5,11 +5,11 @@ A cold `trainflow run` spends its first ~3.5 s of an idle 2-core machine importi
 Prefect, MLflow and the pipeline before it checks anything, every time. `trainflow warm`
 (started by `deploy/stack.sh up` beside the Prefect and MLflow servers, or by hand) imports them
 once and listens on a private socket; a command that finds the socket in TRAINFLOW_WARM_SOCKET
-hands it its arguments, folder, umask, environment and stdin/stdout/stderr, and the service
-forks a child that runs the command's `main` exactly as the command would have, on the same
-terminal, then hands back its exit status. The command process stays as the user's handle:
-Ctrl-C, SIGTERM and SIGHUP are passed on to the child (which cancels its jobs as a cold command
-does), and if the command dies the child gets SIGTERM.
+hands it its arguments, folder, umask, resource limits (`ulimit`), environment and
+stdin/stdout/stderr, and the service forks a child that runs the command's `main` exactly as the
+command would have, on the same terminal, then hands back its exit status. The command process
+stays as the user's handle: Ctrl-C, SIGTERM and SIGHUP are passed on to the child (which cancels
+its jobs as a cold command does), and if the command dies the child gets SIGTERM.
 
 The service runs a command only where the fork would behave as a fresh process: the same
 Python, the same trainflow code and installed packages (a stamp of file times taken when it
@@ -23,6 +23,7 @@ import contextlib
 import hashlib
 import json
 import os
+import resource
 import signal
 import socket
 import sys
@@ -89,7 +90,7 @@ def run_served(argv: Sequence[str]) -> int | None:
         return None
     request = {"argv": list(argv), "cwd": os.getcwd(), "env": dict(os.environ),
                "umask": _umask(), "path": sys.path, "executable": sys.executable,
-               "stamp": code_stamp()}  # fmt: skip
+               "stamp": code_stamp(), "limits": resource_limits()}  # fmt: skip
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
         conn.connect(path)
@@ -130,6 +131,16 @@ def _wait_served(conn: socket.socket, pid: int) -> int:
         return 1
     code = int(json.loads(data)["returncode"])
     return code if code >= 0 else 128 - code
+
+
+def resource_limits() -> dict[str, list[int]]:
+    """This process's resource limits (`ulimit -a`: open files, address space ...), name ->
+    [soft, hard]: the served child sets them, as a fresh command would start with them."""
+    return {
+        name: list(resource.getrlimit(getattr(resource, name)))
+        for name in dir(resource)
+        if name.startswith("RLIMIT_")
+    }
 
 
 def _say(why: str) -> None:

@@ -1,6 +1,6 @@
 """The warm command service (`trainflow warm`, flows.warm_command for what it is): imports the
 command's libraries once, then runs each command it is handed as a fork of itself, in the
-command's cgroups, and hands back its exit status."""
+command's cgroups and resource limits, and hands back its exit status."""
 
 import contextlib
 import gc
@@ -9,6 +9,7 @@ import io
 import json
 import logging
 import os
+import resource
 import select
 import signal
 import socket
@@ -129,7 +130,33 @@ def _refusal(request: dict[str, Any], stamp: str, env: dict[str, str]) -> str | 
     differ = sorted(k for k in set(theirs) | set(env) if theirs.get(k) != env.get(k))
     if differ:
         return f"the warm command service was started with other {', '.join(differ[:3])}"
-    return _shadowing(request["path"])
+    return _unreachable_limit(request.get("limits", {})) or _shadowing(request["path"])
+
+
+def _unreachable_limit(limits: dict[str, list[int]]) -> str | None:
+    """Why the fork could not take the command's resource limits, or None: only a privileged
+    process may raise a hard limit above its own."""
+    if os.geteuid() == 0:
+        return None
+    for name, (_soft, hard) in limits.items():
+        res = getattr(resource, name, None)
+        if res is not None and _above(hard, resource.getrlimit(res)[1]):
+            return f"the command's hard {name} ({hard}) is above the warm command service's"
+    return None
+
+
+def _above(limit: int, other: int) -> bool:
+    infinite = resource.RLIM_INFINITY
+    return other != infinite and (limit == infinite or limit > other)
+
+
+def _take_limits(limits: dict[str, list[int]]) -> None:
+    """Set the command's resource limits (`ulimit -n 256` ...) in this fork: it runs within
+    what the command would have."""
+    for name, (soft, hard) in limits.items():
+        res = getattr(resource, name, None)
+        if res is not None and resource.getrlimit(res) != (soft, hard):
+            resource.setrlimit(res, (soft, hard))
 
 
 def _shadowing(path: list[str]) -> str | None:
@@ -270,8 +297,8 @@ def _reap(children: dict[int, socket.socket]) -> None:
 
 
 def _become_command(request: dict[str, Any], fds: list[int]) -> None:
-    """In the fork: take the command's stdio, folder, umask, environment, path and arguments,
-    then run its `main` and end as the command would."""
+    """In the fork: take the command's stdio, folder, umask, resource limits, environment,
+    path and arguments, then run its `main` and end as the command would."""
     from trainflow.flows.cli import exit_fast, main
 
     code = 1
@@ -289,6 +316,7 @@ def _become_command(request: dict[str, Any], fds: list[int]) -> None:
             os.close(fd)
         os.chdir(request["cwd"])
         os.umask(request["umask"])
+        _take_limits(request.get("limits", {}))
         os.environ.clear()
         os.environ.update({**_added, **request["env"]})
         sys.path[:] = request["path"]

@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import re
+import resource
 import signal
 import subprocess
 import sys
@@ -136,15 +137,22 @@ def test_what_a_fork_would_import_otherwise_runs_cold_saying_why(
     assert _served(service) == before
 
 
+OPEN_FILES = 1000
+"""`ulimit -n` of the long runs' commands."""
+
+
 def _start_long_run(
     service: Path, work: Path, group: Path | None = None
 ) -> tuple[subprocess.Popen[str], int]:
-    """A served run training for long (its command in cgroup `group`); (its command, the
-    served child's pid) at epoch 2."""
+    """A served run training for long (its command in cgroup `group`, under `ulimit -n
+    OPEN_FILES`); (its command, the served child's pid) at epoch 2."""
     argv = _trainflow("run", "--preset", "tiny", "--set", "train.epochs=5000",
                       "--set", f"workdir={work}")  # fmt: skip
+    # The command's own limit on open files (below the service's): the fork must take it.
+    setup = f"ulimit -n {OPEN_FILES}"
     if group is not None:
-        argv = ["sh", "-c", f'echo $$ > {group}/cgroup.procs && exec "$@"', "sh", *argv]
+        setup = f"echo $$ > {group}/cgroup.procs && {setup}"
+    argv = ["sh", "-c", f'{setup} && exec "$@"', "sh", *argv]
     proc = subprocess.Popen(argv, env=_env(service), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)  # fmt: skip
     assert proc.stdout is not None
@@ -196,8 +204,14 @@ def memory_group() -> Iterator[Path | None]:
 def test_sigterm_to_a_served_command_cancels_its_job(
     tmp_path: Path, service: Path, memory_group: Path | None
 ) -> None:
-    """...and the served run runs in the command's cgroup (a memory limit, a Slurm job's)."""
+    """...and the served run runs in the command's cgroup (a memory limit, a Slurm job's) and
+    within its resource limits (`ulimit -n`), as do its ranks."""
     proc, pid = _start_long_run(service, tmp_path, memory_group)
+    assert resource.getrlimit(resource.RLIMIT_NOFILE) != (OPEN_FILES, OPEN_FILES)  # the service's
+    ranks = [json.loads(p.read_text()) for p in tmp_path.glob("runs/*/jobs/*_rank.json")]
+    assert resource.prlimit(proc.pid, resource.RLIMIT_NOFILE) == (OPEN_FILES, OPEN_FILES)
+    for served in [pid, *(int(r["pid"]) for r in ranks)]:
+        assert resource.prlimit(served, resource.RLIMIT_NOFILE) == (OPEN_FILES, OPEN_FILES)
     if memory_group is not None:
         inside = {int(p) for p in (memory_group / "cgroup.procs").read_text().split()}
         assert pid in inside and proc.pid in inside
