@@ -6,6 +6,7 @@ back to a CPU LocalCluster. Both are imported only when a GPU cluster is asked f
 
 import importlib
 import logging
+import os
 import tempfile
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -60,6 +61,7 @@ def dask_client(
             backend = "cupy" if cfg.backend == "gpu" else "numpy"
             client = stack.enter_context(distributed.Client(cfg.address))
         else:
+            stack.enter_context(environment_kept())  # restored after the cluster closes
             with dask.config.set(_worker_environ()):
                 cluster, backend = _local_cluster(cfg)
             stack.enter_context(cluster)
@@ -96,6 +98,24 @@ def quiet_dask_logs(level: int = logging.WARNING) -> Iterator[None]:
     finally:
         for lg, old in zip(loggers, before, strict=True):
             lg.setLevel(old)
+
+
+@contextmanager
+def environment_kept() -> Iterator[None]:
+    """Put back, on exit, the environment variables changed in this block.
+
+    A local cluster's nannies run in this process and set their workers' settings
+    (`distributed.nanny.pre-spawn-environ`: OMP/MKL/OPENBLAS_NUM_THREADS=1 and the malloc
+    thresholds) in this process's os.environ before each worker starts, and leave them there:
+    every process the flow starts afterwards (training ranks, a sweep's next pipeline, a
+    `trainflow run` a test starts) inherited the dask workers' one thread and malloc tuning."""
+    before = dict(os.environ)
+    try:
+        yield
+    finally:
+        for name in [k for k in os.environ if k not in before]:
+            del os.environ[name]
+        os.environ.update({k: v for k, v in before.items() if os.environ.get(k) != v})
 
 
 def _worker_environ() -> dict[str, Any]:

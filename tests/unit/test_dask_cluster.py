@@ -2,6 +2,7 @@
 
 import importlib.util
 import logging
+import os
 
 import distributed
 import numpy as np
@@ -26,13 +27,18 @@ no_gpu = pytest.mark.skipif(_gpu_usable(), reason="a GPU is usable here")
 
 
 def test_cpu_cluster_runs_work_and_closes() -> None:
+    before = dict(os.environ)
     with dask_client(DaskConfig(backend="cpu", n_workers=2)) as (client, backend):
         cluster = client.cluster
         assert backend == "numpy"
         assert len(client.scheduler_info()["workers"]) == 2
         assert client.submit(np.sum, np.arange(10)).result() == 45
+        # The nannies set their workers' settings in this process's environment...
+        assert os.environ.get("MALLOC_TRIM_THRESHOLD_") == str(64 << 20)
     assert client.status == "closed"
     assert cluster is not None and cluster.status.name == "closed"
+    # ...which processes the flow starts later must not inherit (OMP_NUM_THREADS=1 ...).
+    assert dict(os.environ) == before
 
 
 def test_cluster_closes_when_the_body_fails() -> None:
