@@ -21,7 +21,8 @@ from tests.services import background, free_port, get_json, http_status, service
 from trainflow.tasks.tracking.config import TrackingConfig
 from trainflow.tasks.tracking.pipeline_runs import PipelineRuns
 
-pytestmark = pytest.mark.integration
+# The command itself (its signals, exit codes and output), as a user without the stack runs it.
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("cold_command")]
 
 
 def _trainflow(*args: str) -> list[str]:

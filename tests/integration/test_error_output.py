@@ -15,7 +15,8 @@ from tests.disks import tmpfs
 from tests.services import service_env
 from tests.unit.test_preprocess_sources import _folder, _save_image
 
-pytestmark = pytest.mark.integration
+# What a terminal shows of the command run cold, as a user without the stack runs it.
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("cold_command")]
 
 
 def _run(

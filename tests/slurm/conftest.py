@@ -96,6 +96,13 @@ def _prefect_for_all(prefect_api: str) -> str:
 
 
 @pytest.fixture(autouse=True)
+def _served(served_commands: Path) -> Path:
+    """Every Slurm test's `trainflow run`s go to this test process's warm command service
+    (tests/conftest.py `served_commands`), as with the local stack up."""
+    return served_commands
+
+
+@pytest.fixture(autouse=True)
 def _no_job_outlives_its_test(slurm_cluster: Path) -> Iterator[None]:
     """After each test, cancel whatever it left in this worker's own cluster (a test that failed
     half-way, say), so that a leftover job neither trains on through the next tests' CPU time

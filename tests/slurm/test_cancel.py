@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from mlflow.tracking import MlflowClient
 
 from tests.services import (
@@ -103,6 +104,7 @@ def test_ctrl_c_on_trainflow_run_cancels_the_slurm_job(tmp_path: Path) -> None:
     assert registry.recorded(tmp_path) == []
 
 
+@pytest.mark.usefixtures("cold_command")  # served, the service would cancel it: no orphan
 def test_killed_flow_process_leaves_a_job_that_cleanup_cancels(tmp_path: Path) -> None:
     proc = _long_run(tmp_path, new_session=True)
     try:
