@@ -5,6 +5,7 @@ command's cgroups and resource limits, and hands back its exit status."""
 import contextlib
 import gc
 import importlib
+import importlib.machinery
 import io
 import json
 import logging
@@ -168,11 +169,28 @@ def _shadowing(path: list[str]) -> str | None:
         if not folder or folder in sys.path or not os.path.isdir(folder):
             continue
         with contextlib.suppress(OSError):
-            names = {n.partition(".")[0] for n in os.listdir(folder)} & loaded
+            names = _importable_names(folder) & loaded
             clash = sorted(n for n in names if not _same_module(folder, n))
             if clash:
                 return f"{folder} on the command's path holds {', '.join(clash[:3])}"
     return None
+
+
+def _importable_names(folder: str) -> set[str]:
+    """The top-level names `folder` would provide on sys.path: modules (.py, extension
+    modules ...) and regular packages. Not files without such a suffix (a virtualenv's bin/,
+    sys.path[0] of its console scripts, holds scripts named `dask`, `alembic` ...) nor folders
+    without an __init__ (namespace portions: an installed module of that name outranks them)."""
+    suffixes = tuple(importlib.machinery.all_suffixes())
+    names = set()
+    for entry in os.scandir(folder):
+        if entry.is_dir():
+            inits = (os.path.join(entry.path, f"__init__{suffix}") for suffix in suffixes)
+            if any(os.path.isfile(init) for init in inits):
+                names.add(entry.name)
+        elif entry.name.endswith(suffixes):
+            names.add(entry.name.partition(".")[0])
+    return names
 
 
 def _same_module(folder: str, name: str) -> bool:

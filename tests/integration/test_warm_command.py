@@ -98,12 +98,15 @@ def test_a_second_service_on_the_same_socket_is_refused(service: Path) -> None:
 
 
 def test_a_refused_model_is_one_line_through_the_service(tmp_path: Path, service: Path) -> None:
+    """...from the console script too: its sys.path[0], the virtualenv's bin/, holds scripts
+    named as the libraries the service imported (dask, alembic): not modules, no refusal."""
     (tmp_path / "tf_user_models.py").write_text(
         "from torch import nn\n\n\ndef wrong_width(spec):\n"
         "    return nn.Sequential(nn.Flatten(), nn.LazyLinear(spec.num_classes + 1))\n"
     )
-    argv = _trainflow("run", "--preset", "tiny", "--set", f"workdir={tmp_path / 'work'}",
-                      "--set", "train.model=tf_user_models:wrong_width")  # fmt: skip
+    script = str(Path(sys.executable).with_name("trainflow"))  # the service: python -m
+    argv = [script, "run", "--preset", "tiny", "--set", f"workdir={tmp_path / 'work'}",
+            "--set", "train.model=tf_user_models:wrong_width"]  # fmt: skip
     out = subprocess.run(
         argv, env=_env(service), cwd=tmp_path, capture_output=True, text=True, timeout=120
     )
