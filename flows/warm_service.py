@@ -224,6 +224,7 @@ def _accept(
         return
     why = _refusal(request, stamp, env)
     if why is not None:
+        print(f"trainflow warm: ran cold: {' '.join(request['argv'])}: {why}", flush=True)
         for fd in fds:
             os.close(fd)
         with contextlib.suppress(OSError):

@@ -138,6 +138,7 @@ def test_what_a_fork_would_import_otherwise_runs_cold_saying_why(
     assert first == f"trainflow: {why}: running without the warm command service"
     assert error.startswith("trainflow: error: ") and "train.epochs" in out.stderr
     assert _served(service) == before
+    assert f"ran cold: {' '.join(argv[3:])}: {why}" in service.read_text()  # the stack's log
 
 
 OPEN_FILES = 1000
