@@ -69,6 +69,14 @@ class DaskConfig(StrictModel):
     memory_limit: str = "auto"
     """Memory limit per local worker (dask syntax, e.g. '4GB'); 'auto' splits the host's memory.
     Slurm workers take mem_gb instead."""
+    local_workers: Literal["auto", "processes", "threads"] = "auto"
+    """How a local CPU cluster runs. processes: n_workers Python processes (parallel work that
+    holds the GIL, memory_limit per worker, a lost worker restarted alone); threads: one worker
+    of n_workers x threads_per_worker threads inside the flow's process, ready at once (each
+    worker process costs ~1.5 CPU s of imports and ~1 s before its first task on 2 cores);
+    auto: threads when the dataset is known to be under 64 MiB (the tiny and demo presets) and
+    memory_limit is 'auto', else processes. Only for a local cluster (no address, executor
+    local); a CUDA cluster, where one starts, is always one process per GPU."""
     executor: Literal["local", "slurm", "allocation"] = "local"
     """local: workers on this machine (or at `address`); slurm: one Slurm job per worker
     (dask-jobqueue), the scheduler in the flow's process; allocation: the workers as one srun
@@ -100,6 +108,14 @@ class DaskConfig(StrictModel):
     def _check_executor(self) -> "DaskConfig":
         if self.executor != "local":
             _check_slurm_workers(self)
+        if self.local_workers == "threads" and (self.executor != "local" or self.address):
+            raise ValueError(
+                "cluster.dask.local_workers='threads' runs a local cluster in this process, but "
+                + (f"cluster.dask.executor={self.executor!r}" if self.executor != "local"
+                   else f"cluster.dask.address={self.address!r}")
+                + " names workers elsewhere: set local_workers='auto', or executor='local' "
+                "with no address"
+            )  # fmt: skip
         for key in self.sbatch_extra:
             _check_sbatch_key(key, DASK_SBATCH_OPTIONS)
         return self

@@ -1,4 +1,5 @@
-"""The dask cluster factory: an existing scheduler, LocalCUDACluster on GPUs, else LocalCluster.
+"""The dask cluster factory: an existing scheduler, LocalCUDACluster on GPUs, else LocalCluster
+(worker processes, or for a small dataset threads in this process: `local_kind`).
 
 dask-cuda and CuPy come with the `gpu` extra only; without them (CPU installs) `auto` falls
 back to a CPU LocalCluster. Both are imported only when a GPU cluster is asked for.
@@ -7,6 +8,7 @@ back to a CPU LocalCluster. Both are imported only when a GPU cluster is asked f
 import importlib
 import logging
 import os
+import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -32,9 +34,25 @@ log = logging.getLogger(__name__)
 _MALLOC_ENV = {"MALLOC_TRIM_THRESHOLD_": 64 << 20, "MALLOC_MMAP_THRESHOLD_": 32 << 20}
 
 
+THREADS_BELOW = 64 << 20
+"""local_workers=auto: a dataset known to be smaller than this is preprocessed by threads in
+the flow's process. Measured on the 2-core machine: a worker process took ~1.5 CPU s of imports
+and ~1 s before its first task, more than the whole tiny or demo dataset's work."""
+
+LocalKind = Literal["processes", "threads"]
+
+
+def local_kind(cfg: DaskConfig, dataset_bytes: int | None) -> LocalKind:
+    """How a local CPU cluster for a dataset of `dataset_bytes` (None: unknown) runs."""
+    if cfg.local_workers != "auto":
+        return cfg.local_workers
+    small = dataset_bytes is not None and dataset_bytes < THREADS_BELOW
+    return "threads" if small and cfg.memory_limit == "auto" else "processes"
+
+
 @contextmanager
 def dask_client(
-    cfg: DaskConfig, workdir: Path | None = None
+    cfg: DaskConfig, workdir: Path | None = None, dataset_bytes: int | None = None
 ) -> Iterator[tuple[distributed.Client, Backend]]:
     """Yield a connected client and the array backend its workers use; close both on exit.
 
@@ -42,6 +60,7 @@ def dask_client(
     cfg.executor=slurm the workers are Slurm jobs (cluster.dask_slurm), cancelled on exit; with
     a workdir (on a filesystem the nodes share) their logs go to workdir/dask-workers and the
     jobs are recorded in workdir/active_jobs for `trainflow cleanup` (else: a temporary folder).
+    A local CPU cluster runs as `local_kind` says for a dataset of `dataset_bytes`.
     """
     with ExitStack() as stack:
         stack.enter_context(quiet_dask_logs())  # first in, last out: covers the shutdown too
@@ -62,8 +81,11 @@ def dask_client(
             client = stack.enter_context(distributed.Client(cfg.address))
         else:
             stack.enter_context(environment_kept())  # restored after the cluster closes
+            # Workers in this process put a run's code snapshot first on its sys.path
+            # (cluster.dask_snapshot): this process's own path is restored afterwards.
+            stack.enter_context(sys_path_kept())
             with dask.config.set(_worker_environ()):
-                cluster, backend = _local_cluster(cfg)
+                cluster, backend = _local_cluster(cfg, local_kind(cfg, dataset_bytes))
             stack.enter_context(cluster)
             client = stack.enter_context(distributed.Client(cluster))
         register_quiet_heartbeat(client)  # a teardown race's traceback: only with --debug
@@ -118,13 +140,37 @@ def environment_kept() -> Iterator[None]:
         os.environ.update({k: v for k, v in before.items() if os.environ.get(k) != v})
 
 
+@contextmanager
+def sys_path_kept() -> Iterator[None]:
+    """Put back, on exit, this process's sys.path as it was."""
+    before = list(sys.path)
+    try:
+        yield
+    finally:
+        sys.path[:] = before
+
+
+def workers_line(client: distributed.Client) -> str:
+    """What the client's cluster runs on, for the log: '4 threads in this process', or '2
+    worker processes, 2 threads, <dashboard link>'."""
+    workers = client.scheduler_info(n_workers=-1)["workers"]
+    threads = _count(sum(int(w["nthreads"]) for w in workers.values()), "thread")
+    if workers and all(addr.startswith("inproc://") for addr in workers):
+        return f"{threads} in this process"
+    return f"{_count(len(workers), 'worker process')}, {threads}, {client.dashboard_link}"
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}es" if noun.endswith("s") else f"{n} {noun}s"
+
+
 def _worker_environ() -> dict[str, Any]:
     """dask config that sets _MALLOC_ENV in worker processes before they start."""
     return {f"distributed.nanny.pre-spawn-environ.{k}": v for k, v in _MALLOC_ENV.items()}
 
 
-def _local_cluster(cfg: DaskConfig) -> tuple[Any, Backend]:
-    """Start a CUDA cluster when asked or possible, else a CPU LocalCluster."""
+def _local_cluster(cfg: DaskConfig, kind: LocalKind) -> tuple[Any, Backend]:
+    """Start a CUDA cluster when asked or possible, else a CPU LocalCluster of `kind`."""
     if cfg.backend in ("auto", "gpu"):
         try:
             return _cuda_cluster(cfg), "cupy"
@@ -138,6 +184,18 @@ def _local_cluster(cfg: DaskConfig) -> tuple[Any, Backend]:
                     "or 'cpu'"
                 ) from exc
             log.info("no GPU cluster (%s: %s); using a CPU LocalCluster", type(exc).__name__, exc)
+    if kind == "threads":
+        # One worker in this process: no memory limit (it would count the flow's own memory,
+        # torch and all, and pause the worker), no dashboard, no network (inproc transport).
+        cluster = distributed.LocalCluster(
+            n_workers=1,
+            threads_per_worker=cfg.n_workers * cfg.threads_per_worker,
+            processes=False,
+            dashboard_address=None,
+            memory_limit=0,
+            silence_logs=logging.WARNING,
+        )
+        return cluster, "numpy"
     cluster = distributed.LocalCluster(
         n_workers=cfg.n_workers,
         threads_per_worker=cfg.threads_per_worker,

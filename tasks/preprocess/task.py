@@ -54,19 +54,23 @@ def preprocess_task(
     """Validate, split, normalise and shard the raw data on a dask cluster (whose workers
     import the user's code from the run's snapshot folders `code` first)."""
     # dask's distributed (~0.2 s to import) only where the cache did not serve the dataset.
-    from trainflow.cluster.dask import dask_client
+    from trainflow.cluster.dask import dask_client, workers_line
     from trainflow.cluster.dask_slurm import worker_placement
     from trainflow.cluster.dask_snapshot import register_snapshot
     from trainflow.tasks.preprocess.run import run_preprocess
 
     log = get_run_logger()
-    with dask_client(dask, out_root.parent) as (client, backend):  # out_root: workdir/datasets
+    size = dataset_bytes(cfg)  # a small dataset is preprocessed by threads of this process
+    with dask_client(dask, out_root.parent, size) as (
+        client,
+        backend,
+    ):  # out_root: workdir/datasets
         register_snapshot(client, code or [])
         log.info(
             "preprocessing source=%s on dask (%s backend, %s)",
             cfg.source,
             backend,
-            client.dashboard_link,
+            workers_line(client),
         )
         if dask.executor != "local":
             log.info("dask workers (Slurm): %s", worker_placement(client))

@@ -72,6 +72,8 @@ def test_sigterm_cancels_the_training_job_and_marks_runs_killed(tmp_path: Path) 
         # The dask cluster started and stopped by now: none of its INFO lines reached the log
         # (its warnings may: a loaded machine makes the nanny kill a slow worker at shutdown).
         assert "preprocess" in "".join(lines)
+        # The tiny dataset (under 64 MiB): preprocessed by threads of the command's process.
+        assert "on dask (numpy backend, 2 threads in this process)" in "".join(lines)
         assert [x for x in lines if re.search(r"\| INFO +\| (distributed|dask_cuda)\.", x)] == []
         # Nor MLflow's lines about creating the new workdir's database store.
         assert [x for x in lines if re.search(r" INFO mlflow\.", x)] == []

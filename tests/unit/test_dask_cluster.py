@@ -3,13 +3,24 @@
 import importlib.util
 import logging
 import os
+import re
+import sys
+from pathlib import Path
 
 import distributed
 import numpy as np
 import pytest
 
 from trainflow.cluster.config import DaskConfig
-from trainflow.cluster.dask import array_module, dask_client, to_numpy
+from trainflow.cluster.dask import (
+    THREADS_BELOW,
+    array_module,
+    dask_client,
+    local_kind,
+    to_numpy,
+    workers_line,
+)
+from trainflow.cluster.dask_snapshot import register_snapshot
 from trainflow.tasks.errors import ConfigError
 
 
@@ -39,6 +50,52 @@ def test_cpu_cluster_runs_work_and_closes() -> None:
     assert cluster is not None and cluster.status.name == "closed"
     # ...which processes the flow starts later must not inherit (OMP_NUM_THREADS=1 ...).
     assert dict(os.environ) == before
+
+
+def test_auto_runs_a_small_dataset_on_threads_and_a_large_or_unknown_one_on_processes() -> None:
+    auto = DaskConfig()
+    assert local_kind(auto, 1 << 20) == "threads"  # the tiny and demo presets
+    assert local_kind(auto, THREADS_BELOW) == "processes"
+    assert local_kind(auto, None) == "processes"  # files whose decoded size is unknown
+    # A memory limit per worker is only kept by worker processes.
+    assert local_kind(DaskConfig(memory_limit="2GB"), 1 << 20) == "processes"
+    assert local_kind(DaskConfig(local_workers="processes"), 1 << 20) == "processes"
+    assert local_kind(DaskConfig(local_workers="threads"), 1 << 40) == "threads"
+
+
+def test_a_threads_cluster_works_in_this_process_and_leaves_its_path_as_it_was(
+    tmp_path: Path,
+) -> None:
+    snapshot = tmp_path / "snapshot"
+    snapshot.mkdir()
+    (snapshot / "user_mod_in_thread.py").write_text("WHERE = 'snapshot'\n")
+    path_before, env_before = list(sys.path), dict(os.environ)
+    cfg = DaskConfig(backend="cpu", n_workers=2, threads_per_worker=2)
+    with dask_client(cfg, dataset_bytes=1 << 20) as (client, backend):
+        assert backend == "numpy"
+        assert workers_line(client) == "4 threads in this process"
+        assert client.submit(os.getpid, pure=False).result() == os.getpid()
+        # The run's code snapshot comes first for the workers, which are this process here.
+        register_snapshot(client, [snapshot])
+        where = client.submit(importlib.import_module, "user_mod_in_thread").result().WHERE
+        assert where == "snapshot" and sys.path[0] == str(snapshot)
+    assert client.status == "closed"
+    assert sys.path == path_before and dict(os.environ) == env_before
+    sys.modules.pop("user_mod_in_thread", None)
+
+
+def test_a_large_dataset_gets_worker_processes() -> None:
+    cfg = DaskConfig(backend="cpu", n_workers=2)
+    with dask_client(cfg, dataset_bytes=THREADS_BELOW) as (client, _):
+        assert workers_line(client).startswith("2 worker processes, 2 threads, http")
+        assert client.submit(os.getpid, pure=False).result() != os.getpid()
+
+
+def test_threads_are_refused_for_workers_elsewhere() -> None:
+    with pytest.raises(ValueError, match="local_workers='threads' runs a local cluster"):
+        DaskConfig(local_workers="threads", address="tcp://127.0.0.1:8786")
+    with pytest.raises(ValueError, match=re.escape("cluster.dask.executor='slurm'")):
+        DaskConfig(local_workers="threads", executor="slurm")
 
 
 def test_cluster_closes_when_the_body_fails() -> None:

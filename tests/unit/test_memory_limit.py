@@ -158,6 +158,8 @@ def test_whole_pipeline_on_data_3x_the_memory_limit(
     assert done.returncode == 0, f"{oom}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
     assert "oom_kill 0" in oom or "oom_kill" not in oom
     assert peak <= LIMIT
+    # A dataset this large is preprocessed by a worker process (with its memory limit).
+    assert "on dask (numpy backend, 1 worker process, 1 thread, http" in done.stdout + done.stderr
     # Every sample was sharded, and the val and test splits are each larger than the limit.
     manifest = json.loads(
         next((tmp_path / "work" / "datasets").glob("*/manifest.json")).read_text()
