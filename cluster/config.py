@@ -74,9 +74,11 @@ class DaskConfig(StrictModel):
     holds the GIL, memory_limit per worker, a lost worker restarted alone); threads: one worker
     of n_workers x threads_per_worker threads inside the flow's process, ready at once (each
     worker process costs ~1.5 CPU s of imports and ~1 s before its first task on 2 cores);
-    auto: threads when the dataset is known to be under 64 MiB (the tiny and demo presets) and
-    memory_limit is 'auto', else processes. Only for a local cluster (no address, executor
-    local); a CUDA cluster, where one starts, is always one process per GPU."""
+    auto: threads for an array dataset (synthetic, mnist, npz) known to be under 64 MiB (the
+    tiny and demo presets) with memory_limit 'auto'; else processes (image folders, which
+    decode to more than their files, and plug-ins, whose code stays out of the flow's
+    process). Only for a local cluster (no address, executor local); a CUDA cluster, where one
+    starts, is always one process per GPU."""
     executor: Literal["local", "slurm", "allocation"] = "local"
     """local: workers on this machine (or at `address`); slurm: one Slurm job per worker
     (dask-jobqueue), the scheduler in the flow's process; allocation: the workers as one srun

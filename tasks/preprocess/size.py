@@ -21,6 +21,13 @@ def dataset_bytes(cfg: PreprocessConfig) -> int | None:
     return _tree_bytes(cfg.path) if cfg.path else None
 
 
+def array_bytes(cfg: PreprocessConfig) -> int | None:
+    """The dataset's size where the source's bytes are its samples' (generated, MNIST, .npz
+    arrays), else None: an image folder decodes to more than its files, and a plug-in's size is
+    unknown (its code is the user's: it runs in worker processes, apart from the flow)."""
+    return dataset_bytes(cfg) if cfg.source in ("synthetic", "mnist", "npz") else None
+
+
 def preprocess_need(cfg: PreprocessConfig, out_root: Path) -> int | None:
     """What preprocessing `cfg` will write under `out_root`, known before it starts: the
     generated and bundled sources' exact sizes; 0 when a dataset of this config is there

@@ -17,7 +17,7 @@ from trainflow.tasks.errors import DataError
 from trainflow.tasks.preprocess.config import PreprocessConfig
 from trainflow.tasks.preprocess.dataset import dataset_dir, read_manifest
 from trainflow.tasks.preprocess.ref import DatasetRef
-from trainflow.tasks.preprocess.size import dataset_bytes
+from trainflow.tasks.preprocess.size import array_bytes, dataset_bytes
 from trainflow.tasks.preprocess.sources import fingerprint
 from trainflow.tasks.tracking.progress import TaskProgress
 
@@ -60,7 +60,7 @@ def preprocess_task(
     from trainflow.tasks.preprocess.run import run_preprocess
 
     log = get_run_logger()
-    size = dataset_bytes(cfg)  # a small dataset is preprocessed by threads of this process
+    size = array_bytes(cfg)  # a small array dataset is preprocessed by threads of this process
     with dask_client(dask, out_root.parent, size) as (
         client,
         backend,

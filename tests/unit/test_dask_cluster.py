@@ -22,6 +22,8 @@ from trainflow.cluster.dask import (
 )
 from trainflow.cluster.dask_snapshot import register_snapshot
 from trainflow.tasks.errors import ConfigError
+from trainflow.tasks.preprocess.config import PreprocessConfig
+from trainflow.tasks.preprocess.size import array_bytes, dataset_bytes
 
 
 def _gpu_usable() -> bool:
@@ -61,6 +63,18 @@ def test_auto_runs_a_small_dataset_on_threads_and_a_large_or_unknown_one_on_proc
     assert local_kind(DaskConfig(memory_limit="2GB"), 1 << 20) == "processes"
     assert local_kind(DaskConfig(local_workers="processes"), 1 << 20) == "processes"
     assert local_kind(DaskConfig(local_workers="threads"), 1 << 40) == "threads"
+
+
+def test_only_array_sources_give_the_size_that_picks_threads(tmp_path: Path) -> None:
+    (tmp_path / "imgs" / "cat").mkdir(parents=True)
+    (tmp_path / "imgs" / "cat" / "a.png").write_bytes(b"\x89PNG" + bytes(60))
+    np.savez(tmp_path / "a.npz", images=np.zeros((4, 2, 2), np.uint8), labels=np.arange(4))
+    assert array_bytes(PreprocessConfig(source="synthetic", synthetic_samples=10)) is not None
+    assert array_bytes(PreprocessConfig(source="mnist")) == dataset_bytes(PreprocessConfig())
+    assert array_bytes(PreprocessConfig(source="npz", path=tmp_path / "a.npz")) is not None
+    # Compressed images decode to more than their files; a plug-in's code stays in processes.
+    assert array_bytes(PreprocessConfig(source="folder", path=tmp_path / "imgs")) is None
+    assert array_bytes(PreprocessConfig(source="user_sources:Reader")) is None
 
 
 def test_a_threads_cluster_works_in_this_process_and_leaves_its_path_as_it_was(
