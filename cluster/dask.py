@@ -36,8 +36,9 @@ _MALLOC_ENV = {"MALLOC_TRIM_THRESHOLD_": 64 << 20, "MALLOC_MMAP_THRESHOLD_": 32 
 
 THREADS_BELOW = 64 << 20
 """local_workers=auto: an array dataset known to be smaller than this (tasks.preprocess.size
-`array_bytes`) is preprocessed by threads in the flow's process. Measured on the 2-core machine: a worker process took ~1.5 CPU s of imports
-and ~1 s before its first task, more than the whole tiny or demo dataset's work."""
+`array_bytes`) is preprocessed by threads in the flow's process. Measured on the 2-core
+machine: a worker process took ~1.5 CPU s of imports and ~1 s before its first task, more
+than the whole tiny or demo dataset's work."""
 
 LocalKind = Literal["processes", "threads"]
 
