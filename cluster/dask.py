@@ -187,12 +187,14 @@ def _local_cluster(cfg: DaskConfig, kind: LocalKind) -> tuple[Any, Backend]:
             log.info("no GPU cluster (%s: %s); using a CPU LocalCluster", type(exc).__name__, exc)
     if kind == "threads":
         # One worker in this process: no memory limit (it would count the flow's own memory,
-        # torch and all, and pause the worker), no dashboard, no network (inproc transport).
+        # torch and all, and pause the worker), no network (inproc transport). The scheduler's
+        # HTTP routes take a free port as the processes' do (None means dask's :8787, taken by
+        # a second run on the machine: a warning in the flow's output).
         cluster = distributed.LocalCluster(
             n_workers=1,
             threads_per_worker=cfg.n_workers * cfg.threads_per_worker,
             processes=False,
-            dashboard_address=None,
+            dashboard_address=":0",
             memory_limit=0,
             silence_logs=logging.WARNING,
         )

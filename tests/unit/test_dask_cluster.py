@@ -5,6 +5,7 @@ import logging
 import os
 import re
 import sys
+import warnings
 from pathlib import Path
 
 import distributed
@@ -96,6 +97,18 @@ def test_a_threads_cluster_works_in_this_process_and_leaves_its_path_as_it_was(
     assert client.status == "closed"
     assert sys.path == path_before and dict(os.environ) == env_before
     sys.modules.pop("user_mod_in_thread", None)
+
+
+def test_two_threads_clusters_at_once_start_without_a_warning() -> None:
+    # A second run on the machine: dask's default HTTP port (:8787) would be taken already.
+    cfg = DaskConfig(backend="cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with (
+            dask_client(cfg, dataset_bytes=1 << 10) as (a, _),
+            dask_client(cfg, dataset_bytes=1 << 10) as (b, _),
+        ):
+            assert workers_line(a) == workers_line(b) == "2 threads in this process"
 
 
 def test_a_large_dataset_gets_worker_processes() -> None:
