@@ -1,6 +1,9 @@
 """cgroup v1 memory groups for the tests that prove a memory limit (needs root)."""
 
+import contextlib
+import errno
 import os
+import time
 from pathlib import Path
 
 V1 = Path("/sys/fs/cgroup/memory")
@@ -21,3 +24,21 @@ def own_memory_group() -> Path | None:
         return None
     path = memory_group_of()
     return path if path is not None and os.access(path, os.W_OK) else None
+
+
+def remove_group(group: Path, limit_s: float = 30.0) -> None:
+    """Move what is left in `group` to its parent and remove it. A process that is exiting
+    still counts until its parent reaps it (rmdir: EBUSY), and one being forked may appear
+    after the move: retry until the group is empty, for at most `limit_s`."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        for pid in (group / "cgroup.procs").read_text().split():
+            with contextlib.suppress(OSError):  # gone already, or a zombie: reaped soon
+                (group.parent / "cgroup.procs").write_text(pid)
+        try:
+            group.rmdir()
+            return
+        except OSError as err:
+            if err.errno != errno.EBUSY or time.monotonic() > deadline:
+                raise
+        time.sleep(0.1)

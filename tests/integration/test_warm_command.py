@@ -3,7 +3,6 @@ commands as forks of itself; nothing mocked. A served run trains as a cold one d
 command's signals and death reach it, and a command the service cannot run as a fresh process
 would runs cold, saying why."""
 
-import contextlib
 import json
 import os
 import re
@@ -19,7 +18,7 @@ import psutil
 import pytest
 from mlflow.tracking import MlflowClient
 
-from tests.cgroups import own_memory_group
+from tests.cgroups import own_memory_group, remove_group
 from tests.services import background, service_env, wait_for
 from trainflow.flows.warm_command import SOCKET_ENV
 
@@ -199,10 +198,7 @@ def memory_group() -> Iterator[Path | None]:
     try:
         yield group
     finally:
-        for pid in (group / "cgroup.procs").read_text().split():
-            with contextlib.suppress(OSError):
-                (parent / "cgroup.procs").write_text(pid)
-        group.rmdir()
+        remove_group(group)
 
 
 def test_sigterm_to_a_served_command_cancels_its_job(
