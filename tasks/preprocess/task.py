@@ -61,10 +61,8 @@ def preprocess_task(
 
     log = get_run_logger()
     size = array_bytes(cfg)  # a small array dataset is preprocessed by threads of this process
-    with dask_client(dask, out_root.parent, size) as (
-        client,
-        backend,
-    ):  # out_root: workdir/datasets
+    # out_root is workdir/datasets: the cluster's logs and job records go to the workdir.
+    with dask_client(dask, out_root.parent, size) as (client, backend):
         register_snapshot(client, code or [])
         log.info(
             "preprocessing source=%s on dask (%s backend, %s)",
