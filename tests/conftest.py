@@ -160,6 +160,18 @@ def cold_command(served_commands: Path, monkeypatch: pytest.MonkeyPatch) -> None
 
 
 def _shared_tmp(factory: pytest.TempPathFactory) -> Path:
-    """A folder every xdist worker of this pytest run shares (this run's base folder)."""
+    """Where the migrated Prefect database template is kept: the machine's trainflow cache
+    (tasks.cache_dir), as the MLflow store template is, so that only the first run on a
+    machine (per Prefect version) migrates one; this run's base folder, which every xdist
+    worker shares, where the cache cannot be written."""
+    from trainflow.tasks.cache_dir import cache_root
+
+    folder = cache_root() / "prefect-dbs"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        if os.access(folder, os.W_OK):
+            return folder
+    except OSError:
+        pass
     base = factory.getbasetemp()
     return base.parent if "PYTEST_XDIST_WORKER" in os.environ else base
