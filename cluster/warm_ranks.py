@@ -45,14 +45,17 @@ PRELOAD = (
     "torch",
     "torch._dynamo",  # DDP's constructor and every torch.optim optimizer import it
     "torch.distributed",
-    "mlflow",
-    "mlflow.store.tracking.sqlalchemy_store",  # rank 0's metric sender on a SQLite store
     "submitit.core.submission",  # what `-m submitit.core._submit` runs (not itself: runpy)
     "trainflow.tasks.train.job",
 )
-"""What every rank imports anyway, imported once here before the first fork."""
+"""What every rank imports anyway, imported once here before the first fork. Not MLflow: ranks
+journal what they log and the flow sends it (tasks.tracking.journal)."""
 
-LATER = ("torch.export._trace", "trainflow.tasks.evaluate.model_logging")
+LATER = (
+    "torch.export._trace",
+    "trainflow.tasks.evaluate.model_logging",  # MLflow with it
+    "mlflow.store.tracking.sqlalchemy_store",  # the export's model logged to a SQLite store
+)
 """What the evaluate stage's model export (tasks.evaluate.warm_export) imports, imported once
 the first job's ranks have all ended (the ranks need none of it; imported while they train,
 it took CPU from them on 2 cores), while the flow evaluates the test split."""

@@ -1,9 +1,8 @@
-"""The last metric step a training attempt's logger has dealt with: sent, or kept in the backlog.
+"""The last metric step a training attempt's logger has written to the job's journal.
 
-A job that fails still closes its logger, which sends (or keeps on disk) every point it was
-given; the next attempt must then not log those epochs again. A job killed outright never
-writes this, and its successor re-logs what its checkpoint holds beyond the last flush.
-Kept apart from the backlog so the ranks read it without importing MLflow.
+Each flush of rank 0's logger writes its points to the journal (tasks.tracking.journal) and
+then this step; the next attempt must not log those epochs again. An attempt killed between
+a checkpoint and its flush leaves its successor to re-log what the checkpoint holds beyond.
 """
 
 import json
@@ -15,7 +14,7 @@ HANDED_NAME = "logged_through.json"
 
 
 def save_handed(out_dir: Path, step: int) -> None:
-    """Record that every point up to `step` was sent or is in the backlog (atomic write)."""
+    """Record that every point up to `step` is in the journal (atomic write)."""
     path = out_dir / HANDED_NAME
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
     tmp.write_text(json.dumps({"step": step}))

@@ -1,15 +1,17 @@
 """Rank-0 metric logging behind a small interface: the loop calls ``log(metrics, step)``.
 
-MLflow calls are slow when made one per metric (1000 x log_metric over HTTP: ~12 s), so
-points are buffered and sent in ``log_batch`` calls, by a background thread that never makes
-training wait on the tracking server (tasks.tracking.sender).
+Points are buffered and written to the job's journal once per flush (an epoch); the flow
+process sends them to MLflow in ``log_batch`` calls (tasks.tracking.relay), so training never
+waits on the tracking server and no rank imports MLflow.
 """
 
+import threading
 import time
 from pathlib import Path
 from typing import Protocol
 
 from trainflow.tasks.tracking.handed import save_handed
+from trainflow.tasks.tracking.journal import Journal, Point
 
 DRAIN_S = 30.0
 """How long the end of a job waits for the server to take the points still buffered."""
@@ -42,79 +44,69 @@ class NullLogger:
         return 0
 
 
-class MlflowLogger:
-    """Buffers metrics and has a MetricSender send them to one MLflow run in batches.
+class JournalLogger:
+    """Buffers metrics and writes them to rank 0's journal at each flush; the flow sends them
+    to the MLflow run (tasks.tracking.journal, tasks.tracking.relay). A flush also records the
+    step it reached (tasks.tracking.handed): a resumed attempt does not log those steps again.
+    A journal that cannot be written (a full disk) is one warning; training goes on."""
 
-    With `out_dir`, points a previous attempt could not send (tasks.tracking.backlog) go
-    first, and the points this one cannot send are kept there when it closes.
-    """
-
-    def __init__(self, tracking_uri: str, run_id: str, out_dir: Path | None = None) -> None:
-        # Imported here: mlflow costs ~1 s of start-up in every rank, and only rank 0 logs.
-        from mlflow.entities import Metric
-
-        from trainflow.tasks.tracking import backlog
-        from trainflow.tasks.tracking.sender import MetricSender
-
-        self._metric, self._save = Metric, backlog.save
-        self._uri = tracking_uri
-        self._sender = MetricSender(tracking_uri, run_id, say=lambda line: print(line, flush=True))
-        self._out_dir = out_dir
-        self._backlog = backlog.backlog_path(out_dir) if out_dir else None
+    def __init__(self, journal: Journal, out_dir: Path) -> None:
+        self._journal, self._out_dir = journal, out_dir
+        self._buffer: list[Point] = []
         self._last_step = 0
-        if self._backlog is not None:
-            self._sender.put(backlog.load(self._backlog))
+        self._lock = threading.Lock()
+        self._warned = False
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        """Buffer metrics; nothing is sent before flush()."""
+        """Buffer metrics; nothing is written before flush()."""
         ts = int(time.time() * 1000)
-        self._sender.put([self._metric(k, float(v), ts, step) for k, v in metrics.items()])
-        self._last_step = max(self._last_step, step)
+        with self._lock:
+            self._buffer.extend((k, float(v), ts, step) for k, v in metrics.items())
+            self._last_step = max(self._last_step, step)
 
     def flush(self) -> None:
-        """Have the sender thread send the buffer (returns at once)."""
-        self._sender.wake()
+        """Write what is buffered to the journal."""
+        with self._lock:
+            points, self._buffer = self._buffer, []
+            step = self._last_step
+            try:
+                self._journal.metrics(points)
+                save_handed(self._out_dir, step)
+            except OSError as exc:
+                if not self._warned:
+                    print(f"warning: metrics not recorded for MLflow: {exc}", flush=True)
+                    self._warned = True
 
     def close(self, drain_s: float = DRAIN_S) -> int:
-        """Send what is left within `drain_s`; keep the rest in out_dir; return its count."""
-        left = self._sender.close(drain_s)
-        if self._out_dir is not None and self._backlog is not None:
-            self._save(self._backlog, left)
-            # A resumed attempt must not log these steps again (tasks.train.job._relog).
-            save_handed(self._out_dir, self._last_step)
-        lost = len(left) + self._sender.dropped
-        if lost:
-            where = f"; kept in {self._backlog}" if self._backlog and left else ""
-            print(
-                f"warning: {lost} metric points were not logged to MLflow at {self._uri} "
-                f"({self._sender.sent} were){where}",
-                flush=True,
-            )
-        return lost
+        """Write what is left; return 0 (the flow sends the journal)."""
+        self.flush()
+        return 0
 
 
-def make_logger(
-    tracking_uri: str | None, run_id: str | None, rank: int, out_dir: Path | None = None
-) -> MetricLogger:
-    """MlflowLogger on rank 0 when a run is given, else NullLogger."""
-    if rank == 0 and tracking_uri and run_id:
-        return MlflowLogger(tracking_uri, run_id, out_dir)
+def make_logger(journal: Journal | None, out_dir: Path) -> MetricLogger:
+    """JournalLogger on rank 0 of a job with a run (it has the journal), else NullLogger."""
+    if journal is not None:
+        return JournalLogger(journal, out_dir)
     return NullLogger()
 
 
-def log_run_params(tracking_uri: str | None, run_id: str | None, params: dict[str, str]) -> None:
-    """Log params only the job learns where it runs (the precision picked, and why) on its
-    run. Never raises: a requeued job that picked otherwise (MLflow keeps a param's first
-    value) or an unreachable server is a warning line."""
-    if not (tracking_uri and run_id):
+def log_run_params(journal: Journal | None, params: dict[str, str]) -> None:
+    """Record params only the job learns where it runs (the precision picked, and why) for its
+    run; the flow logs them (a requeued job that picked otherwise: MLflow keeps a param's first
+    value, and the flow says so in a warning line). Never raises."""
+    if journal is None:
         return
     try:
-        from mlflow.tracking import MlflowClient
+        journal.params(params)
+    except OSError as exc:
+        print(f"warning: params {sorted(params)} not recorded: {exc}", flush=True)
 
-        from trainflow.tasks.tracking.runs import log_params
 
-        log_params(MlflowClient(tracking_uri), run_id, params)
-    except Exception as exc:
-        said = (str(exc).splitlines() or [""])[0][:300]
-        name = type(exc).__name__
-        print(f"warning: params {sorted(params)} not logged: {name}: {said}", flush=True)
+def tag_run(journal: Journal | None, tags: dict[str, str]) -> None:
+    """Record tags for the job's run (the flow sets them); never raises."""
+    if journal is None:
+        return
+    try:
+        journal.tags(tags)
+    except OSError as exc:
+        print(f"warning: tags {sorted(tags)} not recorded: {exc}", flush=True)

@@ -1,10 +1,11 @@
 """Metric points sent to MLflow by a background thread, so that training never waits on it.
 
-Rank 0 hands points to a bounded in-memory buffer (``put``) and asks for them to be sent
-(``wake``); one sender thread sends them in order, oldest first, in ``log_batch`` calls of at
-most 1000 points. Each call is made once, with a short timeout and no retries of MLflow's own
-(its defaults retry a dead server for ~4 minutes per call); the sender retries by itself,
-backing off up to ``MAX_BACKOFF_S``, for as long as training runs.
+The flow's journal relay (tasks.tracking.relay) hands points to a bounded in-memory buffer
+(``put``) and asks for them to be sent (``wake``); one sender thread sends them in order,
+oldest first, in ``log_batch`` calls of at most 1000 points. Each call is made once, with a
+short timeout and no retries of MLflow's own (its defaults retry a dead server for ~4 minutes
+per call); the sender retries by itself, backing off up to ``MAX_BACKOFF_S``, for as long as
+the relay runs.
 
 While the server cannot be reached, one line says so (and one more when it is back); points
 stay buffered in order. A retried batch carries the same timestamps, and MLflow's SQL store
@@ -12,7 +13,7 @@ ignores a metric equal in key, value, step and timestamp to one it holds, so a b
 reached the server although its reply did not is not stored twice.
 
 ``close`` gives the server a bounded time to take what is left and returns the points it
-never took (the caller saves them, see tasks.tracking.backlog).
+never took (they stay in the job's journal, tasks.tracking.relay).
 """
 
 import json

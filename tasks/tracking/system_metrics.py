@@ -1,26 +1,32 @@
-"""System metrics per node in the train run, through MLflow's own monitor (psutil, pynvml).
+"""System metrics per node in the train run, sampled with psutil (and NVML on GPU nodes) under
+MLflow's own system metric names, written to the job's journal (tasks.tracking.journal).
 
-One monitor per node, in the node's local rank 0, named by the node: Slurm's node name
+One sampler per node, in the node's local rank 0, named by the node: Slurm's node name
 (SLURMD_NODENAME: nodes of one cluster may share a hostname, as the dev cluster's do), else the
 host name. Its points are ``system/<node>/cpu_utilization_percentage``, ``.../system_memory_
 usage_percentage``, disk and network, and on GPU nodes ``.../gpu_<i>_utilization_percentage``
-and ``.../gpu_<i>_memory_usage_percentage`` for the job's own GPUs only (MLflow's monitor
-watches every GPU of the host): ``i`` counts the GPUs Slurm gave the job on that node.
+and ``.../gpu_<i>_memory_usage_percentage`` for the job's own GPUs only: ``i`` counts the GPUs
+Slurm gave the job on that node. MLflow's UI shows them in the run's System metrics tab.
 
-A tracking outage never stops training: MLflow's monitor thread ends by itself when it cannot
-reach the server, and stopping it waits at most ``STOP_WAIT_S``.
+No rank imports MLflow for them (MLflow's own monitor did: ~1.5 s of start-up on every node),
+and a tracking outage cannot touch the sampler: the flow sends its points.
 """
 
-import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
+import psutil
+
+from trainflow.tasks.tracking.journal import Journal, count_records
+
 STOP_WAIT_S = 10.0
-"""How long the end of a job waits for the monitor's last points."""
+"""How long the end of a job waits for the sampling thread."""
 _GPU_LIST_VARIABLES = ("SLURM_STEP_GPUS", "SLURM_JOB_GPUS", "CUDA_VISIBLE_DEVICES")
 
 
@@ -40,78 +46,97 @@ def job_gpus(env: dict[str, str] | None = None) -> list[str] | None:
 
 
 @contextmanager
-def node_monitor(
-    tracking_uri: str | None, run_id: str | None, local_rank: int, interval_s: float
-) -> Iterator[str | None]:
-    """Run MLflow's system metrics monitor for this node while the block runs; yields the node
-    name it logs under (None: no monitor here: another local rank, no run, or interval 0)."""
-    if not (tracking_uri and run_id) or local_rank != 0 or interval_s <= 0:
+def node_monitor(out_dir: Path | None, local_rank: int, interval_s: float) -> Iterator[str | None]:
+    """Sample this node's system metrics into its journal every `interval_s` while the block
+    runs, and once more at its end (a job shorter than one interval still shows a point);
+    yields the node name they go under (None: no sampler here: another local rank, no run
+    (out_dir None), or interval 0)."""
+    if out_dir is None or local_rank != 0 or interval_s <= 0:
         yield None
         return
     node = node_name()
-    # Imported here, on this thread: the monitor, the metric sender and the tag thread import
-    # parts of MLflow, and threads importing one package at once can see it half initialised.
-    import_mlflow_parts()
-    started: list[Any] = []
-    # Started on a thread: resuming reads the run's last step from the server, and a server
-    # that is down must not hold up training.
-    starter = threading.Thread(
-        target=lambda: started.append(_start(tracking_uri, run_id, node, interval_s)),
-        name="system-metrics-start",
-        daemon=True,
-    )
-    starter.start()
+    sampler = _Sampler(Journal(out_dir, f"node-{node}"), node, interval_s)
+    sampler.start()
+    print(f"system metrics of node {node} every {interval_s:g} s", flush=True)
     try:
         yield node
     finally:
-        starter.join(STOP_WAIT_S)
-        if started and started[0] is not None:
-            _stop(started[0])
+        sampler.finish()
 
 
-def import_mlflow_parts() -> None:
-    """Import what the threads of this module use (call before starting them)."""
-    import mlflow.entities
-    import mlflow.system_metrics.system_metrics_monitor
-    import mlflow.tracking  # noqa: F401
+class _Sampler(threading.Thread):
+    """The sampling thread; a sample that cannot be taken or written is one warning line."""
+
+    def __init__(self, journal: Journal, node: str, interval_s: float) -> None:
+        super().__init__(name="system-metrics", daemon=True)
+        self._journal, self._node, self._interval_s = journal, node, interval_s
+        self._done = threading.Event()
+        self._step = count_records(journal.path)  # a requeued job continues the steps
+        self._warned = False
+        self._gpus = _gpu_handles(job_gpus())
+        self._net0 = psutil.net_io_counters()
+        psutil.cpu_percent(interval=None)  # the first call only starts the measurement
+
+    def run(self) -> None:
+        while not self._done.wait(self._interval_s):
+            self._sample()
+
+    def finish(self) -> None:
+        """Stop sampling, write the closing sample, close the journal."""
+        self._done.set()
+        self.join(STOP_WAIT_S)
+        self._sample()
+        self._journal.close()
+
+    def _sample(self) -> None:
+        try:
+            ts = int(time.time() * 1000)
+            prefix = f"system/{self._node}/"
+            self._journal.metrics(
+                (prefix + key, value, ts, self._step) for key, value in self._values().items()
+            )
+            self._step += 1
+        except Exception as exc:  # metrics are an extra: training goes on without them
+            if not self._warned:
+                print(f"warning: system metrics of node {self._node}: {exc}", flush=True)
+                self._warned = True
+
+    def _values(self) -> dict[str, float]:
+        mb = 1 << 20
+        memory, disk = psutil.virtual_memory(), psutil.disk_usage("/")
+        net = psutil.net_io_counters()
+        values = {
+            "cpu_utilization_percentage": psutil.cpu_percent(interval=None),
+            "system_memory_usage_megabytes": (memory.total - memory.available) / mb,
+            "system_memory_usage_percentage": memory.percent,
+            "disk_usage_percentage": disk.percent,
+            "disk_usage_megabytes": disk.used / mb,
+            "disk_available_megabytes": disk.free / mb,
+            "network_receive_megabytes": (net.bytes_recv - self._net0.bytes_recv) / mb,
+            "network_transmit_megabytes": (net.bytes_sent - self._net0.bytes_sent) / mb,
+        }
+        for i, (nvml, handle) in enumerate(self._gpus):
+            use = nvml.nvmlDeviceGetUtilizationRates(handle)
+            mem = nvml.nvmlDeviceGetMemoryInfo(handle)
+            values[f"gpu_{i}_utilization_percentage"] = float(use.gpu)
+            values[f"gpu_{i}_memory_usage_percentage"] = 100.0 * mem.used / max(mem.total, 1)
+            values[f"gpu_{i}_memory_usage_megabytes"] = mem.used / mb
+        return values
 
 
-def _start(tracking_uri: str, run_id: str, node: str, interval_s: float) -> Any:
-    """A started monitor, or None (with one line saying why) when it cannot start."""
-    # Imported here: only one rank per node pays for MLflow's import.
-    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
-
-    logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)  # start/stop chatter
+def _gpu_handles(gpus: list[str] | None) -> list[tuple[Any, Any]]:
+    """NVML handles of the job's GPUs (all of the host's when the scheduler names none); none
+    where NVML (nvidia-ml-py) is missing or finds no driver. `i` in the metric names counts
+    the job's GPUs on the node."""
     try:
-        monitor = SystemMetricsMonitor(
-            run_id,
-            sampling_interval=interval_s,
-            samples_before_logging=1,
-            resume_logging=True,  # a requeued job continues the steps, no second series
-            node_id=node,
-            tracking_uri=tracking_uri,
-        )
-        _keep_job_gpus(monitor, job_gpus())
-        monitor.start()
-    except Exception as exc:  # the monitor is an extra: training goes on without it
-        print(
-            f"warning: no system metrics for node {node}: {type(exc).__name__}: {exc}", flush=True
-        )
-        return None
-    print(f"system metrics of node {node} every {interval_s:g} s", flush=True)
-    return monitor
+        import pynvml
 
-
-def _keep_job_gpus(monitor: Any, gpus: list[str] | None) -> None:
-    """Have MLflow's GPU monitor (if any) watch only `gpus` instead of the whole host."""
-    from mlflow.system_metrics.metrics.gpu_monitor import GPUMonitor
-
-    for part in monitor.monitors:
-        if isinstance(part, GPUMonitor) and gpus is not None:
-            import pynvml
-
-            part.gpu_handles = [_gpu_handle(pynvml, g) for g in gpus]
-            part.num_gpus = len(part.gpu_handles)
+        pynvml.nvmlInit()
+        if gpus is None:
+            gpus = [str(i) for i in range(pynvml.nvmlDeviceGetCount())]
+        return [(pynvml, _gpu_handle(pynvml, g)) for g in gpus]
+    except Exception:
+        return []
 
 
 def _gpu_handle(pynvml: Any, gpu: str) -> Any:
@@ -119,39 +144,3 @@ def _gpu_handle(pynvml: Any, gpu: str) -> Any:
     if gpu.isdigit():
         return pynvml.nvmlDeviceGetHandleByIndex(int(gpu))
     return pynvml.nvmlDeviceGetHandleByUUID(gpu)
-
-
-def _stop(monitor: Any) -> None:
-    """Stop the monitor, sending its last points; never wait longer than STOP_WAIT_S."""
-
-    def finish() -> None:
-        monitor.finish()
-        # MLflow's loop drops the samples of its last, unfinished interval: a job shorter than
-        # one interval would show nothing. Publish them as the node's closing point.
-        try:
-            monitor.collect_metrics()
-            monitor.publish_metrics(monitor.aggregate_metrics())
-            monitor.mlflow_logger.flush()
-        except Exception as exc:
-            print(f"warning: last system metrics not logged: {type(exc).__name__}: {exc}")
-
-    stopper = threading.Thread(target=finish, name="system-metrics-stop", daemon=True)
-    stopper.start()
-    stopper.join(STOP_WAIT_S)
-
-
-def tag_in_background(tracking_uri: str, run_id: str, tags: dict[str, str]) -> None:
-    """Set tags on a run from a daemon thread: training never waits; a failure is one line."""
-
-    import_mlflow_parts()  # on this thread: see node_monitor
-    from mlflow.entities import RunTag
-    from mlflow.tracking import MlflowClient
-
-    def send() -> None:
-        try:
-            batch = [RunTag(k, v) for k, v in tags.items()]
-            MlflowClient(tracking_uri).log_batch(run_id, tags=batch)
-        except Exception as exc:
-            print(f"warning: tags {sorted(tags)} not set: {type(exc).__name__}: {exc}", flush=True)
-
-    threading.Thread(target=send, name="run-tags", daemon=True).start()

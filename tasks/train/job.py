@@ -19,6 +19,7 @@ from trainflow.tasks.errors import ConfigError
 from trainflow.tasks.objectives import Objective, is_better, make_objective
 from trainflow.tasks.preprocess.ref import DatasetRef, dataset_spec
 from trainflow.tasks.spec import DataSpec
+from trainflow.tasks.tracking.journal import Journal
 from trainflow.tasks.tracking.logger import MetricLogger, make_logger
 from trainflow.tasks.tracking.system_metrics import node_monitor
 from trainflow.tasks.train.checkpoint import (
@@ -125,13 +126,14 @@ class TrainingJob(submitit.helpers.Checkpointable):
         code_first(spec.code)  # the user's code as submitted, not as the files hold it now
         warm = prewarm_rank()  # torch._dynamo, imported in the waits (rendezvous, data loading)
         torch.set_num_threads(spec.cpus_per_task)
+        run_out = spec.out_dir if spec.tracking_uri and spec.run_id else None  # a run to log
         with (
             distributed(cfg.device) as dist,
-            node_monitor(
-                spec.tracking_uri, spec.run_id, dist.local_rank, spec.system_metrics_interval_s
-            ),
+            node_monitor(run_out, dist.local_rank, spec.system_metrics_interval_s),
             EpochRecorder() as recorder,
         ):
+            # Rank 0's record of the run; the flow sends it to MLflow (tasks.tracking.relay).
+            journal = Journal(run_out, "rank0") if run_out and dist.is_main else None
             torch.manual_seed(cfg.seed)
             random.seed(cfg.seed)
             policy = resolve_precision(cfg.precision, dist.device)
@@ -140,7 +142,7 @@ class TrainingJob(submitit.helpers.Checkpointable):
             nhwc = use_channels_last(cfg.channels_last, dist.device, narrowest, cfg.strategy)
             train, val = self._load("train", dist, nhwc), self._load("val", dist, nhwc)
             if dist.is_main:
-                announce(cfg, dist, policy, nhwc, train, spec.tracking_uri, spec.run_id)
+                announce(cfg, dist, policy, nhwc, train, journal)
             warm.join()  # the model, optimizer and DDP import torch internals on this thread
             self._flops = NO_FLOPS
             if dist.is_main:  # counted once, on a meta copy of the model as built (before
@@ -149,14 +151,11 @@ class TrainingJob(submitit.helpers.Checkpointable):
                     self.data_spec,
                     dist.device,
                     policy.name,
-                    spec.tracking_uri,
-                    spec.run_id,
+                    journal,
                 )
             trainer = self._trainer(model, dist, policy, len(train))
             progress = self._resume(trainer)
-            logger = recorder.closing(
-                make_logger(spec.tracking_uri, spec.run_id, dist.rank, spec.out_dir)
-            )
+            logger = recorder.closing(make_logger(journal, spec.out_dir))
             relog(progress, logger, self.spec.out_dir)
             self._train(trainer, train, val, progress, logger, recorder)
             recorder.wait()  # the last epoch's line, best.pt and checkpoint are written

@@ -1,6 +1,7 @@
 """The lines a training job prints to its log: where and how it trains, the per-epoch progress
 line and where the data lives (kept out of job.py, which composes the job)."""
 
+from trainflow.tasks.tracking.journal import Journal
 from trainflow.tasks.tracking.logger import log_run_params
 from trainflow.tasks.train.config import TrainConfig
 from trainflow.tasks.train.data import SplitData as Split
@@ -34,15 +35,14 @@ def announce(
     policy: PrecisionPolicy,
     nhwc: bool,
     data: Split,
-    tracking_uri: str | None,
-    run_id: str | None,
+    journal: Journal | None,
 ) -> None:
     """Print where and how this run trains (rank 0's first log lines); the precision
     picked, and why, also go to the train run's params."""
     graphs = uses_cuda_graphs(cfg, dist.device)
     print(f"precision {policy.name}: {policy.reason}", flush=True)
     params = {"precision.used": policy.name, "precision.reason": policy.reason}
-    log_run_params(tracking_uri, run_id, params)
+    log_run_params(journal, params)
     print(
         f"training {cfg.model} on {dist.world_size} rank(s): device {dist.device}, "
         f"backend {dist.backend}, precision {policy.name}, channels_last "

@@ -1,6 +1,7 @@
 """Prefect entry of the training stage: submit the job, forward its logs, wait."""
 
 from collections.abc import Callable
+from contextlib import ExitStack
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -19,9 +20,9 @@ from trainflow.cluster.slurm_checks import check_cluster
 from trainflow.tasks.diskspace import disk_stage, require_space
 from trainflow.tasks.errors import JobError
 from trainflow.tasks.preprocess.ref import dataset_spec
-from trainflow.tasks.tracking import backlog
 from trainflow.tasks.tracking.lost_ranks import record_lost_ranks
 from trainflow.tasks.tracking.progress import EpochProgress
+from trainflow.tasks.tracking.relay import relaying
 from trainflow.tasks.tracking.slurm_logs import record_job_accounting
 from trainflow.tasks.train.job import TrainingJob, TrainJobSpec
 from trainflow.tasks.train.model_plugins import check_model
@@ -54,8 +55,6 @@ def train_task(
     progress.finish()
     if not isinstance(ref, CheckpointRef):
         raise JobError(f"the training job returned no checkpoint (got {ref!r})")
-    if spec.tracking_uri and spec.run_id:  # points the job could not send: now, or a clear error
-        backlog.deliver(spec.out_dir, spec.tracking_uri, spec.run_id, logger.info)
     return ref
 
 
@@ -76,7 +75,12 @@ def train_array_task(
         registry.record(workdir, job_id, cluster.executor, job_dir)
     since = datetime.now() - timedelta(minutes=1)  # see _wait_and_account
     try:
-        outcomes = wait_for_jobs(jobs, logger.info)
+        with ExitStack() as relays:
+            for spec in specs:
+                relays.enter_context(
+                    relaying(spec.out_dir, spec.tracking_uri, spec.run_id, logger.info)
+                )
+            outcomes = wait_for_jobs(jobs, logger.info)
     finally:
         for job_id in ids:
             registry.forget(workdir, job_id)
@@ -98,7 +102,10 @@ def train_with_restarts(
     """Submit the training job and wait for it; after a lost rank, submit it again from its
     last checkpoint (cluster.restarts), each loss named in `warn` and on the MLflow run; an
     fsdp job continues on the nodes left when the others cannot hold it whole.
-    `need`: bytes the job's pickle may take, for a clear disk-full error (tasks.diskspace)."""
+    `need`: bytes the job's pickle may take, for a clear disk-full error (tasks.diskspace).
+    The job's ranks journal what they log for the train run; this process sends it, while the
+    job runs and what is left at its end (tasks.tracking.relay): TrackingUnavailable when the
+    server is gone then."""
 
     def submit(exclude: list[str], nodes: int) -> submitit.Job[Any]:
         sized = cluster if nodes == cluster.nodes else cluster.model_copy(update={"nodes": nodes})
@@ -121,7 +128,8 @@ def train_with_restarts(
         record_lost_ranks(spec.tracking_uri, spec.run_id, err, attempt, warn)
 
     elastic = spec.train.strategy == "fsdp"  # its checkpoints load on any number of ranks
-    return run_with_restarts(cluster, submit, wait, log, on_loss, elastic)
+    with relaying(spec.out_dir, spec.tracking_uri, spec.run_id, log):
+        return run_with_restarts(cluster, submit, wait, log, on_loss, elastic)
 
 
 def _wait_and_account(

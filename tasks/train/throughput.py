@@ -24,7 +24,8 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from trainflow.tasks.spec import DataSpec
-from trainflow.tasks.tracking.system_metrics import tag_in_background
+from trainflow.tasks.tracking.journal import Journal
+from trainflow.tasks.tracking.logger import tag_run
 from trainflow.tasks.train.distributed import DistContext
 
 # Dense (no sparsity) peak FLOP/s per GPU from the vendors' data sheets: (bf16/fp16 tensor
@@ -193,18 +194,16 @@ def announce_flops(
     data: DataSpec,
     device: torch.device,
     precision: str,
-    tracking_uri: str | None,
-    run_id: str | None,
+    journal: Journal | None,
 ) -> FlopFacts:
     """Count the model's FLOPs per sample and find the device's peak (count_flops), say both in
-    the job's log, and tag the train run with them (in the background: never waits on MLflow)."""
+    the job's log, and record them as tags of the train run (`journal`: rank 0's, if a run)."""
     facts = count_flops(model, data.sample_shape, data.sample_dtype, device, precision)
     print(
         f"model FLOPs per sample {facts.per_sample:.4g} (forward + backward); "
         f"MFU peak: {facts.peak.source}",
         flush=True,
     )
-    if tracking_uri and run_id:
-        tags = {"mfu_peak": facts.peak.source, "model_flops_per_sample": f"{facts.per_sample:.6g}"}
-        tag_in_background(tracking_uri, run_id, tags)
+    tags = {"mfu_peak": facts.peak.source, "model_flops_per_sample": f"{facts.per_sample:.6g}"}
+    tag_run(journal, tags)
     return facts

@@ -23,6 +23,7 @@ from trainflow.cluster.executor import make_executor
 from trainflow.cluster.jobs import wait_for_job
 from trainflow.tasks.tracking.config import TrackingConfig
 from trainflow.tasks.tracking.pipeline_runs import PipelineRuns
+from trainflow.tasks.tracking.relay import relaying
 from trainflow.tasks.train.checkpoint import latest_checkpoint, load_state
 from trainflow.tasks.train.config import TrainConfig
 from trainflow.tasks.train.job import TrainingJob, TrainJobSpec
@@ -53,7 +54,8 @@ def _train(
             # Every task of the job's steps, on both nodes, as Slurm does before a limit.
             subprocess.run(["scancel", "--signal=USR2", str(job.job_id)], check=True, timeout=30)
 
-    ref = wait_for_job(job, on_line)
+    with relaying(spec.out_dir, spec.tracking_uri, spec.run_id, lines.append):  # as the flow
+        ref = wait_for_job(job, on_line)
     assert isinstance(ref, CheckpointRef)
     return lines
 
@@ -154,7 +156,8 @@ def test_scontrol_requeue_resumes_into_the_same_mlflow_run(tmp_path: Path) -> No
     _wait_for_new_attempt(job.paths.folder / f"{job.job_id}_0_rank.json", requeued_at)
     gate.touch()
     lines: list[str] = []
-    ref = wait_for_job(job, lines.append)
+    with relaying(spec.out_dir, spec.tracking_uri, spec.run_id, lines.append):  # as the flow
+        ref = wait_for_job(job, lines.append)
     assert isinstance(ref, CheckpointRef)
     assert any("resuming from" in line for line in lines)
     history = load_state(_latest(tmp_path / "run"))["history"]

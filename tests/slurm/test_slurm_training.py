@@ -33,6 +33,7 @@ from trainflow.cluster.slurm_checks import (
 )
 from trainflow.tasks.errors import ConfigError, JobError
 from trainflow.tasks.preprocess.ref import DatasetRef
+from trainflow.tasks.tracking.relay import relaying
 from trainflow.tasks.tracking.slurm_logs import record_job_accounting
 from trainflow.tasks.train.config import TrainConfig
 from trainflow.tasks.train.distributed import _export_submitit_env
@@ -211,7 +212,8 @@ def test_two_ranks_train_through_slurm_and_the_run_gets_the_accounting(
         TrainingJob(_spec(dataset, tmp_path / "run", tracked_run, epochs=3))
     )
     lines: list[str] = []
-    ref = wait_for_job(job, lines.append)
+    with relaying(tmp_path / "run", client.tracking_uri, run_id, lines.append):  # as the flow
+        ref = wait_for_job(job, lines.append)
     acct = record_job_accounting(job.job_id, client.tracking_uri, run_id, lines.append, since)
 
     assert isinstance(ref, CheckpointRef) and ref.metrics["val_accuracy"] > 0.5

@@ -15,6 +15,7 @@ from tests.unit.datasets import write_dataset
 from trainflow.tasks.errors import ConfigError, DataError
 from trainflow.tasks.hashing import sha256_file
 from trainflow.tasks.preprocess.ref import DatasetRef
+from trainflow.tasks.tracking.relay import Relay
 from trainflow.tasks.train.checkpoint import (
     atomic_save,
     latest_checkpoint,
@@ -144,8 +145,10 @@ def test_a_resumed_job_logs_every_epoch_to_mlflow_exactly_once(
     with pytest.raises(RuntimeError, match="simulated preemption"):
         CrashAfterFirstEpoch(spec)()  # epoch 1 was checkpointed, its metrics still buffered
     # The failing job drains its metric buffer (tasks.train.recorder): epoch 1 is not lost...
+    Relay(spec.out_dir, uri, run_id, say=print).finish()  # the flow sends the journal
     assert [m.step for m in client.get_metric_history(run_id, "val_accuracy")] == [1]
     TrainingJob(spec)()  # ...and the resumed job, which starts at epoch 2, does not log it again
+    Relay(spec.out_dir, uri, run_id, say=print).finish()  # a new flow: all of it, kept once
     steps = [m.step for m in client.get_metric_history(run_id, "val_accuracy")]
     assert sorted(steps) == [1, 2, 3]
     assert set(client.get_run(run_id).data.metrics) == {

@@ -1,13 +1,23 @@
 """MLflow run tree and batched logger against a real SQLite store."""
 
+import math
 from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
 
 from trainflow.tasks.tracking.config import TrackingConfig
-from trainflow.tasks.tracking.logger import MlflowLogger, NullLogger, make_logger
+from trainflow.tasks.tracking.handed import handed_through
+from trainflow.tasks.tracking.journal import Journal, read_records
+from trainflow.tasks.tracking.logger import (
+    JournalLogger,
+    NullLogger,
+    log_run_params,
+    make_logger,
+    tag_run,
+)
 from trainflow.tasks.tracking.pipeline_runs import PipelineRuns
+from trainflow.tasks.tracking.relay import Relay, relaying
 from trainflow.tasks.tracking.runs import resolve_tracking_uri
 
 
@@ -66,23 +76,70 @@ def test_more_than_100_params_are_batched(tmp_path: Path) -> None:
     assert len(MlflowClient(runs.tracking_uri).get_run(parent).data.params) == 250
 
 
-def test_logger_buffers_until_flush(tmp_path: Path) -> None:
+def test_the_logger_journals_at_each_flush_and_the_relay_sends_it(tmp_path: Path) -> None:
     runs = _runs(tmp_path)
-    logger = make_logger(runs.tracking_uri, runs.parent_id, rank=0)
-    assert isinstance(logger, MlflowLogger)
+    out = tmp_path / "out"
+    logger = make_logger(Journal(out, "rank0"), out)
+    assert isinstance(logger, JournalLogger)
     for step in range(1, 4):
         logger.log({"loss": 1.0 / step, "acc": 0.1 * step}, step)
-    client = MlflowClient(runs.tracking_uri)
-    assert client.get_metric_history(runs.parent_id, "loss") == []
-    logger.flush()  # hands the points to the sender thread; close() waits for it
+    lines: list[str] = []
+    relay = Relay(out, runs.tracking_uri, runs.parent_id, say=lines.append)
+    relay.pump()
+    assert relay.points == 0 and handed_through(out) == 0  # buffered: nothing journaled yet
+    logger.flush()
+    assert handed_through(out) == 3  # a resumed attempt logs from step 4 on
+    log_run_params(Journal(out, "rank0"), {"precision.used": "fp32"})
+    tag_run(Journal(out, "rank0"), {"mfu_peak": "measured"})
+    logger.log({"loss": float("nan")}, 4)
     assert logger.close() == 0
+    relay.finish()
+    client = MlflowClient(runs.tracking_uri)
     hist = client.get_metric_history(runs.parent_id, "loss")
-    assert [m.step for m in hist] == [1, 2, 3]
+    assert [m.step for m in hist] == [1, 2, 3, 4] and math.isnan(hist[-1].value)
+    assert relay.points == 7 and lines == []
+    run = client.get_run(runs.parent_id)
+    assert run.data.params["precision.used"] == "fp32" and run.data.tags["mfu_peak"] == "measured"
+    # A new relay over the same journal (a resumed run) sends it again: stored once.
+    Relay(out, runs.tracking_uri, runs.parent_id, say=lines.append).finish()
+    assert [m.step for m in client.get_metric_history(runs.parent_id, "loss")] == [1, 2, 3, 4]
 
 
-def test_other_ranks_log_nothing() -> None:
-    assert isinstance(make_logger("sqlite:///x.db", "abc", rank=1), NullLogger)
-    assert isinstance(make_logger(None, None, rank=0), NullLogger)
+def test_a_failed_job_still_gets_what_it_journaled_and_its_own_error(tmp_path: Path) -> None:
+    runs = _runs(tmp_path)
+    out, lines = tmp_path / "out", list[str]()
+    with (
+        pytest.raises(RuntimeError, match="rank 1 lost"),
+        relaying(out, runs.tracking_uri, runs.parent_id, lines.append),
+    ):
+        logger = make_logger(Journal(out, "rank0"), out)
+        logger.log({"loss": 0.5}, 1)
+        logger.flush()
+        raise RuntimeError("rank 1 lost")
+    client = MlflowClient(runs.tracking_uri)
+    assert [m.step for m in client.get_metric_history(runs.parent_id, "loss")] == [1]
+    with relaying(out, None, None, lines.append) as none:  # no run: no relay
+        assert none is None
+    assert lines == []
+
+
+def test_a_cut_last_line_is_left_until_it_is_whole(tmp_path: Path) -> None:
+    journal = Journal(tmp_path, "rank0")
+    journal.metrics([("x", 1.0, 5, 1)])
+    with journal.path.open("ab") as f:
+        f.write(b'{"metrics":[["x",2.0,6')  # a record still being written
+    records, end = read_records(journal.path, 0)
+    assert records == [{"metrics": [["x", 1.0, 5, 1]]}]
+    with journal.path.open("ab") as f:
+        f.write(b",2]]}\n")
+    assert read_records(journal.path, end)[0] == [{"metrics": [["x", 2.0, 6, 2]]}]
+
+
+def test_other_ranks_and_jobs_without_a_run_log_nothing(tmp_path: Path) -> None:
+    assert isinstance(make_logger(None, tmp_path), NullLogger)
+    log_run_params(None, {"a": "b"})
+    tag_run(None, {"a": "b"})
+    assert not (tmp_path / "tracking").exists()
 
 
 def test_experiment_opens_as_model_training_and_a_chosen_kind_is_kept(tmp_path: Path) -> None:

@@ -1,11 +1,11 @@
 """Training never waits on the MLflow tracking server: real servers stopped and started again.
 
 Each test runs a real `mlflow server` (SQLite store) and stops it for real; training runs as a
-real job (one rank, local executor). Gates (files the test creates) hold the job at chosen
-epochs, so what happens while the server is down does not depend on timing.
+real job (one rank, local executor) whose journal a Relay in this process sends on, as the
+train task's does. Gates (files the test creates) hold the job at chosen epochs, so what
+happens while the server is down does not depend on timing.
 """
 
-import os
 import sys
 import time
 from pathlib import Path
@@ -25,11 +25,11 @@ from trainflow.cluster.executor import make_executor
 from trainflow.cluster.jobs import wait_for_job
 from trainflow.flows.service_errors import explain_refusal
 from trainflow.tasks.preprocess.ref import DatasetRef
-from trainflow.tasks.tracking import backlog
-from trainflow.tasks.tracking.backlog import TrackingUnavailable
 from trainflow.tasks.tracking.config import TrackingConfig
-from trainflow.tasks.tracking.logger import MlflowLogger
+from trainflow.tasks.tracking.journal import Journal
+from trainflow.tasks.tracking.logger import make_logger
 from trainflow.tasks.tracking.pipeline_runs import PipelineRuns
+from trainflow.tasks.tracking.relay import Relay, TrackingUnavailable
 from trainflow.tasks.tracking.sender import MetricSender
 from trainflow.tasks.train.checkpoint import latest_checkpoint
 from trainflow.tasks.train.config import TrainConfig
@@ -86,55 +86,58 @@ def test_a_server_stopped_mid_training_and_started_again_gets_every_point_once(
 ) -> None:
     store, port = tmp_path / "mlflow", free_port()
     gates = {3: tmp_path / "gate-3", 7: tmp_path / "gate-7"}
+    lines: list[str] = []
     with mlflow_server(store, port=port) as url:
         run_id = _run_id(url, tmp_path)
         spec, job = _submit(dataset, tmp_path, url, run_id, 8, gates)
+        relay = Relay(spec.out_dir, url, run_id, say=lines.append)
+        relay.start()
         wait_for(lambda: _steps(url, run_id, "lr") == [1, 2], 180, "epochs 1-2 logged")
     # The server is gone (stopped like a crashed one: its port refuses connections).
     gates[3].touch()
     wait_for(lambda: _epoch_done(spec, 6), 180, "epochs 3-6 trained while the server is down")
+    wait_for(lambda: any(_DOWN in line for line in lines), 60, "the relay to say it")
     with mlflow_server(store, port=port) as url2:
         assert url2 == url
         gates[7].touch()
-        lines: list[str] = []
         ref = wait_for_job(job, lines.append, poll_s=0.2)
         assert isinstance(ref, CheckpointRef)
-        # Whatever the job could not send before it ended, the flow sends now (train_task).
-        backlog.deliver(spec.out_dir, url, run_id, lines.append)
+        relay.finish()  # what the relay could not send yet, now (train_task)
         for key in _KEYS:
             assert _steps(url, run_id, key) == list(range(1, 9)), key
         history = MlflowClient(url).get_metric_history(run_id, "train_loss")
         assert [m.step for m in sorted(history, key=lambda m: m.timestamp)] == list(range(1, 9))
     assert sum(_DOWN in line for line in lines) == 1, lines
     assert sum(_BACK in line for line in lines) <= 1, lines
-    assert not backlog.backlog_path(spec.out_dir).exists()
 
 
 def test_a_server_that_never_comes_back_lets_training_finish_and_ends_with_a_clear_error(
     dataset: DatasetRef, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     gates = {2: tmp_path / "gate-2"}
+    lines: list[str] = []
     with mlflow_server(tmp_path / "mlflow") as url:
         runs = PipelineRuns(TrackingConfig(tracking_uri=url, experiment="t"), tmp_path, "p")
         train_run = runs.open_stage("train", {})
         spec, job = _submit(dataset, tmp_path, url, train_run, 5, gates)
+        relay = Relay(spec.out_dir, url, train_run, say=lines.append)
+        relay.start()
         wait_for(lambda: _steps(url, train_run, "lr") == [1], 180, "epoch 1 logged")
     gates[2].touch()
-    lines: list[str] = []
-    ref = wait_for_job(job, lines.append, poll_s=0.2)
+    ref = wait_for_job(job, lambda line: None, poll_s=0.2)
 
-    # Training and its checkpoints are complete; the 4 epochs' points are kept on disk.
+    # Training and its checkpoints are complete; every epoch's points are in the journal.
     assert isinstance(ref, CheckpointRef) and ref.path.is_file()
     assert _epoch_done(spec, 5)
-    kept = backlog.load(backlog.backlog_path(spec.out_dir))
-    assert sorted({m.step for m in kept}) == [2, 3, 4, 5]
-    assert sum(_DOWN in line for line in lines) == 1, lines
-    assert any(f"{len(kept)} metric points were not logged" in line for line in lines), lines
+    journal = (spec.out_dir / "tracking" / "rank0.jsonl").read_text()
+    assert all('"lr",' in journal and f",{step}]" in journal for step in range(1, 6))
 
-    # The flow's next step that needs the server: a clear error, in bounded time.
+    # The flow's end of the job: a clear error, in bounded time, naming where the points are.
     start = time.monotonic()
-    with pytest.raises(TrackingUnavailable, match=f"{len(kept)} metric points of training run"):
-        backlog.deliver(spec.out_dir, url, train_run, lambda line: None)
+    with pytest.raises(TrackingUnavailable, match=r"\d+ metric points of training run") as gone:
+        relay.finish()
+    assert str(spec.out_dir / "tracking") in str(gone.value)
+    assert sum(_DOWN in line for line in lines) == 1, lines
     # Marking the runs FAILED on the dead server is skipped at once, with a warning.
     runs.close(train_run, RuntimeError("boom"))
     runs.close(runs.parent_id, RuntimeError("boom"))
@@ -146,21 +149,19 @@ def test_a_server_that_never_comes_back_lets_training_finish_and_ends_with_a_cle
     assert capsys.readouterr().err.count("is unreachable") == 2
 
 
-def test_points_left_by_an_earlier_attempt_are_sent_first(
+def test_points_an_earlier_flow_could_not_send_are_sent_by_the_next_with_the_new_ones(
     tmp_path: Path, sqlite_store: str
 ) -> None:
-    from mlflow.entities import Metric
-
     url = sqlite_store
     run_id = _run_id(url, tmp_path)
-    backlog.save(backlog.backlog_path(tmp_path), [Metric("x", float("nan"), 5, 1)])
-    logger = MlflowLogger(url, run_id, tmp_path)
+    Journal(tmp_path, "rank0").metrics([("x", float("nan"), 5, 1)])  # an earlier attempt's
+    logger = make_logger(Journal(tmp_path, "rank0"), tmp_path)
     logger.log({"x": 2.0}, step=2)
     assert logger.close() == 0
+    Relay(tmp_path, url, run_id, say=print).finish()
     hist = MlflowClient(url).get_metric_history(run_id, "x")
     assert [m.step for m in hist] == [1, 2]
     assert hist[0].value != hist[0].value  # NaN survives the round trip
-    assert os.listdir(tmp_path).count(backlog.FILE_NAME) == 0
 
 
 def test_a_full_buffer_drops_and_counts_newer_points_instead_of_blocking(
