@@ -3,6 +3,7 @@
 import contextlib
 import errno
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -42,3 +43,16 @@ def remove_group(group: Path, limit_s: float = 30.0) -> None:
             if err.errno != errno.EBUSY or time.monotonic() > deadline:
                 raise
         time.sleep(0.1)
+
+
+def drain_and_remove(group: Path, wait_s: float = 60.0) -> None:
+    """Wait for the payload's last processes (a job's slurmstepd, dask's resource tracker) to
+    leave `group`; kill any still there after `wait_s` (started by the test), then remove it
+    (remove_group's retries cover a killed process not yet reaped)."""
+    deadline = time.monotonic() + wait_s
+    while (group / "cgroup.procs").read_text().split() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for pid in (group / "cgroup.procs").read_text().split():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(pid), signal.SIGKILL)
+    remove_group(group)

@@ -24,9 +24,7 @@ here (VmHWM per rank, 2 nodes x 2 ranks, this test's batch, no limit, 2026-11-25
 import json
 import os
 import re
-import signal
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,7 +34,7 @@ import cloudpickle
 import pytest
 import submitit
 
-from tests.cgroups import V1, memory_group_of, own_memory_group
+from tests.cgroups import V1, drain_and_remove, memory_group_of, own_memory_group
 from tests.unit.datasets import write_token_dataset
 from trainflow.cluster.config import ClusterConfig
 from trainflow.cluster.dev.slurm import slurm_home
@@ -114,20 +112,7 @@ def node_groups() -> Iterator[dict[str, Path]]:
         for pid, home in homes.items():
             (home / "cgroup.procs").write_text(str(pid))
         for group in groups.values():
-            _empty(group)
-            group.rmdir()
-
-
-def _empty(group: Path) -> None:
-    """Wait for the job's last processes (slurmstepd) to leave `group`; kill any still there
-    after a minute (forked for this test's job)."""
-    deadline = time.monotonic() + 60
-    while (group / "cgroup.procs").read_text().split() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    for pid in (group / "cgroup.procs").read_text().split():
-        os.kill(int(pid), signal.SIGKILL)
-    while (group / "cgroup.procs").read_text().split():
-        time.sleep(0.1)
+            drain_and_remove(group)
 
 
 def _oom_kills(group: Path) -> int:

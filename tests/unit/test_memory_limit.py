@@ -18,10 +18,8 @@ floor the processes need (measured, see LIMIT).
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,7 +28,7 @@ import numpy as np
 import pytest
 from mlflow.tracking import MlflowClient
 
-from tests.cgroups import own_memory_group
+from tests.cgroups import drain_and_remove, own_memory_group
 
 ROOT = Path(__file__).resolve().parents[2]
 LIMIT = 896 << 20
@@ -60,8 +58,7 @@ def limited_group() -> Iterator[Path]:
             memsw.write_text(str(LIMIT))
         yield group
     finally:
-        _empty(group)
-        group.rmdir()
+        drain_and_remove(group)
 
 
 @pytest.fixture
@@ -70,18 +67,6 @@ def folder(tmp_path: Path) -> Iterator[Path]:
     yield tmp_path
     shutil.rmtree(tmp_path / "raw", ignore_errors=True)
     shutil.rmtree(tmp_path / "work" / "datasets", ignore_errors=True)
-
-
-def _empty(group: Path) -> None:
-    """Wait for the payload's last processes (dask's resource tracker) to leave the group;
-    any still there after a minute were started by this test: kill them."""
-    deadline = time.monotonic() + 60
-    while (group / "cgroup.procs").read_text().split() and time.monotonic() < deadline:
-        time.sleep(0.2)
-    for pid in (group / "cgroup.procs").read_text().split():
-        os.kill(int(pid), signal.SIGKILL)
-    while (group / "cgroup.procs").read_text().split():
-        time.sleep(0.1)
 
 
 def _write_npz(folder: Path) -> int:
