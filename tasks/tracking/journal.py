@@ -20,7 +20,7 @@ import os
 import threading
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 FOLDER = "tracking"
 """The journal's folder in a training run's out_dir."""
@@ -50,13 +50,9 @@ class Journal:
         if rows:
             self._write({"metrics": rows})
 
-    def params(self, params: dict[str, str]) -> None:
-        """Record run params (MLflow keeps a param's first value)."""
-        self._write({"params": params})
-
-    def tags(self, tags: dict[str, str]) -> None:
-        """Record run tags."""
-        self._write({"tags": tags})
+    def values(self, kind: Literal["params", "tags"], values: dict[str, str]) -> None:
+        """Record run params (MLflow keeps a param's first value) or tags."""
+        self._write({kind: values})
 
     def close(self) -> None:
         """Close the file (further records are an error)."""

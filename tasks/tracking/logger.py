@@ -8,7 +8,7 @@ waits on the tracking server and no rank imports MLflow.
 import threading
 import time
 from pathlib import Path
-from typing import Protocol
+from typing import Literal, Protocol
 
 from trainflow.tasks.tracking.handed import save_handed
 from trainflow.tasks.tracking.journal import Journal, Point
@@ -94,19 +94,20 @@ def log_run_params(journal: Journal | None, params: dict[str, str]) -> None:
     """Record params only the job learns where it runs (the precision picked, and why) for its
     run; the flow logs them (a requeued job that picked otherwise: MLflow keeps a param's first
     value, and the flow says so in a warning line). Never raises."""
-    if journal is None:
-        return
-    try:
-        journal.params(params)
-    except OSError as exc:
-        print(f"warning: params {sorted(params)} not recorded: {exc}", flush=True)
+    _record(journal, "params", params)
 
 
 def tag_run(journal: Journal | None, tags: dict[str, str]) -> None:
     """Record tags for the job's run (the flow sets them); never raises."""
+    _record(journal, "tags", tags)
+
+
+def _record(
+    journal: Journal | None, kind: Literal["params", "tags"], values: dict[str, str]
+) -> None:
     if journal is None:
         return
     try:
-        journal.tags(tags)
+        journal.values(kind, values)
     except OSError as exc:
-        print(f"warning: tags {sorted(tags)} not recorded: {exc}", flush=True)
+        print(f"warning: {kind} {sorted(values)} not recorded: {exc}", flush=True)
