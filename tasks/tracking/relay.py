@@ -117,7 +117,7 @@ class Relay:
         server unreachable) and keep it and the rest for the next call."""
         from trainflow.tasks.tracking.runs import log_params, set_tags
 
-        while self._pending:
+        while self._pending and not self._sender.unreachable:  # no ~10 s call into an outage
             kind, values = self._pending[0]
             try:
                 if kind == "params":
@@ -125,7 +125,7 @@ class Relay:
                 else:
                     set_tags(self._client, self._run_id, values)
             except Exception as exc:
-                if self._sender.unreachable or _unreachable(exc):
+                if _unreachable(exc):
                     return
                 name = type(exc).__name__
                 self._say(f"warning: {kind} {sorted(values)} not logged: {name}: {exc}")
