@@ -18,7 +18,8 @@ import json
 import math
 import os
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Literal
 
@@ -67,6 +68,19 @@ class Journal:
             written = os.write(self._fd, data)
         if written != len(data):  # a full disk: the line is cut, and readers skip it
             raise OSError(f"short write to {self.path} ({written} of {len(data)} bytes)")
+
+
+@contextmanager
+def opened(out_dir: Path | None, writer: str) -> Iterator[Journal | None]:
+    """`writer`'s journal in `out_dir` for the block, closed after it; None without out_dir."""
+    if out_dir is None:
+        yield None
+        return
+    journal = Journal(out_dir, writer)
+    try:
+        yield journal
+    finally:
+        journal.close()
 
 
 def read_records(path: Path, offset: int) -> tuple[list[dict[str, Any]], int]:

@@ -19,7 +19,7 @@ from trainflow.tasks.errors import ConfigError
 from trainflow.tasks.objectives import Objective, is_better, make_objective
 from trainflow.tasks.preprocess.ref import DatasetRef, dataset_spec
 from trainflow.tasks.spec import DataSpec
-from trainflow.tasks.tracking.journal import Journal
+from trainflow.tasks.tracking.journal import opened
 from trainflow.tasks.tracking.logger import MetricLogger, make_logger
 from trainflow.tasks.tracking.system_metrics import node_monitor
 from trainflow.tasks.train.checkpoint import (
@@ -130,10 +130,10 @@ class TrainingJob(submitit.helpers.Checkpointable):
         with (
             distributed(cfg.device) as dist,
             node_monitor(run_out, dist.local_rank, spec.system_metrics_interval_s),
-            EpochRecorder() as recorder,
-        ):
             # Rank 0's record of the run; the flow sends it to MLflow (tasks.tracking.relay).
-            journal = Journal(run_out, "rank0") if run_out and dist.is_main else None
+            opened(run_out if dist.is_main else None, "rank0") as journal,
+            EpochRecorder() as recorder,  # exits first: its logger's last flush is journaled
+        ):
             torch.manual_seed(cfg.seed)
             random.seed(cfg.seed)
             policy = resolve_precision(cfg.precision, dist.device)
