@@ -84,7 +84,7 @@ def prefect_api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
     previous = os.environ.get("PREFECT_API_URL")
     folder = tmp_path_factory.mktemp("prefect-server")
-    shared = _shared_tmp(tmp_path_factory)
+    shared = _template_dir(tmp_path_factory)
     with contextlib.ExitStack() as stack:
         # A database at Prefect's head revision: the run's first server migrates one, the
         # others (and this worker's temporary servers, WORKER_HOME) start from a copy.
@@ -113,7 +113,7 @@ def migrated_prefect(tmp_path_factory: pytest.TempPathFactory) -> Path:
     needed one, or here)."""
     from tests.services import migrated_prefect_db, prefect_server, save_template
 
-    shared = _shared_tmp(tmp_path_factory)
+    shared = _template_dir(tmp_path_factory)
     folder = tmp_path_factory.mktemp("prefect-template")
     with migrated_prefect_db(shared, folder) as seeded:
         if not seeded:
@@ -159,7 +159,7 @@ def cold_command(served_commands: Path, monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.delenv(SOCKET_ENV)
 
 
-def _shared_tmp(factory: pytest.TempPathFactory) -> Path:
+def _template_dir(factory: pytest.TempPathFactory) -> Path:
     """Where the migrated Prefect database template is kept: the machine's trainflow cache
     (tasks.cache_dir), as the MLflow store template is, so that only the first run on a
     machine (per Prefect version) migrates one; this run's base folder, which every xdist

@@ -217,10 +217,12 @@ def migrated_prefect_db(shared: Path, folder: Path) -> Iterator[bool]:
 
     import prefect
 
+    from trainflow.tasks.tracking.new_store import sqlite_answers
+
     template = shared / f"prefect-{prefect.__version__}.db"
     with (shared / f"{template.name}.lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if template.exists() and not _sound_sqlite(template):
+        if template.exists() and sqlite_answers(template) is None:
             template.unlink()  # made anew by this caller's server
         if template.exists():
             folder.mkdir(parents=True, exist_ok=True)
@@ -229,20 +231,6 @@ def migrated_prefect_db(shared: Path, folder: Path) -> Iterator[bool]:
             yield True
             return
         yield False  # the caller starts its server and calls save_template before leaving
-
-
-def _sound_sqlite(path: Path) -> bool:
-    """Whether `path` is a whole SQLite database (PRAGMA quick_check)."""
-    import sqlite3
-
-    try:
-        conn = sqlite3.connect(f"{path.as_uri()}?mode=ro&immutable=1", uri=True)
-        try:
-            return conn.execute("PRAGMA quick_check").fetchone() == ("ok",)
-        finally:
-            conn.close()
-    except sqlite3.Error:
-        return False
 
 
 def save_template(shared: Path, folder: Path) -> None:

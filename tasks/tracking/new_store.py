@@ -111,17 +111,27 @@ def _save_template(db: Path) -> None:
             tmp.unlink(missing_ok=True)
 
 
+def sqlite_answers(path: Path, *queries: str) -> list[Any] | None:
+    """The first row of each query on the database `path`, opened read-only after SQLite's
+    quick_check passed; None when it fails or the file is no database (or lacks a table)."""
+    try:
+        conn = sqlite3.connect(f"{path.as_uri()}?mode=ro&immutable=1", uri=True)
+        try:
+            if conn.execute("PRAGMA quick_check").fetchone() != ("ok",):
+                return None
+            return [conn.execute(query).fetchone() for query in queries]
+        finally:
+            conn.close()
+    except sqlite3.Error:
+        return None
+
+
 def _sound(template: Path) -> bool:
     """Whether `template` is a whole SQLite database with MLflow's tables and no experiment."""
-    try:
-        with sqlite3.connect(f"{template.as_uri()}?mode=ro&immutable=1", uri=True) as conn:
-            ok = conn.execute("PRAGMA quick_check").fetchone() == ("ok",)
-            empty = conn.execute("SELECT count(*) FROM experiments").fetchone() == (0,)
-            versioned = conn.execute("SELECT count(*) FROM alembic_version").fetchone() == (1,)
-        conn.close()
-    except sqlite3.Error:
-        return False
-    return ok and empty and versioned
+    answers = sqlite_answers(
+        template, "SELECT count(*) FROM experiments", "SELECT count(*) FROM alembic_version"
+    )
+    return answers == [(0,), (1,)]
 
 
 def _sync(path: Path) -> None:
