@@ -32,7 +32,15 @@ start() {
   mkdir -p "$STACK_DIR"
   env "$MARK" PYTHONUNBUFFERED=1 PREFECT_SERVER_ANALYTICS_ENABLED=false \
     PREFECT_HOME="$STACK_DIR/prefect-home" setsid "$@" >"$STACK_DIR/$name.log" 2>&1 </dev/null &
-  echo $! >"$(pidfile "$name")"
+  local pid=$!
+  echo "$pid" >"$(pidfile "$name")"
+  # Until `env` has exec'd, /proc/PID/environ is this shell's, without the mark: service_pid
+  # would take the new service for a dead one (and drop its pid file). Return once it is marked.
+  local tries=0
+  while ! grep -qzxF "$MARK" "/proc/$pid/environ" 2>/dev/null && kill -0 "$pid" 2>/dev/null &&
+    ((tries++ < 250)); do
+    sleep 0.02
+  done
 }
 
 # Send a signal to each pid's process group (or to the pid alone when it leads none).
