@@ -136,21 +136,28 @@ EOF
 
 # --- deploy -------------------------------------------------------------------------------
 
-deployment_names() {
-  "$BIN/python" -c 'import sys, yaml
-for d in yaml.safe_load(open(sys.argv[1]))["deployments"]: print(d["name"])' deploy/prefect.yaml
-}
-
 cmd_deploy() {
   http_ok "$PREFECT_API/health" || die "no Prefect server answers at $PREFECT_API: run deploy/stack.sh up first"
   mkdir -p "$STACK_DIR"
   cd "$REPO"  # the recorded working directory: the worker runs flows from the repository root
-  local name
-  for name in $(deployment_names); do
-    # One deployment per call: `--all` ignores --pool, which must honour TRAINFLOW_POOL.
-    PREFECT_API_URL=$PREFECT_API "$BIN/prefect" --no-prompt deploy \
-      --prefect-file deploy/prefect.yaml --name "$name" --pool "$POOL" >"$STACK_DIR/deploy-$name.log" 2>&1 \
-      || { cat "$STACK_DIR/deploy-$name.log" >&2; die "deploying '$name' failed (log above)"; }
+  # One `prefect deploy --all` registers every deployment (~6 CPU s a call). --all ignores
+  # --pool, so it reads a copy of deploy/prefect.yaml with the pool ($TRAINFLOW_POOL) in it.
+  local file="$STACK_DIR/prefect.yaml" names name
+  names=$("$BIN/python" - deploy/prefect.yaml "$file" "$POOL" <<'PY'
+import sys, yaml
+source, copy, pool = sys.argv[1:]
+spec = yaml.safe_load(open(source))
+for deployment in spec["deployments"]:
+    deployment["work_pool"] = {**deployment["work_pool"], "name": pool}
+    print(deployment["name"])
+with open(copy, "w") as out:
+    yaml.safe_dump(spec, out, sort_keys=False)
+PY
+  ) || die "cannot read deploy/prefect.yaml"
+  PREFECT_API_URL=$PREFECT_API "$BIN/prefect" --no-prompt deploy --prefect-file "$file" --all \
+    >"$STACK_DIR/deploy.log" 2>&1 \
+    || { cat "$STACK_DIR/deploy.log" >&2; die "deploying deploy/prefect.yaml failed (log above)"; }
+  for name in $names; do
     say "deployed trainflow-pipeline/$name on pool '$POOL'"
   done
   cat <<EOF

@@ -1,6 +1,7 @@
 """Shared test settings: no Prefect telemetry, no stray MLflow store in the working folder;
-one real Prefect server and one warm command service per test process for the tests that need
-them."""
+one real Prefect server for the whole run (under pytest-xdist the controller starts it and
+every worker talks to it) and one warm command service per test process for the tests that
+need them."""
 
 import atexit
 import contextlib
@@ -70,28 +71,89 @@ automations) are off: idle, it then takes 0.7 instead of 1.3 CPU seconds a minut
 cancellation, events and task-run recording stay on."""
 
 
+SHARED_PREFECT_API = "TRAINFLOW_TESTS_PREFECT_API"
+"""Set by the pytest-xdist controller for its workers: the API URL of the run's one Prefect
+server (see `pytest_configure`)."""
+SHARED_WARM_SOCKET = "TRAINFLOW_TESTS_WARM_SOCKET"
+"""Likewise: the socket of the run's one warm command service (its log beside it)."""
+
+_CONTROLLER_SERVICES = contextlib.ExitStack()
+"""What the xdist controller started for its workers, stopped by `pytest_unconfigure`."""
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under `pytest -n N` (make test) the controller starts the run's one Prefect server and
+    one warm command service before its workers start, and they inherit where to find them
+    (SHARED_PREFECT_API, SHARED_WARM_SOCKET): one server's start and idle loops (~4 CPU s, then
+    ~0.9 a minute: measured) and one service's imports (~6 CPU s) instead of one each per
+    worker. The requests they answer are the same either way. Run alone (no -n), a test
+    process starts its own in `prefect_api` and `warm_command`. The service is not waited for
+    here: a worker's first served command waits until it serves."""
+    from tests.services import (
+        background,
+        migrated_prefect_db,
+        prefect_server,
+        save_template,
+        service_env,
+    )
+
+    controller = not hasattr(config, "workerinput") and config.getoption("dist", "no") != "no"
+    if not controller or SHARED_PREFECT_API in os.environ:
+        return
+    folder = Path(tempfile.mkdtemp(prefix="trainflow-tests-prefect-server-"))
+    _CONTROLLER_SERVICES.callback(shutil.rmtree, folder, ignore_errors=True)
+    shared = _template_dir(folder)
+    with migrated_prefect_db(shared, folder) as seeded:
+        api = _CONTROLLER_SERVICES.enter_context(prefect_server(folder, env=QUIET_SERVER))
+        if not seeded:
+            save_template(shared, folder)
+    os.environ[SHARED_PREFECT_API] = api
+    warm = folder / "warm-command"
+    warm.mkdir(mode=0o700)  # as the service demands
+    argv = [
+        sys.executable,
+        "-m",
+        "trainflow.flows.cli",
+        "warm",
+        "--socket",
+        str(warm / "warm.sock"),
+    ]
+    env = service_env(PREFECT_API_URL=api)
+    _CONTROLLER_SERVICES.enter_context(background(argv, warm / "warm.log", env))
+    os.environ[SHARED_WARM_SOCKET] = str(warm / "warm.sock")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    _CONTROLLER_SERVICES.close()
+
+
 @pytest.fixture(scope="session")
 def prefect_api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """One real `prefect server start` for this test process (each xdist worker has its own), as
-    a user's running server or the local stack's: its API URL, also set in this process's
-    settings and in os.environ, so flows run here and every `trainflow run` or served flow a
-    test starts talk to it instead of each booting a temporary server of its own (about 8 CPU
-    seconds apiece). Tests tell their runs apart by ids, never by counting all flow runs.
+    """One real `prefect server start` for the run (the xdist controller's, shared by its
+    workers; else this test process's own), as a user's running server or the local stack's:
+    its API URL, also set in this process's settings and in os.environ, so flows run here and
+    every `trainflow run` or served flow a test starts talk to it instead of each booting a
+    temporary server of its own (about 8 CPU seconds apiece). Tests tell their runs apart by
+    ids (and served deployments by names of their own), never by counting all flow runs.
     Requested by every test under tests/integration and tests/slurm (their conftest.py)."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from tests.services import migrated_prefect_db, prefect_server, save_template
+    from tests.services import http_status, migrated_prefect_db, prefect_server, save_template
 
     previous = os.environ.get("PREFECT_API_URL")
-    folder = tmp_path_factory.mktemp("prefect-server")
-    shared = _template_dir(tmp_path_factory)
+    shared = _template_dir(tmp_path_factory.getbasetemp())
     with contextlib.ExitStack() as stack:
-        # A database at Prefect's head revision: the run's first server migrates one, the
-        # others (and this worker's temporary servers, WORKER_HOME) start from a copy.
-        with migrated_prefect_db(shared, folder) as seeded:
-            api = stack.enter_context(prefect_server(folder, env=QUIET_SERVER))
-            if not seeded:
-                save_template(shared, folder)
+        if SHARED_PREFECT_API in os.environ:
+            api = os.environ[SHARED_PREFECT_API]
+            assert http_status(f"{api}/health") == 200, f"the run's Prefect server {api} is down"
+        else:
+            # A database at Prefect's head revision: a machine's first server migrates one,
+            # later ones (and this worker's temporary servers, WORKER_HOME) start from a copy.
+            folder = tmp_path_factory.mktemp("prefect-server")
+            with migrated_prefect_db(shared, folder) as seeded:
+                api = stack.enter_context(prefect_server(folder, env=QUIET_SERVER))
+                if not seeded:
+                    save_template(shared, folder)
         if WORKER_HOME is not None:
             with migrated_prefect_db(shared, WORKER_HOME):
                 pass
@@ -113,7 +175,7 @@ def migrated_prefect(tmp_path_factory: pytest.TempPathFactory) -> Path:
     needed one, or here)."""
     from tests.services import migrated_prefect_db, prefect_server, save_template
 
-    shared = _template_dir(tmp_path_factory)
+    shared = _template_dir(tmp_path_factory.getbasetemp())
     folder = tmp_path_factory.mktemp("prefect-template")
     with migrated_prefect_db(shared, folder) as seeded:
         if not seeded:
@@ -124,10 +186,17 @@ def migrated_prefect(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def warm_command(prefect_api: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """One real `trainflow warm` for this test process, as `deploy/stack.sh up` runs one beside
-    the Prefect server; its socket (see `served_commands`)."""
+    """One real `trainflow warm` for the run (the xdist controller's, shared by its workers;
+    else this test process's own), as `deploy/stack.sh up` runs one beside the Prefect server;
+    its socket (see `served_commands`)."""
     from tests.services import background, service_env, wait_for
 
+    if SHARED_WARM_SOCKET in os.environ:  # the xdist controller's (pytest_configure)
+        sock = Path(os.environ[SHARED_WARM_SOCKET])
+        log = sock.with_name("warm.log")
+        wait_for(lambda: "serving on" in log.read_text(), 180, f"trainflow warm to serve ({log})")
+        yield sock
+        return
     folder = tmp_path_factory.mktemp("warm-command")  # 0700, as the service demands
     sock, log = folder / "warm.sock", folder / "warm.log"
     argv = [sys.executable, "-m", "trainflow.flows.cli", "warm", "--socket", str(sock)]
@@ -159,11 +228,12 @@ def cold_command(served_commands: Path, monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.delenv(SOCKET_ENV)
 
 
-def _template_dir(factory: pytest.TempPathFactory) -> Path:
+def _template_dir(fallback: Path) -> Path:
     """Where the migrated Prefect database template is kept: the machine's trainflow cache
     (tasks.cache_dir), as the MLflow store template is, so that only the first run on a
-    machine (per Prefect version) migrates one; this run's base folder, which every xdist
-    worker shares, where the cache cannot be written."""
+    machine (per Prefect version) migrates one; where the cache cannot be written, the folder
+    above `fallback` (this run's base folder, which every xdist worker shares) for a worker,
+    `fallback` itself otherwise."""
     from trainflow.tasks.cache_dir import cache_root
 
     folder = cache_root() / "prefect-dbs"
@@ -173,5 +243,4 @@ def _template_dir(factory: pytest.TempPathFactory) -> Path:
             return folder
     except OSError:
         pass
-    base = factory.getbasetemp()
-    return base.parent if "PYTEST_XDIST_WORKER" in os.environ else base
+    return fallback.parent if "PYTEST_XDIST_WORKER" in os.environ else fallback

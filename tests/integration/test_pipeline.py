@@ -4,13 +4,20 @@ import re
 import shutil
 from pathlib import Path
 from typing import Any
+from uuid import UUID
 
 import mlflow
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
-from prefect.artifacts import Artifact
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import (
+    ArtifactFilter,
+    ArtifactFilterFlowRunId,
+    ArtifactFilterKey,
+)
 from prefect.client.schemas.objects import Artifact as ArtifactResponse
+from prefect.client.schemas.sorting import ArtifactSort
 
 from tests.services import wait_for
 from trainflow.flows.config import build_config, config_hash
@@ -40,6 +47,34 @@ def _children(client: MlflowClient, summary: PipelineSummary) -> dict[str, objec
         [exp.experiment_id], f"tags.mlflow.parentRunId = '{summary.parent_run_id}'"
     )
     return {r.info.run_name: r for r in runs}
+
+
+def _artifacts(key: str, flow_run: UUID | None = None, limit: int = 1) -> list[ArtifactResponse]:
+    """The newest artifacts `key` (of `flow_run`, when given)."""
+    found = ArtifactFilter(key=ArtifactFilterKey(any_=[key]))
+    if flow_run is not None:
+        found.flow_run_id = ArtifactFilterFlowRunId(any_=[flow_run])
+    with get_client(sync_client=True) as client:
+        return client.read_artifacts(
+            artifact_filter=found, sort=ArtifactSort.CREATED_DESC, limit=limit
+        )
+
+
+def _artifact(key: str, run: PipelineSummary) -> ArtifactResponse:
+    """The artifact `key` of `run`'s flow run. The Prefect server is the whole test run's
+    (tests/conftest.py): other tests' runs make artifacts of the same keys meanwhile, so the
+    flow run is the one whose summary links `run`'s MLflow parent run."""
+    flow_run = next(
+        (
+            a.flow_run_id
+            for a in _artifacts("trainflow-summary", limit=100)
+            if f"/runs/{run.parent_run_id}" in str(a.data)
+        ),
+        None,
+    )
+    assert flow_run is not None, f"no trainflow-summary links MLflow run {run.parent_run_id}"
+    [artifact] = _artifacts(key, flow_run)
+    return artifact
 
 
 def test_pipeline_completes_and_learns(first: PipelineSummary) -> None:
@@ -96,8 +131,8 @@ def test_evaluate_run_has_metrics_images_and_model(first: PipelineSummary) -> No
 
 
 def test_summary_artifact_links_the_mlflow_run(first: PipelineSummary) -> None:
-    artifact = Artifact.get("trainflow-summary")  # sync here: no running event loop
-    assert isinstance(artifact, ArtifactResponse) and artifact.type == "markdown"
+    artifact = _artifact("trainflow-summary", first)
+    assert artifact.type == "markdown"
     text = str(artifact.data)
     assert f"{first.test_accuracy:.4f}" in text
     assert first.dataset_hash[:16] in text
@@ -147,19 +182,16 @@ def test_train_run_shows_throughput_per_rank_mfu_and_system_metrics(
 def test_prefect_shows_training_progress_and_the_summary_links_each_stage(
     first: PipelineSummary,
 ) -> None:
-    # Before the later tests' runs: the newest artifacts are this run's.
-    progress = Artifact.get("train-progress")
-    assert isinstance(progress, ArtifactResponse) and progress.type == "progress"
+    progress = _artifact("train-progress", first)
+    assert progress.type == "progress"
     assert float(str(progress.data)) == 100.0
     assert progress.description == "training: epoch 2 of 2 checkpointed"
-    shards = Artifact.get("preprocess-progress")  # preprocessing, by shard-writing tasks
-    assert isinstance(shards, ArtifactResponse) and float(str(shards.data)) == 100.0
+    shards = _artifact("preprocess-progress", first)  # preprocessing, by shard-writing tasks
+    assert float(str(shards.data)) == 100.0
     assert re.fullmatch(
         r"preprocessing: (\d+) of \1 shard-writing tasks done", shards.description or ""
     )
-    summary = Artifact.get("trainflow-summary")
-    assert isinstance(summary, ArtifactResponse)
-    text = str(summary.data)
+    text = str(_artifact("trainflow-summary", first).data)
     client = MlflowClient(first.tracking_uri)
     for stage, run in _children(client, first).items():
         assert f"- {stage}: [{run.info.run_id}](" in text  # type: ignore[attr-defined]
@@ -174,11 +206,10 @@ def test_the_training_job_gives_the_test_accuracy_before_the_evaluate_stage_star
     test accuracy (the evaluate stage's own number) and logs it to the train run while the
     train task still runs; the evaluate task then says it again before its slower rest
     (figures, the model's export, registration)."""
-    from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
 
-    summary = Artifact.get("trainflow-summary")  # the newest: this run's (see the test above)
-    assert isinstance(summary, ArtifactResponse) and summary.flow_run_id is not None
+    summary = _artifact("trainflow-summary", first)
+    assert summary.flow_run_id is not None
     value = f"{first.headline_value:.4f}"
     job_said = f"[rank0] test accuracy {value} (first result: epoch "
     evaluate_said = f"test accuracy {value} (the training job's test pass: {value};"
@@ -221,7 +252,7 @@ def test_second_run_hits_the_preprocess_cache(first: PipelineSummary, workdir: P
     assert second.champion == (second.test_accuracy > first.test_accuracy)
     holder = client.get_model_version_by_alias("trainflow-classifier", "champion")
     assert str(holder.version) == ("2" if second.champion else "1")
-    text = str(Artifact.get("trainflow-summary").data)  # type: ignore[union-attr]
+    text = str(_artifact("trainflow-summary", second).data)
     assert "version **2**" in text
     assert ("moved here; beats version 1" if second.champion else "stays on version 1") in text
     assert client.get_run(second.parent_run_id).data.tags["config_hash"] == config_hash(

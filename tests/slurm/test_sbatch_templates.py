@@ -174,7 +174,8 @@ def test_pipeline_template_runs_a_whole_pipeline_in_one_allocation(
     assert "== trainflow summary ==" in log
     assert f"parent run id   {parent.info.run_id}" in log
     # The flow ran against the submitter's Prefect server, not a temporary one in the job.
-    flow_runs = post_ok(f"{prefect_api}/flow_runs/filter", {})
+    # The newest 200 (the server is the whole test run's: a page of all would miss ours).
+    flow_runs = post_ok(f"{prefect_api}/flow_runs/filter", {"sort": "START_TIME_DESC"})
     ours = [r for r in flow_runs if str(tmp_path) in json.dumps(r["parameters"])]
     assert [(r["parameters"]["preset"], r["state_type"]) for r in ours] == [("tiny", "COMPLETED")]
 

@@ -10,6 +10,7 @@ nodes and the train run's dataset. Screenshots land in <repo>/test-artifacts/.
 import json
 import threading
 import urllib.request
+import uuid
 from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
@@ -38,16 +39,24 @@ HIDE_ASSISTANT = (
 )
 
 
-def _progress_at(api: str, percent: float) -> dict[str, Any] | None:
-    """The newest train-progress artifact when it shows `percent`."""
-    query = {"artifacts": {"key": {"any_": ["train-progress"]}}, "sort": "CREATED_DESC"}
+def _progress_at(api: str, flow_run_name: str, percent: float) -> dict[str, Any] | None:
+    """The newest train-progress artifact of the flow run named `flow_run_name` when it shows
+    `percent` (the Prefect server is the whole test run's: other tests' runs make artifacts of
+    that key meanwhile)."""
+    query = {
+        "artifacts": {"key": {"any_": ["train-progress"]}},
+        "flow_runs": {"name": {"any_": [flow_run_name]}},
+        "sort": "CREATED_DESC",
+    }
     found = post_ok(f"{api}/artifacts/filter", {**query, "limit": 1})
     return found[0] if found and float(found[0]["data"]) == percent else None
 
 
-def _read_progress(page: Page, api: str, shots: Path) -> None:
+def _read_progress(page: Page, api: str, flow_run_name: str, shots: Path) -> None:
     """While the job waits at its gate: the Prefect UI shows the running flow at 50%."""
-    artifact = wait_for(lambda: _progress_at(api, 50.0), 600, "the progress artifact at 50%")
+    artifact = wait_for(
+        lambda: _progress_at(api, flow_run_name, 50.0), 600, "the progress artifact at 50%"
+    )
     page.navigate(f"{api.removesuffix('/api')}/artifacts/artifact/{artifact['id']}")
     page.wait_for_text(["train-progress", "Progress: 50%", "epoch 1 of 2 checkpointed"], 120)
     page.screenshot(ARTIFACTS / "prefect-progress.png", shots / "prefect-progress.png")
@@ -107,9 +116,10 @@ def test_uis_show_progress_node_metrics_dataset_and_the_training_view(
             "cluster.ranks_per_node=1",
             f"tracking.tracking_uri={url}",
         ]
-        join = _in_background(lambda: _read_progress(page, api, tmp_path), gate.touch)
+        name = f"ui-views-{uuid.uuid4().hex[:8]}"
+        join = _in_background(lambda: _read_progress(page, api, name, tmp_path), gate.touch)
         try:
-            summary = pipeline(preset="tiny", overrides=overrides)
+            summary = pipeline.with_options(flow_run_name=name)(preset="tiny", overrides=overrides)
         finally:
             gate.touch()
             join()
