@@ -25,7 +25,14 @@ import pytest
 from mlflow.entities import Run
 from mlflow.tracking import MlflowClient
 
-from tests.services import free_port, get_json, service_env, wait_for
+from tests.services import (
+    cancel_flow_run,
+    free_port,
+    get_json,
+    run_deployment,
+    service_env,
+    wait_for,
+)
 from trainflow.cluster import registry
 
 pytestmark = pytest.mark.integration
@@ -189,14 +196,17 @@ def test_cancelling_a_deployment_run_stops_training_and_kills_its_runs(
 ) -> None:
     work = tmp_path / "work"
     overrides = {"workdir": str(work), "train.epochs": 5000, "tracking.experiment": "cancel"}
-    flow_run = stack.run_deployment("adhoc", overrides)
+    # Started and cancelled through the API, as the UI's Run and Cancel buttons do (the other
+    # test runs the CLI's `prefect deployment run`; each Prefect CLI call costs ~3 CPU s).
+    parameters = {"preset": "tiny", "overrides": overrides}
+    flow_run = run_deployment(stack.api, "trainflow-pipeline/adhoc", parameters)
     job = wait_for(lambda: _training(work), 240, "the training job to train an epoch")
     assert job.executor == "local"
     controller = psutil.Process(int(job.job_id))  # a local job's id is its controller's pid
     assert "submitit" in " ".join(controller.cmdline())
     assert len(_processes_mentioning(work)) >= 3  # controller and two ranks
 
-    stack.prefect("flow-run", "cancel", flow_run)
+    cancel_flow_run(stack.api, flow_run)
     assert stack.final_state(flow_run, 120) == "CANCELLED"
     wait_for(lambda: not _processes_mentioning(work), 60, "the training processes to exit")
     assert not controller.is_running() or controller.status() == psutil.STATUS_ZOMBIE
@@ -259,9 +269,7 @@ def test_deployment_run_completes_and_logs_to_the_stack_mlflow(
     local.log_text(run_id, "written without the server", "note.txt")
     assert [f.path for f in server.list_artifacts(run_id)] == ["note.txt"]
 
-    nightly = json.loads(
-        stack.prefect("deployment", "inspect", "trainflow-pipeline/nightly", "-o", "json")
-    )
+    nightly = get_json(f"{stack.api}/deployments/name/trainflow-pipeline/nightly")
     [schedule] = nightly["schedules"]
     assert schedule["schedule"]["cron"] == "0 2 * * *"
     assert schedule["schedule"]["timezone"] == "UTC" and schedule["active"]
