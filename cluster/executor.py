@@ -77,7 +77,9 @@ class _GuardedPrivate:
 
     @property
     def _submitit_command_str(self) -> str:
-        command: str = super()._submitit_command_str  # type: ignore[misc]
+        # submitit's `<python> -u -m submitit.core._submit <folder>`, through our entry that
+        # loads the job with the garbage collector paused first (cluster.rank_main).
+        command = f"{self.python} -u -m trainflow.cluster.rank_main {shlex.quote(str(self.folder))}"
         return _guarded(command, self.python, self.peer_timeout_s, self.warm_socket)
 
     def _internal_process_submissions(

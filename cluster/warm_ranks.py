@@ -40,12 +40,13 @@ import traceback
 from typing import Any
 
 from trainflow.cluster.prctl import die_with_parent
+from trainflow.tasks.import_gc import imports_without_gc
 
 PRELOAD = (
     "torch",
     "torch._dynamo",  # DDP's constructor and every torch.optim optimizer import it
     "torch.distributed",
-    "submitit.core.submission",  # what `-m submitit.core._submit` runs (not itself: runpy)
+    "submitit.core.submission",  # what the rank's `-m trainflow.cluster.rank_main` runs
     "trainflow.tasks.train.job",
 )
 """What every rank imports anyway, imported once here before the first fork. Not MLflow: ranks
@@ -65,12 +66,14 @@ MAX_MESSAGE = 1 << 20
 
 
 def preload(modules: tuple[str, ...] = PRELOAD) -> None:
-    """Import `modules`; one that fails is left for the rank to import (and report) itself."""
-    for name in modules:
-        try:
-            importlib.import_module(name)
-        except Exception:
-            traceback.print_exc()
+    """Import `modules` (garbage collector paused: tasks.import_gc); one that fails is left for
+    the rank to import (and report) itself."""
+    with imports_without_gc():
+        for name in modules:
+            try:
+                importlib.import_module(name)
+            except Exception:
+                traceback.print_exc()
 
 
 def _peer_uid(conn: socket.socket) -> int:

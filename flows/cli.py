@@ -270,6 +270,7 @@ def _run(args: argparse.Namespace) -> int:
         preload_tracking_store,
         start_temporary_server,
     )
+    from trainflow.tasks.import_gc import imports_without_gc
 
     # A mistake in the user's code (import, factory, output shape) is refused before any
     # Prefect server or job starts too: checked in the warm-rank server as it boots, while
@@ -278,15 +279,16 @@ def _run(args: argparse.Namespace) -> int:
     # held: it serves only once the check passed.
     checked = _checked_while_warming(cfg, lambda: check_code(cfg, spec))
     _prepare_flow_process()
-    import prefect  # noqa: F401 -- first of the flow's imports: the held server's fork shares it
+    with imports_without_gc():  # the flow's imports, 15-25% less CPU (tasks.import_gc)
+        import prefect  # noqa: F401 -- first of the flow's imports: the held server's fork shares it
 
-    held = hold_temporary_server()
-    from trainflow.flows.pipeline import pipeline
-    from trainflow.tasks.tracking.runs import resolve_tracking_uri
+        held = hold_temporary_server()
+        from trainflow.flows.pipeline import pipeline
+        from trainflow.tasks.tracking.runs import resolve_tracking_uri
 
-    print(remember(cfg, checked(), spec=spec).line(), flush=True)
-    server = keep_if_needed(start_temporary_server(held))  # released: ~0.6 s to answer
-    preload_tracking_store(resolve_tracking_uri(cfg.tracking, cfg.workdir))
+        print(remember(cfg, checked(), spec=spec).line(), flush=True)
+        server = keep_if_needed(start_temporary_server(held))  # released: ~0.6 s to answer
+        preload_tracking_store(resolve_tracking_uri(cfg.tracking, cfg.workdir))
     try:
         with api_url_in_use(server):
             summary = pipeline(preset=args.preset, overrides=args.overrides)

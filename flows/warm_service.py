@@ -23,6 +23,7 @@ from typing import Any
 from trainflow.cluster.prctl import die_with_parent
 from trainflow.flows.warm_command import SOCKET_ENV, code_stamp, import_time_env
 from trainflow.flows.warm_refusals import refusal
+from trainflow.tasks.import_gc import imports_without_gc
 
 PRELOAD = (
     "torch",
@@ -54,11 +55,12 @@ def serve(path: Path) -> int:
         print(f"trainflow warm: a service already serves on {path} (stop it first)")
         return 2
     launched = dict(os.environ)
-    for name in PRELOAD:
-        try:
-            importlib.import_module(name)
-        except Exception:
-            traceback.print_exc()
+    with imports_without_gc():  # 15-25% less CPU (tasks.import_gc)
+        for name in PRELOAD:
+            try:
+                importlib.import_module(name)
+            except Exception:
+                traceback.print_exc()
     # What the imports put in the environment (torch: TORCHINDUCTOR_CACHE_DIR) a fresh
     # command has too: each child's environment is the command's plus these.
     _added.update({k: v for k, v in os.environ.items() if k not in launched})

@@ -10,6 +10,8 @@ thread imports from the same packages.
 import importlib
 import threading
 
+from trainflow.tasks.import_gc import imports_without_gc
+
 EVALUATE_MODULES = (
     "trainflow.tasks.evaluate.plots",
     "trainflow.tasks.evaluate.model_logging",
@@ -36,11 +38,12 @@ def prewarm_imports(modules: tuple[str, ...]) -> threading.Thread:
     """
 
     def run() -> None:
-        for name in modules:
-            try:
-                importlib.import_module(name)
-            except Exception:  # the main thread's own import reports it, with its context
-                return
+        with imports_without_gc():  # the whole process's collector, while this thread imports
+            for name in modules:
+                try:
+                    importlib.import_module(name)
+                except Exception:  # the main thread's own import reports it, with its context
+                    return
 
     thread = threading.Thread(target=run, name="trainflow-prewarm", daemon=True)
     thread.start()

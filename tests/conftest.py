@@ -39,6 +39,16 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_collection(session: pytest.Session) -> Iterator[None]:
+    """Collection imports every test module (torch, Prefect, MLflow, the pipeline) with the
+    garbage collector paused: 15-25% less CPU for those imports (tasks.import_gc)."""
+    from trainflow.tasks.import_gc import imports_without_gc
+
+    with imports_without_gc():
+        return (yield)
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups into node ids
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """xdist groups for `pytest -n N --dist loadgroup` (make test): a test file's tests stay on

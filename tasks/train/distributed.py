@@ -22,6 +22,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from trainflow.tasks.errors import ConfigError
+from trainflow.tasks.train.early_signal import in_submitit_task
 from trainflow.tasks.train.rendezvous import Layout, export_env, meet, submitit_layout
 
 DEFAULT_TIMEOUT = timedelta(minutes=5)
@@ -181,8 +182,7 @@ def exit_fast_at_shutdown(*keep: object) -> None:
 def _is_submitit_task_process() -> bool:
     """True only in a process submitit started to run a task: never in the caller's process
     (the debug executor, tests, a flow that runs inside a Slurm allocation)."""
-    main = getattr(sys.modules.get("__main__"), "__spec__", None)
-    if getattr(main, "name", None) != "submitit.core._submit":
+    if not in_submitit_task():
         return False
     try:
         return submitit.JobEnvironment().cluster in ("local", "slurm")

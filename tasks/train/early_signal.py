@@ -19,10 +19,15 @@ from types import FrameType
 _held: list[int] = []
 
 
-def _in_submitit_task() -> bool:
+TASK_MAINS = ("trainflow.cluster.rank_main", "submitit.core._submit")
+"""The `python -m` entries of a process submitit starts to run a task: ours (what the rank
+guard starts), and submitit's own."""
+
+
+def in_submitit_task() -> bool:
     """True only in a process submitit started to run a task (never a flow or a test)."""
     main = getattr(sys.modules.get("__main__"), "__spec__", None)
-    return getattr(main, "name", None) == "submitit.core._submit"
+    return getattr(main, "name", None) in TASK_MAINS
 
 
 def preemption_signal() -> signal.Signals:
@@ -39,7 +44,7 @@ def _remember(signum: int, frame: FrameType | None) -> None:
 def hold_early_preemption(force: bool = False) -> None:
     """In a submitit task process (or with `force`), hold the preemption signal until
     `deliver_held_signal` runs, if nothing handles it yet."""
-    if not (force or _in_submitit_task()):
+    if not (force or in_submitit_task()):
         return
     sig = preemption_signal()
     if signal.getsignal(sig) == signal.SIG_DFL:

@@ -8,14 +8,14 @@ import submitit
 
 import trainflow.tasks.train  # noqa: F401  (what unpickling a training job imports first)
 from trainflow.tasks.train.early_signal import (
-    _in_submitit_task,
     deliver_held_signal,
+    in_submitit_task,
     preemption_signal,
 )
 
 _MARK = Path(os.environ.get("TRAINFLOW_TEST_MARK", "/nonexistent/mark"))
 
-if _in_submitit_task() and _MARK.parent.is_dir() and not _MARK.exists():
+if in_submitit_task() and _MARK.parent.is_dir() and not _MARK.exists():
     _MARK.write_text("signalled during import\n")
     os.kill(os.getpid(), preemption_signal())
 
