@@ -26,8 +26,8 @@ def preload_job(folder: str) -> None:
         if pickle.exists():  # else submitit waits for it, as it always has
             with imports_without_gc():
                 DelayedSubmission.load(pickle)
-    except Exception:
-        pass
+    except Exception:  # submitit's own load (next) fails the same way and says so in the job
+        return
 
 
 def main() -> None:
