@@ -1,7 +1,6 @@
 """Shared test settings: no Prefect telemetry, no stray MLflow store in the working folder;
-one real Prefect server for the whole run (under pytest-xdist the controller starts it and
-every worker talks to it) and one warm command service per test process for the tests that
-need them."""
+one real Prefect server and one warm command service for the whole run, for the tests that
+need them (under pytest-xdist the controller starts them and every worker talks to them)."""
 
 import atexit
 import contextlib
