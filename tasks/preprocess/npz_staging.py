@@ -161,8 +161,13 @@ def stage_npz_rows(file: str, count: int, dest: np.ndarray, staged: StagedImages
         fd = os.open(staged.paths[f], os.O_WRONLY)
         try:
             base = staged.offsets[f] - int(starts[f]) * size
-            for i, row in zip(mine.tolist(), dest[mine].tolist(), strict=True):
-                if os.pwrite(fd, flat[i].data, base + row * size) != size:
+            to = dest[mine]
+            # One write per run of rows that are consecutive here and in the staged file
+            # (shards keep their rows in source order: one run per file and shard).
+            cuts = np.flatnonzero((np.diff(mine) != 1) | (np.diff(to) != 1)) + 1
+            for begin, end in zip([0, *cuts.tolist()], [*cuts.tolist(), len(mine)], strict=True):
+                run = flat[int(mine[begin]) : int(mine[begin]) + end - begin]
+                if os.pwrite(fd, run.data, base + int(to[begin]) * size) != run.nbytes:
                     raise OSError(f"short write to staged file {staged.paths[f]!r}")
             # Start writing these pages back now, without waiting (as writer._start_writeback):
             # under a memory limit, dirty pages left for reclaim to write stall the group.
