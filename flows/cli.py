@@ -270,7 +270,7 @@ def _run(args: argparse.Namespace) -> int:
         preload_tracking_store,
         start_temporary_server,
     )
-    from trainflow.tasks.import_gc import imports_without_gc
+    from trainflow.tasks.import_gc import freeze_imported, imports_without_gc
 
     # A mistake in the user's code (import, factory, output shape) is refused before any
     # Prefect server or job starts too: checked in the warm-rank server as it boots, while
@@ -289,6 +289,9 @@ def _run(args: argparse.Namespace) -> int:
         print(remember(cfg, checked(), spec=spec).line(), flush=True)
         server = keep_if_needed(start_temporary_server(held))  # released: ~0.6 s to answer
         preload_tracking_store(resolve_tracking_uri(cfg.tracking, cfg.workdir))
+        # Never traversed again (tasks.import_gc); collected first: the user's model may have
+        # been built here to check it, and its cycles must not stay for good.
+        freeze_imported(collect=True)
     try:
         with api_url_in_use(server):
             summary = pipeline(preset=args.preset, overrides=args.overrides)

@@ -1,6 +1,7 @@
 """tasks.import_gc: the collector paused for imports, back as it was after the last pause (on
-any thread), and in a child forked during one; cluster.rank_main runs a job as submitit's own
-entry would."""
+any thread), and in a child forked during one; what was imported frozen (never traversed
+again), with or without a collection first, and everything frozen at exit; cluster.rank_main
+runs a job as submitit's own entry would, frozen."""
 
 import gc
 import os
@@ -74,6 +75,65 @@ def test_a_child_forked_during_a_pause_has_the_collector_back() -> None:
     os.close(write)
 
 
+_FREEZE = """
+import gc, sys
+from trainflow.tasks.import_gc import freeze_at_exit, freeze_imported, imports_without_gc
+
+class Cycle:
+    def __del__(self):
+        print("collected", flush=True)
+
+with imports_without_gc():
+    import decimal
+    garbage = Cycle()
+    garbage.me = garbage  # cyclic garbage left by the imports: no collection ran in the pause
+    del garbage
+    if sys.argv[1] != "exit":  # at the end of the pause, as the pause's users do
+        freeze_imported(collect=sys.argv[1] == "collect")
+        print("decimal frozen:", gc.get_freeze_count() > len(vars(decimal)))
+if sys.argv[1] == "exit":
+    freeze_at_exit()
+gc.collect()
+print("end")
+"""
+
+
+@pytest.mark.parametrize(
+    ("how", "lines"),
+    [
+        ("collect", ["collected", "decimal frozen: True", "end"]),
+        ("plain", ["decimal frozen: True", "end"]),  # the cycle stays, frozen: never collected
+        ("exit", ["collected", "end"]),  # collected by gc.collect(); nothing frozen until exit
+    ],
+)
+def test_what_was_imported_is_frozen_with_or_without_a_collection_first(
+    how: str, lines: list[str]
+) -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", _FREEZE, how], capture_output=True, text=True, timeout=60, cwd=REPO
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.splitlines() == lines
+
+
+def test_everything_is_frozen_at_exit_so_the_exit_collects_nothing() -> None:
+    code = (
+        "from trainflow.tasks.import_gc import freeze_at_exit\n"
+        "class Cycle:\n"
+        "    def __del__(self):\n"
+        "        print('collected', flush=True)\n"
+        "{freeze}\n"
+        "garbage = Cycle(); garbage.me = garbage; del garbage\n"
+    )
+    for freeze, lines in (("pass", ["collected"]), ("freeze_at_exit()", [])):
+        out = subprocess.run(
+            [sys.executable, "-c", code.format(freeze=freeze)],
+            capture_output=True, text=True, timeout=60, cwd=REPO,
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert out.stdout.splitlines() == lines, freeze
+
+
 _JOB = """
 import sys
 from pathlib import Path
@@ -83,7 +143,7 @@ from trainflow.cluster.executor import make_executor
 
 def where():
     import gc, sys
-    return sys.modules["__main__"].__spec__.name, gc.isenabled()
+    return sys.modules["__main__"].__spec__.name, gc.isenabled(), gc.get_freeze_count() > 0
 
 executor = make_executor(ClusterConfig(executor="local", ranks_per_node=1), Path(sys.argv[1]))
 print(executor.submit(where).result())
@@ -107,4 +167,4 @@ def test_a_rank_runs_under_rank_main_and_a_job_it_cannot_load_fails_as_before(
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.splitlines()
-    assert lines == ["('trainflow.cluster.rank_main', True)", "failed: True"], out.stdout
+    assert lines == ["('trainflow.cluster.rank_main', True, True)", "failed: True"], out.stdout
