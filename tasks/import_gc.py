@@ -17,12 +17,12 @@ What was imported stays alive for the whole process, yet the collector would sti
 it: once soon after a pause (a pause leaves everything in the youngest generation, so its first
 collection walks all of it), now and then later, and in the interpreter's exit, which
 collects everything once more. `freeze_imported()` moves what is alive into the collector's
-permanent generation (gc.freeze) at the end of the imports' pause; `freeze_at_exit()` does so as the
-process exits. A rank-like process (torch, torch._dynamo, the job module, 200 AdamW steps, a
-normal exit) took 2.9-3.3 CPU s as it was, 2.0-2.1 frozen after its imports, 2.2-2.5 collected
-then frozen (measured, two to three runs each); pytest's collection of this suite, 11.9 -> 6.0
-CPU s (its exit runs five full collections); a cold `trainflow run --preset tiny`, 10.0-11.1
--> 8.9-9.0 CPU s and 12.1-12.9 -> 10.1-10.9 s (three runs each, interleaved).
+permanent generation (gc.freeze) at the end of the imports' pause; `freeze_at_exit()` does so
+as the process exits. Measured on the 2-core AMD EPYC, two or three runs each: a rank-like
+process (torch, torch._dynamo, the job module, 200 AdamW steps) took 2.9-3.3 CPU s with a normal
+exit and 2.0-2.1 frozen after its imports, or 2.2-2.5 collected then frozen; ending with
+os._exit, as a trained rank does (tasks.train.distributed), 2.1 -> 1.9. pytest's collection of
+this suite (its exit runs five full collections): 11.9 -> 6.0 CPU s.
 """
 
 import atexit
