@@ -21,10 +21,17 @@ from trainflow.tasks.preprocess.size import array_bytes, dataset_bytes
 from trainflow.tasks.preprocess.sources import fingerprint
 from trainflow.tasks.tracking.progress import TaskProgress
 
+LAYOUT = "layout 2: a shard's rows in source order"
+"""Part of every dataset's key, changed whenever the same inputs and config give other shards:
+a dataset an earlier layout cached is rebuilt, so one config trains the same on every machine
+whatever its cache holds. Layout 2 (session 17): the rows inside a shard in source order
+(run.split_indices)."""
+
 
 def dataset_key(cfg: PreprocessConfig) -> str:
-    """Content key of a dataset: raw-data fingerprint + preprocessing config."""
+    """Content key of a dataset: raw-data fingerprint + shard layout + preprocessing config."""
     digest = hashlib.sha256(fingerprint(cfg).encode())
+    digest.update(LAYOUT.encode())
     digest.update(cfg.model_dump_json().encode())
     return digest.hexdigest()
 
