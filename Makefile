@@ -24,8 +24,9 @@ setup: $(VENV)/.installed-$(KIND)
 # Bytecode: where PYTHONDONTWRITEBYTECODE is set every process would compile each module it
 # imports anew, so the packages are compiled once here, as `uv --compile-bytecode` would, but
 # without the ~3,900 files of their own test suites (never imported): sync and compile took
-# 25.9 and 29.2 s against uv's 36.6 and 32.6 (interleaved, 2 cores, a busy hour). A file that does not compile (torch ships Python 3.12 syntax in its
-# test helpers) is skipped, as uv skips it: Python could not import it either.
+# 25.9 and 29.2 s against uv's 36.6 and 32.6 (interleaved, 2 cores, a busy hour). A file that
+# does not compile (torch ships Python 3.12 syntax in its test helpers) is skipped, as uv
+# skips it: Python could not import it either.
 $(VENV)/.installed-$(KIND): $(LOCK) pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	PIP_CONFIG_FILE=/dev/null $(BIN)/python -m pip install -q --disable-pip-version-check uv==0.13.9

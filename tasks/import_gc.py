@@ -75,11 +75,11 @@ def freeze_imported(collect: bool = False) -> None:
     """Move every object alive now into the collector's permanent generation, never traversed
     again: call it at the end of the imports' pause, inside it (the collector's counts ran on
     through the pause: its first allocation after would start a collection of everything),
-    before the process holds data of its own. With
-    `collect`, collect first (a full collection: ~0.4 CPU s for torch, Prefect and MLflow):
-    where the process may already have run code whose cyclic garbage would otherwise stay for
-    good (a user's model built to check it). Without, the imports' own garbage stays (a few
-    MB: 11 MB of ~14,500 objects after torch, Prefect, MLflow and the pipeline, measured)."""
+    before the process holds data of its own. With `collect`, collect first (a full collection:
+    ~0.4 CPU s for torch, Prefect and MLflow) where the process may already have run code whose
+    cyclic garbage would otherwise stay for good (a user's model built to check it). Without,
+    the imports' own garbage stays (11 MB in ~14,500 objects after torch, Prefect, MLflow and
+    the pipeline, measured)."""
     if collect:
         gc.collect()
     gc.freeze()
