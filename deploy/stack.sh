@@ -68,7 +68,10 @@ up_mlflow() {
     # New experiments get a file: artifact root rather than the mlflow-artifacts: proxy, so
     # that `trainflow run` on the SQLite store directly (no server URI) can still log
     # artifacts to an experiment a deployment run created (the proxy URI needs an http client).
-    MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false start mlflow-server "$BIN/mlflow" server \
+    # `mlflow server` run by tasks/tracking/mlflow_server.py: MLflow's own command with its
+    # uvicorn in the same process (one import of MLflow, not two).
+    MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false start mlflow-server \
+      "$BIN/python" -m trainflow.tasks.tracking.mlflow_server server \
       --host 127.0.0.1 --port "$MLFLOW_PORT" --workers 1 --backend-store-uri "$MLFLOW_STORE" \
       --default-artifact-root "file://$MLFLOW_ARTIFACTS" --artifacts-destination "$MLFLOW_ARTIFACTS"
     say "starting the mlflow server on port $MLFLOW_PORT ($MLFLOW_STORE)"

@@ -77,20 +77,20 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _ui_command(cfg: PipelineConfig, port: int, host: str = "127.0.0.1") -> list[str]:
-    """The `mlflow ui` command line serving the store (and artifacts) the pipeline's runs used."""
+def _ui_args(cfg: PipelineConfig, port: int, host: str = "127.0.0.1") -> list[str]:
+    """`mlflow ui`'s arguments serving the store (and artifacts) the pipeline's runs used."""
     from trainflow.tasks.tracking.runs import (
         resolve_tracking_uri,  # imports mlflow: ~2 s, not for errors
     )
 
     uri = resolve_tracking_uri(cfg.tracking, cfg.workdir)
-    argv = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri]
+    args = ["ui", "--backend-store-uri", uri]
     if _local_store_path(uri) is not None:
         # Local runs keep artifacts under <workdir>/mlartifacts (file:// locations the server
         # reads directly); experiments the UI itself creates proxy to the same folder.
-        argv += ["--artifacts-destination", str((cfg.workdir / "mlartifacts").resolve())]
+        args += ["--artifacts-destination", str((cfg.workdir / "mlartifacts").resolve())]
     # One worker: the UI of one person needs no more, and each worker is a whole MLflow app.
-    return [*argv, "--host", host, "--port", str(port), "--workers", "1"]
+    return [*args, "--host", host, "--port", str(port), "--workers", "1"]
 
 
 def _local_store_path(uri: str) -> Path | None:
@@ -119,11 +119,11 @@ def _ui(cfg: PipelineConfig, host: str, port: int) -> int:
     shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
     shown = f"[{shown}]" if ":" in shown else shown
     print(f"MLflow UI on {uri}: http://{shown}:{port}  (Ctrl-C stops it)", flush=True)
-    env = dict(os.environ)
-    # Without this the server forks a job runner and 7 workers (~1.5 GB) for one user.
-    env.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")
-    argv = _ui_command(cfg, port, host)
-    os.execve(argv[0], argv, env)  # the server replaces us: Ctrl-C and signals reach it
+    from trainflow.tasks.tracking.mlflow_server import serve
+
+    # MLflow's `mlflow ui` in this process (MLflow is imported already): Ctrl-C and signals
+    # reach the server; no job runner (it would fork 7 workers, ~1.5 GB, for one user).
+    serve(_ui_args(cfg, port, host))
 
 
 def _check_port_free(host: str, port: int) -> None:
@@ -148,7 +148,7 @@ def _print_summary(summary: object, cfg: PipelineConfig) -> None:
     if summary.tracking_uri.startswith(("http://", "https://")):
         ui_line = f"{summary.tracking_uri}   (the tracking server's own UI)"
     else:
-        ui = " ".join(_ui_command(cfg, 5000)[3:])
+        ui = " ".join(_ui_args(cfg, 5000))
         ui_line = f"trainflow ui   (or: mlflow {ui}) -> http://127.0.0.1:5000"
     version = "not registered"
     if summary.model_version is not None:

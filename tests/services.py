@@ -259,17 +259,19 @@ def mlflow_server(
     limit_s: float = 120,
     port: int | None = None,
 ) -> Iterator[str]:
-    """A real `mlflow server` on a SQLite store under `folder` (on `port`, else a free one:
-    give the same folder and port to start a stopped server again); yields its URL. A new
+    """A real `mlflow server` (as the product starts one: tasks.tracking.mlflow_server) on a
+    SQLite store under `folder` (on `port`, else a free one: give the same folder and port to
+    start a stopped server again); yields its URL. A new
     store starts as a copy of this machine's migrated template where there is one (MLflow
     creates its Default experiment in it): no ~0.7 CPU s of schema migrations per server."""
+    from trainflow.tasks.tracking.mlflow_server import command as mlflow_command
     from trainflow.tasks.tracking.new_store import seed_store
 
     port = port or free_port()
     if not (folder / "mlflow.db").exists():
         seed_store(folder / "mlflow.db")
     argv = [
-        *(sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port)),
+        *mlflow_command("server", "--host", "127.0.0.1", "--port", str(port)),
         *("--backend-store-uri", f"sqlite:///{folder}/mlflow.db"),
         *("--artifacts-destination", str(folder / "mlartifacts"), "--workers", "1"),
         *(extra_args or []),

@@ -149,10 +149,11 @@ def test_ui_serves_the_runs_and_artifacts_of_the_pipeline_store(tmp_path: Path) 
         assert {"path": "plots", "is_dir": True} in listing["files"]
         served = _get_bytes(f"{url}/get-artifact?path=plots/dot.png&run_uuid={runs.parent_id}")
         assert served == png
-        # No job runner or extra workers: the server and its one uvicorn process only.
-        ps = subprocess.run(["ps", "-o", "args=", "-s", str(proc.pid)], capture_output=True)
+        # No job runner, no extra workers, no uvicorn child: MLflow's server in the command's
+        # own process (tasks.tracking.mlflow_server).
+        ps = subprocess.run(["ps", "-o", "pid=,args=", "-s", str(proc.pid)], capture_output=True)
         procs = ps.stdout.decode().splitlines()
-        assert len(procs) == 2 and all("huey" not in p for p in procs), procs
+        assert len(procs) == 1 and int(procs[0].split()[0]) == proc.pid, procs
     assert list(cwd.iterdir()) == []  # nothing written where the command was started
 
 
