@@ -77,6 +77,18 @@ def test_package_lock_hash_names_the_installed_set() -> None:
     assert package_lock_hash(sorted(changed)) != package_lock_hash()
 
 
+def test_the_installed_set_reads_what_the_full_metadata_says() -> None:
+    """Name and Version from the head of each METADATA are what importlib.metadata's email
+    parse of the whole file gives, for every distribution installed here."""
+    import importlib.metadata
+    import sysconfig
+
+    paths = sorted({sysconfig.get_paths()[key] for key in ("purelib", "platlib")})
+    dists = list(importlib.metadata.distributions(path=paths))
+    parsed = {f"{(d.metadata['Name'] or '').lower()}=={d.version}" for d in dists}
+    assert len(dists) > 100 and installed_packages() == sorted(parsed)
+
+
 def test_the_lock_hash_is_the_environments_not_the_search_paths(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
