@@ -87,6 +87,8 @@ cancellation, events and task-run recording stay on."""
 SHARED_PREFECT_API = "TRAINFLOW_TESTS_PREFECT_API"
 """Set by the pytest-xdist controller for its workers: the API URL of the run's one Prefect
 server (see `pytest_configure`)."""
+SHARED_PREFECT_LOG = "TRAINFLOW_TESTS_PREFECT_LOG"
+"""Likewise: that server's log (the workers wait for it to answer; its tail if it never does)."""
 SHARED_WARM_SOCKET = "TRAINFLOW_TESTS_WARM_SOCKET"
 """Likewise: the socket of the run's one warm command service (its log beside it)."""
 
@@ -117,10 +119,14 @@ def pytest_configure(config: pytest.Config) -> None:
     _CONTROLLER_SERVICES.callback(shutil.rmtree, folder, ignore_errors=True)
     shared = _template_dir(folder)
     with migrated_prefect_db(shared, folder) as seeded:
-        api = _CONTROLLER_SERVICES.enter_context(prefect_server(folder, env=QUIET_SERVER))
+        # On a seeded database the workers start (and collect) while the server boots (~5 s
+        # on one core); each waits for it where it first needs it (`prefect_api`).
+        server = prefect_server(folder, env=QUIET_SERVER, wait=not seeded)
+        api = _CONTROLLER_SERVICES.enter_context(server)
         if not seeded:
             save_template(shared, folder)
     os.environ[SHARED_PREFECT_API] = api
+    os.environ[SHARED_PREFECT_LOG] = str(folder / "prefect-server.log")
     warm = folder / "warm-command"
     warm.mkdir(mode=0o700)  # as the service demands
     argv = [
@@ -151,14 +157,25 @@ def prefect_api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     Requested by every test under tests/integration and tests/slurm (their conftest.py)."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from tests.services import http_status, migrated_prefect_db, prefect_server, save_template
+    from tests.services import (
+        http_status,
+        migrated_prefect_db,
+        prefect_server,
+        save_template,
+        wait_for,
+    )
 
     previous = os.environ.get("PREFECT_API_URL")
     shared = _template_dir(tmp_path_factory.getbasetemp())
     with contextlib.ExitStack() as stack:
         if SHARED_PREFECT_API in os.environ:
             api = os.environ[SHARED_PREFECT_API]
-            assert http_status(f"{api}/health") == 200, f"the run's Prefect server {api} is down"
+            try:
+                wait_for(lambda: http_status(f"{api}/health") == 200, 120, "the Prefect server")
+            except AssertionError:
+                log = Path(os.environ.get(SHARED_PREFECT_LOG, "/nonexistent"))
+                tail = log.read_text()[-3000:] if log.exists() else "(no log)"
+                raise AssertionError(f"the run's Prefect server {api} is down:\n{tail}") from None
         else:
             # A database at Prefect's head revision: a machine's first server migrates one,
             # later ones (and this worker's temporary servers, WORKER_HOME) start from a copy.

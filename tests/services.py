@@ -186,10 +186,11 @@ def _wait_healthy(
 
 @contextmanager
 def prefect_server(
-    folder: Path, env: Mapping[str, str] | None = None, limit_s: float = 120
+    folder: Path, env: Mapping[str, str] | None = None, limit_s: float = 120, wait: bool = True
 ) -> Iterator[str]:
     """A real `prefect server start` (SQLite under `folder` unless env names a database);
-    yields its API URL."""
+    yields its API URL, once it answers (wait=False: at once; its log is
+    `folder`/prefect-server.log)."""
     port = free_port()
     defaults = {
         "PREFECT_HOME": str(folder / "prefect-home"),
@@ -202,7 +203,8 @@ def prefect_server(
     log = folder / "prefect-server.log"
     with background([*argv, "--port", str(port)], log, server_env) as proc:
         api = f"http://127.0.0.1:{port}/api"
-        _wait_healthy(proc, log, f"{api}/health", "the Prefect server", limit_s)
+        if wait:
+            _wait_healthy(proc, log, f"{api}/health", "the Prefect server", limit_s)
         yield api
 
 

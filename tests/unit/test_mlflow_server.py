@@ -2,14 +2,12 @@
 process (a real server on a SQLite store; what the stack, `trainflow ui` and the tests run)."""
 
 import signal
-import subprocess
 from pathlib import Path
 
 import psutil
 from mlflow.tracking import MlflowClient
 
-from tests.services import mlflow_server, service_env
-from trainflow.tasks.tracking.mlflow_server import command
+from tests.services import mlflow_server
 
 
 def test_one_process_serves_runs_and_artifacts_and_stops_on_sigterm(tmp_path: Path) -> None:
@@ -33,15 +31,3 @@ def test_one_process_serves_runs_and_artifacts_and_stops_on_sigterm(tmp_path: Pa
         # uvicorn shuts down gracefully, then ends by the signal it caught (as the child did).
         assert server.wait(timeout=30) == -signal.SIGTERM
         assert "Finished server process" in (tmp_path / "mlflow-server.log").read_text()
-
-
-def test_mlflow_refuses_a_bad_option_as_its_own_command_does(tmp_path: Path) -> None:
-    out = subprocess.run(
-        command("server", "--port", "not-a-port"),
-        capture_output=True,
-        text=True,
-        env=service_env(),
-        timeout=120,
-    )
-    assert out.returncode == 2, out.stderr
-    assert "Invalid value for '--port'" in out.stderr and "Usage: mlflow server" in out.stderr
