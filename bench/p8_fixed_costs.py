@@ -90,10 +90,12 @@ def _trainflow(workdir: Path, env: dict[str, str]) -> dict[str, Any]:
 
 
 def _import_seconds() -> float:
-    """Wall time of a fresh process that imports the flow (what `trainflow run` loads)."""
+    """Wall time of a fresh process that imports the flow and its stages (what `trainflow
+    run` loads)."""
 
     def once() -> None:
-        subprocess.run([sys.executable, "-c", "import flows.pipeline"], check=True)
+        code = "import flows.pipeline as p; p.import_stages()"
+        subprocess.run([sys.executable, "-c", code], check=True)
 
     return median_seconds(once, repeats=2, warmup=0)
 

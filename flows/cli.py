@@ -283,8 +283,10 @@ def _run(args: argparse.Namespace) -> int:
         import prefect  # noqa: F401 -- first of the flow's imports: the held server's fork shares it
 
         held = hold_temporary_server()
-        from trainflow.flows.pipeline import pipeline
+        from trainflow.flows.pipeline import import_stages, pipeline
         from trainflow.tasks.tracking.runs import resolve_tracking_uri
+
+        import_stages()  # torch, MLflow, dask: what the run's stages use, with the rest
 
         print(remember(cfg, checked(), spec=spec).line(), flush=True)
         server = keep_if_needed(start_temporary_server(held))  # released: ~0.6 s to answer

@@ -3,11 +3,12 @@
 Composes stages only; all work happens in tasks/ and cluster/.
 """
 
+import importlib
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
@@ -18,18 +19,35 @@ from trainflow.cluster.snapshot import CodeSnapshot, snapshot_for_jobs
 from trainflow.flows.config import PipelineConfig, build_config, config_hash, flatten
 from trainflow.flows.error_output import quiet_user_errors
 from trainflow.flows.preflight import preflight, user_modules
-from trainflow.tasks.evaluate.run import EvalResult
-from trainflow.tasks.evaluate.task import evaluate_task
 from trainflow.tasks.preprocess.ref import DatasetRef
-from trainflow.tasks.preprocess.task import preprocess
 from trainflow.tasks.prewarm import evaluate_modules, prewarm_imports
-from trainflow.tasks.tracking.lineage import Lineage, log_dataset_input
-from trainflow.tasks.tracking.pipeline_runs import PipelineRuns
 from trainflow.tasks.tracking.report import run_link, runs_and_plots_markdown, summary_markdown
-from trainflow.tasks.tracking.stage_logs import log_checkpoint, log_dataset
-from trainflow.tasks.train.job import TrainJobSpec
 from trainflow.tasks.train.ref import CheckpointRef
-from trainflow.tasks.train.task import train_task
+
+if TYPE_CHECKING:
+    from trainflow.tasks.evaluate.run import EvalResult
+    from trainflow.tasks.tracking.lineage import Lineage
+    from trainflow.tasks.tracking.pipeline_runs import PipelineRuns
+    from trainflow.tasks.train.job import TrainJobSpec
+
+STAGE_MODULES = (
+    "trainflow.tasks.tracking.pipeline_runs",
+    "trainflow.tasks.tracking.lineage",
+    "trainflow.tasks.tracking.stage_logs",
+    "trainflow.tasks.preprocess.task",
+    "trainflow.tasks.train.task",
+    "trainflow.tasks.evaluate.task",
+)
+"""The stages' modules (torch, MLflow, dask: ~2.6 CPU s), imported where the flow runs its
+stages, not with this module: what only loads the flow (`prefect deploy`, a served flow's
+process, Prefect's cancellation-hook process) imports Prefect and the config alone. The
+command and the warm command service import them up front (`import_stages`)."""
+
+
+def import_stages() -> None:
+    """Import STAGE_MODULES now (what a run of the flow imports anyway)."""
+    for name in STAGE_MODULES:
+        importlib.import_module(name)
 
 
 class PipelineSummary(BaseModel):
@@ -78,6 +96,12 @@ def pipeline(
 
 def run_pipeline(cfg: PipelineConfig) -> PipelineSummary:
     """The pipeline body for an already validated config (must run inside a flow)."""
+    import_stages()  # all of them first, as when this module imported them: see prewarm below
+    from trainflow.tasks.tracking.lineage import log_dataset_input
+    from trainflow.tasks.tracking.pipeline_runs import PipelineRuns
+    from trainflow.tasks.tracking.stage_logs import log_checkpoint
+    from trainflow.tasks.train.task import train_task
+
     model = preflight(cfg)  # bad paths, files, models, Slurm: fail before any server or cluster
     get_run_logger().info(model.line())
     runs = PipelineRuns(cfg.tracking, cfg.workdir, cfg.name)
@@ -104,7 +128,7 @@ def run_pipeline(cfg: PipelineConfig) -> PipelineSummary:
     return summarize(runs, dataset, cached, result, t)
 
 
-def snapshot_code(runs: PipelineRuns, modules: list[str], job_dir: Path) -> CodeSnapshot | None:
+def snapshot_code(runs: "PipelineRuns", modules: list[str], job_dir: Path) -> CodeSnapshot | None:
     """Snapshot the user's code into the run's job folder, where ranks, workers and requeued
     attempts import it from; its hash tags the parent run, its files are the artifact code/."""
     code = snapshot_for_jobs(modules, job_dir)
@@ -116,13 +140,15 @@ def snapshot_code(runs: PipelineRuns, modules: list[str], job_dir: Path) -> Code
 
 
 def lineage_of(
-    runs: PipelineRuns,
+    runs: "PipelineRuns",
     cfg: PipelineConfig,
     dataset: DatasetRef,
     ckpt: CheckpointRef | None = None,
     code_hash: str | None = None,
-) -> Lineage:
+) -> "Lineage":
     """The data, code, config and (once trained) package set behind this run's model."""
+    from trainflow.tasks.tracking.lineage import Lineage
+
     return Lineage(
         dataset_hash=dataset.content_hash,
         git_commit=runs.commit,
@@ -139,8 +165,10 @@ def train_spec(
     tracking_uri: str,
     run_id: str,
     code: list[Path] | None = None,
-) -> TrainJobSpec:
+) -> "TrainJobSpec":
     """The training job's inputs for one config (`code`: the snapshot's folders)."""
+    from trainflow.tasks.train.job import TrainJobSpec
+
     return TrainJobSpec(
         code=code or [],
         train=cfg.train,
@@ -154,9 +182,12 @@ def train_spec(
 
 
 def preprocess_stage(
-    runs: PipelineRuns, cfg: PipelineConfig, t: dict[str, float], code: list[Path] | None = None
+    runs: "PipelineRuns", cfg: PipelineConfig, t: dict[str, float], code: list[Path] | None = None
 ) -> tuple[DatasetRef, bool]:
     """The preprocess child run: dataset (cached on content) and whether the cache served it."""
+    from trainflow.tasks.preprocess.task import preprocess
+    from trainflow.tasks.tracking.stage_logs import log_dataset
+
     get_run_logger().info("MLflow parent run %s in %s", runs.parent_id, runs.tracking_uri)
     orphans = cancel_orphans(cfg.workdir)
     if orphans:
@@ -171,18 +202,21 @@ def preprocess_stage(
 
 
 def evaluate_stage(
-    runs: PipelineRuns,
+    runs: "PipelineRuns",
     cfg: PipelineConfig,
     dataset: DatasetRef,
     ckpt: CheckpointRef,
     t: dict[str, float],
     code_hash: str | None = None,
     code: list[Path] | None = None,
-) -> EvalResult:
+) -> "EvalResult":
     """The evaluate child run for ``ckpt`` (trained by ``cfg``), then headline numbers on the
     parent run. The run and a registered version carry the lineage (tracking.lineage); `code`
     (the snapshot's folders) is where the model export imports the user's modules from.
     """
+    from trainflow.tasks.evaluate.task import evaluate_task
+    from trainflow.tasks.tracking.lineage import log_dataset_input
+
     tags = lineage_of(runs, cfg, dataset, ckpt, code_hash).tags()
     with runs.stage("evaluate", flatten(cfg.evaluate)) as run_id, timed(t, "evaluate"):
         log_dataset_input(runs.client, run_id, dataset, "evaluation")
@@ -198,10 +232,10 @@ def evaluate_stage(
 
 
 def summarize(
-    runs: PipelineRuns,
+    runs: "PipelineRuns",
     dataset: DatasetRef,
     cached: bool,
-    result: EvalResult,
+    result: "EvalResult",
     t: dict[str, float],
 ) -> PipelineSummary:
     """The small result the flow returns; also published as a Markdown artifact."""

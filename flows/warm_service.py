@@ -61,6 +61,12 @@ def serve(path: Path) -> int:
                 importlib.import_module(name)
             except Exception:
                 traceback.print_exc()
+        try:  # the stages' modules: the pipeline's module leaves them to a run
+            from trainflow.flows.pipeline import import_stages
+
+            import_stages()
+        except Exception:
+            traceback.print_exc()
     # What the imports put in the environment (torch: TORCHINDUCTOR_CACHE_DIR) a fresh
     # command has too: each child's environment is the command's plus these.
     _added.update({k: v for k, v in os.environ.items() if k not in launched})

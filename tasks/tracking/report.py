@@ -1,10 +1,15 @@
 """The pipeline run's summary as Markdown, for the Prefect UI's artifact tab."""
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
 from urllib.parse import quote
 
-from trainflow.tasks.evaluate.registry import RegistryResult
-from trainflow.tasks.evaluate.run import EvalResult
 from trainflow.tasks.preprocess.ref import DatasetRef
+
+if TYPE_CHECKING:  # annotations only: the evaluate modules import torch and MLflow
+    from trainflow.tasks.evaluate.registry import RegistryResult
+    from trainflow.tasks.evaluate.run import EvalResult
 
 HEADLINE_PLOTS = {
     "training curves": "training_curves.png",
