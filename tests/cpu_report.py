@@ -10,12 +10,22 @@ busy. A dev Slurm already up when the run starts runs outside the groups: stop i
 (`trainflow cluster down`) to count its jobs. With --update-group-seconds it also rewrites
 tests/group_seconds.json, which orders the test files longest first (tests/conftest.py).
 
+The same tests' CPU differs between machines far more than any change to them does: the CPU
+model differs (AMD EPYC Zen 1, 3 and 4 all ran this suite; `import torch` took 1.1-1.3 CPU s on
+the Zen 4, 2.9-3.5 on the Zen 3), and one machine's speed moves 5-15% between runs. So the
+report first measures a reference, the CPU seconds of `python -c "import torch"` (the suite's
+commonest cost: every rank, server and command does it), the least of three, and prints and
+saves it with the CPU's name beside the totals: compare runs by their CPU over that reference.
+
 Needs root and a writable /sys/fs/cgroup/cpuacct; without them the report says so and the
 tests run as usual.
 """
 
 import json
 import os
+import resource
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -57,6 +67,36 @@ def _group() -> Path | None:
     return group
 
 
+def reference_cpu_s(repeats: int = 3) -> float:
+    """The least CPU seconds (user + system) of `python -c "import torch"` over `repeats` runs."""
+    best = float("inf")
+    for _ in range(repeats):
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        subprocess.run([sys.executable, "-c", "import torch"], check=True)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        used = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+        best = min(best, used)
+    return round(best, 2)
+
+
+def cpu_name() -> str:
+    """The CPU's model name, family and model numbers and bf16 flags, from /proc/cpuinfo
+    (without importing torch into the controller, as bench.common.machine_name would)."""
+    fields: dict[str, str] = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, sep, value = line.partition(":")
+            if sep:
+                fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        return "unknown CPU"
+    bf16 = sorted(set(fields.get("flags", "").split()) & {"avx512_bf16", "amx_bf16"})
+    return (
+        f"{fields.get('model name', 'unnamed CPU')}, family {fields.get('cpu family', '?')} "
+        f"model {fields.get('model', '?')}, {' '.join(bf16) or 'no native bf16'}"
+    )
+
+
 class CpuReport:
     """Per-test CPU and wall seconds of one worker's cgroup."""
 
@@ -66,6 +106,9 @@ class CpuReport:
         self.group = _group()
         self.rows: list[dict[str, Any]] = []
         self.started = time.monotonic()
+        self.reference: dict[str, Any] | None = None
+        if "PYTEST_XDIST_WORKER" not in os.environ:  # the controller, before its workers start
+            self.reference = {"cpu": cpu_name(), "import_torch_cpu_s": reference_cpu_s()}
 
     def _usage_s(self) -> float:
         assert self.group is not None
@@ -99,11 +142,16 @@ class CpuReport:
             write(f"cpu report: nothing measured (root and {CPUACCT} are needed)")
             return
         rows.sort(key=lambda r: -r["cpu_s"])
-        self.path.write_text(json.dumps({"workers": loaded, "rows": rows}, indent=1))
+        report = {"reference": self.reference, "workers": loaded, "rows": rows}
+        self.path.write_text(json.dumps(report, indent=1))
         cpu = sum(p["cpu_s"] or 0 for p in loaded)
         wall = time.monotonic() - self.started
         write(f"cpu report ({self.path}): {cpu:.0f} CPU s in {wall:.0f} s of wall time")
         write(f"  = {cpu / wall:.2f} CPUs busy on average out of {os.cpu_count()}")
+        if self.reference:
+            ref = self.reference["import_torch_cpu_s"]
+            write(f"  on {self.reference['cpu']}: `import torch` took {ref} CPU s at the start")
+            write(f"  (the run's CPU = {cpu / ref:.0f} such imports: compare runs by that)")
         for row in rows[:30]:
             write(f"  {row['cpu_s']:7.1f} CPU s {row['wall_s']:7.1f} s  {row['test']}")
         for p in parts:

@@ -1,5 +1,6 @@
 """The benchmark code runs (tiny sizes, CPU): it must not rot between benchmark runs."""
 
+import pytest
 import torch
 
 from bench.common import median_seconds, slug, table
@@ -43,3 +44,30 @@ def test_a_command_is_accounted_with_the_cpu_of_its_children() -> None:
     assert begun is not None and 0 < begun < wall  # the time of the marked line, as it came
     if os.access(CPUACCT, os.W_OK):
         assert cpu is not None and cpu > 0.2  # the grandchild's ~0.5 s of summing counted
+
+
+def test_a_generic_cpu_name_gets_its_family_and_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Results of two "AMD EPYC" generations (Zen 1 and Zen 3 both without bf16) go to two
+    files; a name that carries a model number keeps its file."""
+    import bench.common as common
+    from trainflow.tasks.train import native_bf16
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(common, "x86_family_model", lambda: "family 25 model 1")
+    monkeypatch.setattr(native_bf16, "this_cpu", lambda: native_bf16.CpuInfo("AMD EPYC", EMPTY))
+    assert common.machine_name() == "AMD EPYC family 25 model 1 (no native bf16)"
+    named = native_bf16.CpuInfo("AMD EPYC 9254 24-Core Processor", frozenset({"avx512_bf16"}))
+    monkeypatch.setattr(native_bf16, "this_cpu", lambda: named)
+    assert common.machine_name() == "AMD EPYC 9254 24-Core Processor (native bf16)"
+    monkeypatch.undo()  # the real reading, on this machine
+    assert common.x86_family_model() == "" or common.x86_family_model().startswith("family ")
+
+
+def test_the_cpu_report_names_the_cpu_and_times_its_reference() -> None:
+    from tests.cpu_report import cpu_name, reference_cpu_s
+
+    assert "family" in cpu_name() or cpu_name() == "unknown CPU"
+    assert 0.1 < reference_cpu_s(repeats=1) < 60  # a real `import torch` in a new process
+
+
+EMPTY: frozenset[str] = frozenset()
