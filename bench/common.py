@@ -36,14 +36,20 @@ def machine_name() -> str:
     return f"{cpu.model} {x86_family_model()} ({bf16})".replace("  ", " ")
 
 
-def x86_family_model() -> str:
-    """'family 25 model 1' from /proc/cpuinfo's first processor ('' where it says neither)."""
+def cpuinfo_fields() -> dict[str, str]:
+    """/proc/cpuinfo's fields for its first processor ({} where it is unreadable); no torch."""
     fields: dict[str, str] = {}
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             key, sep, value = line.partition(":")
             if sep:
                 fields.setdefault(key.strip(), value.strip())
+    return fields
+
+
+def x86_family_model() -> str:
+    """'family 25 model 1' from /proc/cpuinfo's first processor ('' where it says neither)."""
+    fields = cpuinfo_fields()
     family, model = fields.get("cpu family"), fields.get("model")
     return f"family {family} model {model}" if family and model else ""
 

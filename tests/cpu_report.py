@@ -82,18 +82,15 @@ def reference_cpu_s(repeats: int = 3) -> float:
 def cpu_name() -> str:
     """The CPU's model name, family and model numbers and bf16 flags, from /proc/cpuinfo
     (without importing torch into the controller, as bench.common.machine_name would)."""
-    fields: dict[str, str] = {}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, sep, value = line.partition(":")
-            if sep:
-                fields.setdefault(key.strip(), value.strip())
-    except OSError:
+    from bench.common import cpuinfo_fields, x86_family_model
+
+    fields = cpuinfo_fields()
+    if not fields:
         return "unknown CPU"
     bf16 = sorted(set(fields.get("flags", "").split()) & {"avx512_bf16", "amx_bf16"})
-    return (
-        f"{fields.get('model name', 'unnamed CPU')}, family {fields.get('cpu family', '?')} "
-        f"model {fields.get('model', '?')}, {' '.join(bf16) or 'no native bf16'}"
+    name = fields.get("model name", "unnamed CPU")
+    return ", ".join(part for part in (name, x86_family_model(), " ".join(bf16)) if part) + (
+        "" if bf16 else ", no native bf16"
     )
 
 

@@ -119,6 +119,34 @@ def test_a_guard_killed_outright_takes_its_warm_rank_with_it(tmp_path: Path) -> 
     job.cancel()
 
 
+def _export_imported() -> bool:
+    """Whether the server this rank was forked from had imported the model export's modules."""
+    return "torch.export._trace" in sys.modules
+
+
+def _fail() -> None:
+    raise RuntimeError("this rank fails")
+
+
+def test_the_export_imports_follow_only_a_job_that_trained(tmp_path: Path) -> None:
+    """The server imports the evaluate stage's export modules (warm_ranks.LATER) after a job
+    whose ranks succeeded, not after one whose ranks failed or were killed: no evaluate stage
+    follows those, and a cancelled run's server must not stay seconds longer to import them."""
+    stop_pool()  # a new server: this process's earlier jobs may have had it import them
+    failed = _local(tmp_path / "failed", ranks=1).submit(_fail)
+    with pytest.raises(submitit.core.utils.FailedJobError):
+        failed.results()
+    killed = _local(tmp_path / "killed", ranks=1).submit(_sleep_forever)
+    (record,) = _records(killed, 1)
+    os.kill(int(str(record["guard_pid"])), signal.SIGKILL)  # as the controller does after cancel
+    assert _gone_within([int(str(record["pid"]))], 15)
+    killed.cancel()
+    first = _local(tmp_path / "first", ranks=1).submit(_export_imported)
+    assert first.results() == [False]  # neither job made the server import them
+    second = _local(tmp_path / "second", ranks=1).submit(_export_imported)
+    assert second.results() == [True]  # the first job succeeded: imported before this fork
+
+
 def test_a_warm_rank_trains_exactly_as_a_cold_one(tmp_path: Path) -> None:
     dataset = write_dataset(tmp_path / "ds")
     states = []
