@@ -54,7 +54,8 @@ def test_a_generic_cpu_name_gets_its_family_and_model(monkeypatch: pytest.Monkey
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(common, "x86_family_model", lambda: "family 25 model 1")
-    monkeypatch.setattr(native_bf16, "this_cpu", lambda: native_bf16.CpuInfo("AMD EPYC", EMPTY))
+    generic = native_bf16.CpuInfo("AMD EPYC", frozenset())
+    monkeypatch.setattr(native_bf16, "this_cpu", lambda: generic)
     assert common.machine_name() == "AMD EPYC family 25 model 1 (no native bf16)"
     named = native_bf16.CpuInfo("AMD EPYC 9254 24-Core Processor", frozenset({"avx512_bf16"}))
     monkeypatch.setattr(native_bf16, "this_cpu", lambda: named)
@@ -68,6 +69,3 @@ def test_the_cpu_report_names_the_cpu_and_times_its_reference() -> None:
 
     assert "family" in cpu_name() or cpu_name() == "unknown CPU"
     assert 0.1 < reference_cpu_s(repeats=1) < 60  # a real `import torch` in a new process
-
-
-EMPTY: frozenset[str] = frozenset()
