@@ -3,8 +3,10 @@
 If the flow process is killed outright (SIGKILL, OOM, a lost node), nothing in it can cancel
 its training job, and the job keeps its GPUs. Every submitted job is therefore recorded in
 ``<workdir>/active_jobs/<job id>.json`` with the watcher's pid and host, and removed when the
-watcher is done with it. A record whose watcher is gone marks an orphan: ``trainflow
-cleanup`` (and the start of every pipeline run) cancels it.
+watcher is done with it. Each record has a watchdog (cluster.job_watchdog) that cancels the
+job within a second of its watcher's death. A record whose watcher is gone marks an orphan
+that no watchdog took care of (a lost host): ``trainflow cleanup`` (and the start of every
+pipeline run) cancels it.
 """
 
 import contextlib
@@ -14,7 +16,7 @@ import signal
 import socket
 import subprocess
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 _DIR = "active_jobs"
@@ -30,50 +32,74 @@ class ActiveJob:
     owner_pid: int
     owner_host: str
     submitted_at: float
+    watchdog_pid: int = 0
+    """The job's cluster.job_watchdog process (0: none started)."""
 
 
 def _path(workdir: Path, job_id: str) -> Path:
     return workdir / _DIR / f"{job_id}.json"
 
 
-def record(workdir: Path, job_id: str, executor: str, folder: Path) -> ActiveJob:
-    """Write the record of a just-submitted job (atomically)."""
+def record(
+    workdir: Path, job_id: str, executor: str, folder: Path, watchdog: bool = True
+) -> ActiveJob:
+    """Write the record of a just-submitted job (atomically) and start its watchdog."""
     job = ActiveJob(job_id, executor, str(folder), os.getpid(), socket.gethostname(), time.time())
     path = _path(workdir, job_id)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(asdict(job)))
-    os.replace(tmp, path)
+    _write(path, job)
+    if watchdog:
+        from trainflow.cluster.job_watchdog import start
+
+        job = replace(job, watchdog_pid=start(path, job.owner_pid))
+        _write(path, job)
     return job
 
 
+def _write(path: Path, job: ActiveJob) -> None:
+    tmp = path.with_suffix(f".tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(asdict(job)))
+    os.replace(tmp, path)
+
+
 def forget(workdir: Path, job_id: str) -> None:
-    """Remove a job's record once its watcher no longer needs it."""
-    _path(workdir, job_id).unlink(missing_ok=True)
+    """Remove a job's record once its watcher no longer needs it (its watchdog then exits)."""
+    forget_record(_path(workdir, job_id))
+
+
+def forget_record(path: Path) -> None:
+    """Remove the record at `path`."""
+    path.unlink(missing_ok=True)
+
+
+def read(path: Path) -> ActiveJob | None:
+    """The record at `path`; None when it is gone or unreadable."""
+    try:
+        return ActiveJob(**json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
 
 
 def recorded(workdir: Path) -> list[ActiveJob]:
     """Every recorded job (unreadable records are skipped)."""
-    jobs = []
-    for path in sorted((workdir / _DIR).glob("*.json")):
-        try:
-            jobs.append(ActiveJob(**json.loads(path.read_text())))
-        except (OSError, ValueError, TypeError):
-            continue
-    return jobs
+    jobs = [read(path) for path in sorted((workdir / _DIR).glob("*.json"))]
+    return [job for job in jobs if job is not None]
 
 
 def watcher_alive(job: ActiveJob) -> bool:
     """Whether the recording process still runs (records from other hosts count as alive)."""
-    if job.owner_host != socket.gethostname():
-        return True
+    return job.owner_host != socket.gethostname() or pid_alive(job.owner_pid)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie has ended; another user's process counts)."""
     try:
-        os.kill(job.owner_pid, 0)
+        os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return not _is_zombie(job.owner_pid)
+    return not _is_zombie(pid)
 
 
 def _is_zombie(pid: int) -> bool:
@@ -83,18 +109,26 @@ def _is_zombie(pid: int) -> bool:
         return False
 
 
-def cancel(job: ActiveJob) -> None:
+def cancel(job: ActiveJob) -> bool:
     """Cancel one job: scancel on Slurm (the job, or an allocation's training step); SIGINT to a
-    local job's controller (it kills ranks)."""
+    local job's controller (it kills ranks). False when the scheduler did not take the cancel
+    (scancel failed, e.g. slurmctld did not answer): worth trying again."""
     if job.executor == "slurm":
-        subprocess.run(["scancel", job.job_id], check=False, capture_output=True, timeout=30)
-    elif job.executor == "allocation":
+        try:
+            argv = ["scancel", job.job_id]
+            out = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            return False
+        # A job Slurm no longer knows (purged) has nothing left to cancel.
+        return out.returncode == 0 or "Invalid job id" in out.stderr
+    if job.executor == "allocation":
         from trainflow.cluster.srun_executor import cancel_step
 
         cancel_step(job.job_id)
     elif _is_submitit_controller(job.job_id):
         with contextlib.suppress(ProcessLookupError):
             os.kill(int(job.job_id), signal.SIGINT)
+    return True
 
 
 def _is_submitit_controller(pid: str) -> bool:

@@ -2,8 +2,9 @@
 
 Three ways a run ends early, each against the real cluster with a job over both nodes: Ctrl-C
 on `trainflow run`, a cancel of the Prefect flow run from the API (what the UI's Cancel
-button does), and a flow process killed outright (SIGKILL), whose job `trainflow cleanup`
-cancels.
+button does), and a flow process killed outright (SIGKILL), whose job its watchdog
+(cluster.job_watchdog) cancels. `trainflow cleanup`, for a watchdog lost too, is tested with
+local jobs (tests/unit/test_registry.py).
 """
 
 import json
@@ -76,6 +77,16 @@ def _statuses(workdir: Path) -> dict[str, str]:
     return {r.info.run_name: r.info.status for r in client.search_runs([exp.experiment_id])}
 
 
+def _flow_report(err: AssertionError, pid: int, log: Path) -> str:
+    """`err`, the flow process's state (where the kernel has it waiting) and the log's tail."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        wchan = Path(f"/proc/{pid}/wchan").read_text()
+    except OSError:
+        stat, wchan = "gone", ""
+    return f"{err}\nflow process {pid}: state {stat} {wchan}\n{log.read_text()[-4000:]}"
+
+
 def _long_run(workdir: Path, new_session: bool = False) -> subprocess.Popen[bytes]:
     """`trainflow run` of a long Slurm training in the background."""
     return subprocess.Popen(
@@ -104,24 +115,21 @@ def test_ctrl_c_on_trainflow_run_cancels_the_slurm_job(tmp_path: Path) -> None:
     assert registry.recorded(tmp_path) == []
 
 
-@pytest.mark.usefixtures("cold_command")  # served, the service would cancel it: no orphan
-def test_killed_flow_process_leaves_a_job_that_cleanup_cancels(tmp_path: Path) -> None:
+@pytest.mark.usefixtures("cold_command")  # served, the service would cancel it itself
+def test_a_killed_flow_process_s_job_is_cancelled_by_its_watchdog(tmp_path: Path) -> None:
     proc = _long_run(tmp_path, new_session=True)
     try:
         job_id = _running_job(tmp_path)
+        (record,) = registry.recorded(tmp_path)
     finally:
         os.killpg(proc.pid, signal.SIGKILL)  # nothing in the flow process can react
         proc.wait()
-    assert _in_squeue(job_id)  # the orphan
-    out = subprocess.run(
-        [sys.executable, "-m", "trainflow.flows.cli", "cleanup", "--set", f"workdir={tmp_path}"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=service_env(),
-    )
-    assert out.returncode == 0 and f"cancelled slurm job {job_id}" in out.stdout
+    ranks = _rank_pids(tmp_path, job_id)
     wait_for(lambda: not _in_squeue(job_id), 20, f"job {job_id} to leave squeue")
+    wait_for(lambda: _no_rank_left(ranks), 20, f"no rank of job {job_id} left on any node")
+    assert registry.recorded(tmp_path) == []
+    log = Path(record.folder) / f"{job_id}_watchdog.log"
+    assert f"the flow process {proc.pid} that watched slurm job {job_id} ended" in log.read_text()
 
 
 def test_cancelling_the_prefect_flow_run_cancels_the_slurm_job(
@@ -143,8 +151,15 @@ def test_cancelling_the_prefect_flow_run_cancels_the_slurm_job(
         job_id = _running_job(tmp_path / "work")
         ranks = _rank_pids(tmp_path / "work", job_id)
         assert sorted(ranks) == ["tfnode1", "tfnode2"]
+        (record,) = registry.recorded(tmp_path / "work")
         cancel_flow_run(prefect_api, flow_run)
-        wait_for(lambda: not _in_squeue(job_id), 30, f"job {job_id} to leave squeue")
+        try:
+            # The runner SIGTERMs the flow process, which cancels the job in about a second; one
+            # that does not end in 30 s it SIGKILLs, and the job's watchdog cancels the job.
+            wait_for(lambda: not _in_squeue(job_id), 60, f"job {job_id} to leave squeue")
+        except AssertionError as err:
+            report = _flow_report(err, record.owner_pid, tmp_path / "serve.log")
+            raise AssertionError(report) from None
         wait_for(lambda: _no_rank_left(ranks), 20, f"no rank of job {job_id} left on any node")
 
         def state() -> str | None:

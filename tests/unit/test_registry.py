@@ -1,21 +1,38 @@
-"""Orphaned jobs of a killed watcher are found and cancelled (real local submitit jobs)."""
+"""A killed watcher's job is cancelled by its watchdog, or else found and cancelled as an orphan
+(real local submitit jobs, real processes)."""
 
+import os
 import signal
 import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from trainflow.cluster import registry
 
 
-def test_records_of_a_live_watcher_are_kept(tmp_path: Path) -> None:
-    registry.record(tmp_path, "123", "slurm", tmp_path)
+def _wait_until(predicate: Callable[[], bool], limit_s: float = 30) -> bool:
+    deadline = time.monotonic() + limit_s
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return predicate()
+
+
+def test_records_of_a_live_watcher_are_kept_and_its_watchdog_leaves_with_the_record(
+    tmp_path: Path,
+) -> None:
+    job = registry.record(tmp_path, "123", "slurm", tmp_path)
+    assert _alive(job.watchdog_pid)
     assert [j.job_id for j in registry.recorded(tmp_path)] == ["123"]
     assert registry.cancel_orphans(tmp_path) == []
+    time.sleep(1.5)  # a few of the watchdog's checks: the watcher (this process) lives on
+    assert _alive(job.watchdog_pid) and registry.recorded(tmp_path) == [job]
     registry.forget(tmp_path, "123")
     assert registry.recorded(tmp_path) == []
+    assert _wait_until(lambda: not _alive(job.watchdog_pid), 10)
+    assert not (tmp_path / "123_watchdog.log").exists()  # it cancelled nothing
 
 
 _WATCHER = textwrap.dedent(
@@ -43,22 +60,53 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_job_of_a_killed_watcher_is_cancelled(tmp_path: Path) -> None:
+def _killed_watcher(tmp_path: Path, kill_watchdog: bool) -> int:
+    """Start a watcher of a local job, SIGKILL it (its watchdog first, if asked); the job id
+    (its controller's pid)."""
     watcher = subprocess.Popen(
-        [sys.executable, "-c", _WATCHER, str(tmp_path)], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", _WATCHER, str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     assert watcher.stdout is not None
     controller = int(watcher.stdout.readline())
     assert _alive(controller)
+    (job,) = registry.recorded(tmp_path)
+    assert job.watchdog_pid and _alive(job.watchdog_pid)
+    if kill_watchdog:
+        os.kill(job.watchdog_pid, signal.SIGKILL)
+        assert _wait_until(lambda: not _alive(job.watchdog_pid))
     watcher.send_signal(signal.SIGKILL)
     watcher.wait()
-    assert _alive(controller)  # the orphan: nothing cancelled it
-    orphans = registry.cancel_orphans(tmp_path)
-    assert [j.job_id for j in orphans] == [str(controller)]
-    deadline = time.monotonic() + 30
-    while _alive(controller) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert not _alive(controller)
+    if not kill_watchdog:  # the watchdog's line on the stderr it inherited (EOF: all ended)
+        _, err = watcher.communicate(timeout=60)
+        assert f"the flow process {watcher.pid} that watched local job {controller}" in err
+    return controller
+
+
+def _ranks_gone(tmp_path: Path) -> bool:
     ranks = subprocess.run(["pgrep", "-f", str(tmp_path / "jobs")], capture_output=True)
-    assert ranks.stdout.strip() == b""
+    return ranks.stdout.strip() == b""
+
+
+def test_the_watchdog_cancels_the_job_of_a_killed_watcher(tmp_path: Path) -> None:
+    controller = _killed_watcher(tmp_path, kill_watchdog=False)
+    assert _wait_until(lambda: not _alive(controller))  # no cleanup asked
+    assert _wait_until(lambda: _ranks_gone(tmp_path))
+    assert registry.recorded(tmp_path) == []
+    log = (tmp_path / "jobs" / f"{controller}_watchdog.log").read_text()
+    assert "ended without cancelling it (killed?): cancelled it" in log
+
+
+def test_cleanup_cancels_the_job_of_a_watcher_killed_with_its_watchdog(tmp_path: Path) -> None:
+    controller = _killed_watcher(tmp_path, kill_watchdog=True)
+    time.sleep(1.0)
+    assert _alive(controller)  # the orphan: nothing cancelled it
+    cli = [sys.executable, "-m", "trainflow.flows.cli"]
+    cleanup = [*cli, "cleanup", "--set", f"workdir={tmp_path}"]
+    out = subprocess.run(cleanup, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and f"cancelled local job {controller} (its flow" in out.stdout
+    assert _wait_until(lambda: not _alive(controller))
+    assert _wait_until(lambda: _ranks_gone(tmp_path))
     assert registry.recorded(tmp_path) == []

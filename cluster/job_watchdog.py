@@ -1,0 +1,114 @@
+"""A small process per watched job that cancels the job the moment its watcher dies.
+
+The flow process that submitted a job cancels it when it is interrupted (Ctrl-C, a Prefect
+cancel, an error). Killed outright (SIGKILL, the OOM killer, a runner that gives up on a flow
+process that does not end on SIGTERM) it can do nothing, and the job trained on until
+``trainflow cleanup`` or the next pipeline run found its record (cluster.registry). This
+watchdog closes that gap: `start` runs ``python -m trainflow.cluster.job_watchdog`` in a
+session of its own (a terminal's Ctrl-C, a runner's process-group kill do not reach it). It
+waits for the watcher to end (a pidfd where Linux has one, else a poll) and:
+
+- the job's record gone (the watcher finished with the job and forgot it): exits;
+- the watcher gone and the record still there: cancels the job (registry.cancel, retried while
+  the scheduler does not answer), forgets the record, and says so on the stderr it inherited
+  and in ``<job folder>/<job id>_watchdog.log``.
+
+``trainflow cleanup`` remains for what a watchdog cannot outlive: a lost host, or a watchdog
+killed with its watcher.
+"""
+
+import os
+import select
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+POLL_S = 0.5
+"""How often the record is checked (and, without a pidfd, the watcher's liveness)."""
+CANCEL_TRIES = 5
+"""scancel attempts (2 s apart) before the record is left for `trainflow cleanup`."""
+
+
+def start(record: Path, owner_pid: int) -> int:
+    """Start the watchdog of the job recorded in `record`; its pid."""
+    import trainflow
+
+    root = Path(trainflow.__file__).resolve().parents[1]  # where `import trainflow` finds it
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH", "")) if p)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trainflow.cluster.job_watchdog", str(record), str(owner_pid)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        env=env,
+        start_new_session=True,
+    )
+    return proc.pid
+
+
+def _wait_for_exit(pid: int, record: Path) -> bool:
+    """Block until `pid` has ended (True) or `record` is gone (False)."""
+    from trainflow.cluster.registry import pid_alive
+
+    try:
+        pidfd: int | None = os.pidfd_open(pid)
+    except (AttributeError, OSError):  # no pidfd (old kernel), or the watcher already gone
+        pidfd = None
+    try:
+        while record.exists():
+            if pidfd is not None:
+                ready, _, _ = select.select([pidfd], [], [], POLL_S)
+                if ready:
+                    return True
+            elif not pid_alive(pid):
+                return True
+            else:
+                time.sleep(POLL_S)
+        return False
+    finally:
+        if pidfd is not None:
+            os.close(pidfd)
+
+
+def _say(line: str, log: Path) -> None:
+    print(f"trainflow: {line}", file=sys.stderr, flush=True)
+    try:
+        with log.open("a") as f:
+            f.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {line}\n")
+    except OSError:
+        pass
+
+
+def main(argv: list[str]) -> int:
+    """Watch the watcher of the job recorded at argv[0] (pid argv[1])."""
+    from trainflow.cluster import registry
+
+    record, owner = Path(argv[0]), int(argv[1])
+    if not _wait_for_exit(owner, record):
+        return 0
+    job = registry.read(record)
+    if job is None or job.owner_pid != owner:
+        return 0  # forgotten as the watcher ended, or recorded again by another watcher
+    log = Path(job.folder) / f"{job.job_id}_watchdog.log"
+    for attempt in range(CANCEL_TRIES):
+        if attempt:
+            time.sleep(2.0)
+        if registry.cancel(job):
+            registry.forget_record(record)
+            _say(
+                f"the flow process {owner} that watched {job.executor} job {job.job_id} "
+                "ended without cancelling it (killed?): cancelled it",
+                log,
+            )
+            return 0
+    _say(
+        f"the flow process {owner} that watched {job.executor} job {job.job_id} ended and "
+        f"the job could not be cancelled: run `trainflow cleanup` (or scancel {job.job_id})",
+        log,
+    )
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
