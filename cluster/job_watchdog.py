@@ -10,8 +10,9 @@ waits for the watcher to end (a pidfd where Linux has one, else a poll) and:
 
 - the job's record gone (the watcher finished with the job and forgot it): exits;
 - the watcher gone and the record still there: cancels the job (registry.cancel, retried while
-  the scheduler does not answer), forgets the record, and says so on the stderr it inherited
-  and in ``<job folder>/<job id>_watchdog.log``.
+  the scheduler does not answer), forgets the record, says so on the stderr it inherited and
+  in ``<job folder>/<job id>_watchdog.log``, then runs the record's `then` command (the train
+  stage's marks its MLflow runs KILLED: tasks.tracking.orphaned_runs), its output in that log.
 
 ``trainflow cleanup`` remains for what a watchdog cannot outlive: a lost host, or a watchdog
 killed with its watcher.
@@ -80,6 +81,17 @@ def _say(line: str, log: Path) -> None:
         pass
 
 
+def _then(argv: list[str], log: Path) -> None:
+    """Run the record's follow-up command, its output appended to `log`."""
+    if not argv:
+        return
+    try:
+        with log.open("a") as out:
+            subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, timeout=300, check=False)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        _say(f"{argv[:3]}...: {err}", log)
+
+
 def main(argv: list[str]) -> int:
     """Watch the watcher of the job recorded at argv[0] (pid argv[1])."""
     from trainflow.cluster import registry
@@ -101,6 +113,7 @@ def main(argv: list[str]) -> int:
                 "ended without cancelling it (killed?): cancelled it",
                 log,
             )
+            _then(job.then, log)
             return 0
     _say(
         f"the flow process {owner} that watched {job.executor} job {job.job_id} ended and "

@@ -16,7 +16,7 @@ import signal
 import socket
 import subprocess
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 _DIR = "active_jobs"
@@ -34,6 +34,9 @@ class ActiveJob:
     submitted_at: float
     watchdog_pid: int = 0
     """The job's cluster.job_watchdog process (0: none started)."""
+    then: list[str] = field(default_factory=list)
+    """A command the watchdog runs after it cancelled the job (e.g. marking MLflow runs
+    KILLED): what the dead watcher would have done on its way out."""
 
 
 def _path(workdir: Path, job_id: str) -> Path:
@@ -41,10 +44,18 @@ def _path(workdir: Path, job_id: str) -> Path:
 
 
 def record(
-    workdir: Path, job_id: str, executor: str, folder: Path, watchdog: bool = True
+    workdir: Path,
+    job_id: str,
+    executor: str,
+    folder: Path,
+    watchdog: bool = True,
+    then: list[str] | None = None,
 ) -> ActiveJob:
-    """Write the record of a just-submitted job (atomically) and start its watchdog."""
-    job = ActiveJob(job_id, executor, str(folder), os.getpid(), socket.gethostname(), time.time())
+    """Write the record of a just-submitted job (atomically) and start its watchdog, which
+    runs `then` after cancelling the job of a dead watcher."""
+    job = ActiveJob(
+        job_id, executor, str(folder), os.getpid(), socket.gethostname(), time.time(), 0, then or []
+    )
     path = _path(workdir, job_id)
     path.parent.mkdir(parents=True, exist_ok=True)
     _write(path, job)

@@ -20,6 +20,7 @@ from trainflow.cluster.slurm_checks import check_cluster
 from trainflow.tasks.diskspace import disk_stage, require_space
 from trainflow.tasks.errors import JobError
 from trainflow.tasks.preprocess.ref import dataset_spec
+from trainflow.tasks.tracking import orphaned_runs
 from trainflow.tasks.tracking.lost_ranks import record_lost_ranks
 from trainflow.tasks.tracking.progress import EpochProgress
 from trainflow.tasks.tracking.relay import relaying
@@ -71,8 +72,9 @@ def train_array_task(
     jobs = executor.map_array(ArrayTrainingJob(), specs)
     ids = [str(job.job_id) for job in jobs]
     logger.info("submitted %d training jobs as one array: %s", len(jobs), ", ".join(ids))
-    for job_id in ids:
-        registry.record(workdir, job_id, cluster.executor, job_dir)
+    for job_id, spec in zip(ids, specs, strict=True):
+        then = _mark_killed_then(spec)
+        registry.record(workdir, job_id, cluster.executor, job_dir, then=then)
     since = datetime.now() - timedelta(minutes=1)  # see _wait_and_account
     try:
         with ExitStack() as relays:
@@ -117,8 +119,10 @@ def train_with_restarts(
         log(f"submitted training job {job.job_id} ({cluster.executor} executor)")
         return job
 
+    then = _mark_killed_then(spec)
+
     def wait(job: submitit.Job[Any]) -> Any:
-        registry.record(workdir, str(job.job_id), cluster.executor, job_dir)
+        registry.record(workdir, str(job.job_id), cluster.executor, job_dir, then=then)
         try:
             return _wait_and_account(job, spec, cluster, log)
         finally:
@@ -130,6 +134,13 @@ def train_with_restarts(
     elastic = spec.train.strategy == "fsdp"  # its checkpoints load on any number of ranks
     with relaying(spec.out_dir, spec.tracking_uri, spec.run_id, log):
         return run_with_restarts(cluster, submit, wait, log, on_loss, elastic)
+
+
+def _mark_killed_then(spec: TrainJobSpec) -> list[str] | None:
+    """What the job's watchdog runs after cancelling the job of a dead flow process: its train
+    run (and parent) marked KILLED, as this process would have on its way out."""
+    uri, run_id = spec.tracking_uri, spec.run_id
+    return orphaned_runs.command(uri, run_id) if uri and run_id else None
 
 
 def _wait_and_account(

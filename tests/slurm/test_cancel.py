@@ -130,6 +130,13 @@ def test_a_killed_flow_process_s_job_is_cancelled_by_its_watchdog(tmp_path: Path
     assert registry.recorded(tmp_path) == []
     log = Path(record.folder) / f"{job_id}_watchdog.log"
     assert f"the flow process {proc.pid} that watched slurm job {job_id} ended" in log.read_text()
+    # Then it ends the runs the flow left RUNNING, as the flow's own cleanup would have.
+    statuses = wait_for(
+        lambda: (s := _statuses(tmp_path)).get("train") == "KILLED" and s,
+        60,
+        f"MLflow to show the runs KILLED (watchdog log: {log})",
+    )
+    assert statuses == {"tiny": "KILLED", "preprocess": "FINISHED", "train": "KILLED"}
 
 
 def test_cancelling_the_prefect_flow_run_cancels_the_slurm_job(
