@@ -73,7 +73,13 @@ def _wait_for_exit(pid: int, record: Path) -> bool:
 
 
 def _say(line: str, log: Path) -> None:
+    """`line` on the inherited stderr and in the log."""
     print(f"trainflow: {line}", file=sys.stderr, flush=True)
+    _note(line, log)
+
+
+def _note(line: str, log: Path) -> None:
+    """`line` in the log only."""
     try:
         with log.open("a") as f:
             f.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {line}\n")
@@ -105,6 +111,7 @@ def main(argv: list[str]) -> int:
     log = Path(job.folder) / f"{job.job_id}_watchdog.log"
     for attempt in range(CANCEL_TRIES):
         if attempt:
+            _note(f"the scheduler did not take the cancel of job {job.job_id} (try {attempt})", log)
             time.sleep(2.0)
         if registry.cancel(job):
             registry.forget_record(record)
