@@ -87,6 +87,12 @@ def _flow_report(err: AssertionError, pid: int, log: Path) -> str:
     return f"{err}\nflow process {pid}: state {stat} {wchan}\n{log.read_text()[-4000:]}"
 
 
+def _ended(statuses: dict[str, str]) -> dict[str, str] | None:
+    """`statuses` once the train run and its parent have ended (a run is marked at a time)."""
+    ended = "train" in statuses and "RUNNING" not in statuses.values()
+    return statuses if ended else None
+
+
 def _long_run(workdir: Path, new_session: bool = False) -> subprocess.Popen[bytes]:
     """`trainflow run` of a long Slurm training in the background."""
     return subprocess.Popen(
@@ -125,14 +131,15 @@ def test_a_killed_flow_process_s_job_is_cancelled_by_its_watchdog(tmp_path: Path
         os.killpg(proc.pid, signal.SIGKILL)  # nothing in the flow process can react
         proc.wait()
     ranks = _rank_pids(tmp_path, job_id)
+    log = Path(record.folder) / f"{job_id}_watchdog.log"
+    said = f"the flow process {proc.pid} that watched slurm job {job_id} ended"
+    wait_for(lambda: log.exists() and said in log.read_text(), 20, "the watchdog's cancel")
     wait_for(lambda: not _in_squeue(job_id), 20, f"job {job_id} to leave squeue")
     wait_for(lambda: _no_rank_left(ranks), 20, f"no rank of job {job_id} left on any node")
     assert registry.recorded(tmp_path) == []
-    log = Path(record.folder) / f"{job_id}_watchdog.log"
-    assert f"the flow process {proc.pid} that watched slurm job {job_id} ended" in log.read_text()
     # Then it ends the runs the flow left RUNNING, as the flow's own cleanup would have.
     statuses = wait_for(
-        lambda: (s := _statuses(tmp_path)).get("train") == "KILLED" and s,
+        lambda: _ended(_statuses(tmp_path)),
         60,
         f"MLflow to show the runs KILLED (watchdog log: {log})",
     )
@@ -175,7 +182,7 @@ def test_cancelling_the_prefect_flow_run_cancels_the_slurm_job(
 
         wait_for(state, 60, "the flow run to be Cancelled")
         statuses = wait_for(
-            lambda: (s := _statuses(tmp_path / "work")).get("train") == "KILLED" and s,
+            lambda: _ended(_statuses(tmp_path / "work")),
             30,
             "MLflow to show the runs KILLED",
         )

@@ -177,7 +177,7 @@ def test_the_watchdogs_cancel_the_worker_jobs_of_a_killed_flow_process(tmp_path:
         proc.kill()  # SIGKILL: nothing in the process can cancel its jobs
         proc.wait()
     _no_worker_jobs_left()  # else orphans, until their workers' death timeout
-    assert registry.recorded(tmp_path) == []
+    wait_for(lambda: registry.recorded(tmp_path) == [], 10, "the watchdogs to forget the jobs")
 
 
 def test_cancelling_the_prefect_flow_run_cancels_the_worker_jobs(

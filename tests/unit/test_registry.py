@@ -92,11 +92,12 @@ def _ranks_gone(tmp_path: Path) -> bool:
 
 def test_the_watchdog_cancels_the_job_of_a_killed_watcher(tmp_path: Path) -> None:
     controller = _killed_watcher(tmp_path, kill_watchdog=False)
-    assert _wait_until(lambda: not _alive(controller))  # no cleanup asked
+    log = tmp_path / "jobs" / f"{controller}_watchdog.log"
+    said = "ended without cancelling it (killed?): cancelled it"
+    assert _wait_until(lambda: log.exists() and said in log.read_text())  # no cleanup asked
+    assert _wait_until(lambda: not _alive(controller))
     assert _wait_until(lambda: _ranks_gone(tmp_path))
     assert registry.recorded(tmp_path) == []
-    log = (tmp_path / "jobs" / f"{controller}_watchdog.log").read_text()
-    assert "ended without cancelling it (killed?): cancelled it" in log
 
 
 def test_cleanup_cancels_the_job_of_a_watcher_killed_with_its_watchdog(tmp_path: Path) -> None:
