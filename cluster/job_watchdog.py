@@ -95,7 +95,7 @@ def _then(argv: list[str], log: Path) -> None:
         with log.open("a") as out:
             subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, timeout=300, check=False)
     except (OSError, subprocess.TimeoutExpired) as err:
-        _say(f"{argv[:3]}...: {err}", log)
+        _say(f"the follow-up `{' '.join(argv[1:4])} ...` failed: {err}", log)
 
 
 def main(argv: list[str]) -> int:

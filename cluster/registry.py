@@ -44,26 +44,20 @@ def _path(workdir: Path, job_id: str) -> Path:
 
 
 def record(
-    workdir: Path,
-    job_id: str,
-    executor: str,
-    folder: Path,
-    watchdog: bool = True,
-    then: list[str] | None = None,
+    workdir: Path, job_id: str, executor: str, folder: Path, then: list[str] | None = None
 ) -> ActiveJob:
     """Write the record of a just-submitted job (atomically) and start its watchdog, which
     runs `then` after cancelling the job of a dead watcher."""
+    from trainflow.cluster.job_watchdog import start
+
     job = ActiveJob(
         job_id, executor, str(folder), os.getpid(), socket.gethostname(), time.time(), 0, then or []
     )
     path = _path(workdir, job_id)
     path.parent.mkdir(parents=True, exist_ok=True)
+    _write(path, job)  # before the watchdog starts: it watches this file
+    job = replace(job, watchdog_pid=start(path, job.owner_pid))
     _write(path, job)
-    if watchdog:
-        from trainflow.cluster.job_watchdog import start
-
-        job = replace(job, watchdog_pid=start(path, job.owner_pid))
-        _write(path, job)
     return job
 
 
