@@ -97,8 +97,10 @@ def slurm_client(
         except Exception as err:
             log.info("closing the dask worker cluster: %s: %s", type(err).__name__, err)
         finally:
-            cancel_worker_jobs(name, ids)
+            refused = cancel_worker_jobs(name, ids)
             for job_id in ids if record else []:
+                if refused:  # slurmctld did not answer: the jobs' watchdogs keep trying
+                    registry.hand_over(job_id, refused)
                 registry.forget(workdir, job_id)
 
 
@@ -302,15 +304,18 @@ def squeue_jobs(name: str) -> dict[str, QueuedJob]:
     return jobs
 
 
-def cancel_worker_jobs(name: str, job_ids: list[str]) -> None:
-    """scancel the given jobs and every job named ``name``; never raises."""
-    for argv in (["scancel", *job_ids] if job_ids else None, ["scancel", "--name", name]):
+def cancel_worker_jobs(name: str, job_ids: list[str]) -> str:
+    """scancel the given jobs and every job named ``name``; never raises: "" or why the
+    scheduler did not take the cancel (each refusal also logged)."""
+    refused = ""
+    for argv in ([*job_ids] if job_ids else None, ["--name", name]):
         if argv is None:
             continue
-        try:
-            subprocess.run(argv, capture_output=True, timeout=60, check=False)
-        except (OSError, subprocess.TimeoutExpired) as err:
-            log.warning("could not cancel dask worker jobs (%s): %s", " ".join(argv), err)
+        why = registry.scancel(argv, timeout_s=60)
+        if why:
+            log.warning("could not cancel dask worker jobs (scancel %s): %s", " ".join(argv), why)
+            refused = refused or why
+    return refused
 
 
 def worker_placement(client: distributed.Client) -> str:

@@ -9,7 +9,8 @@ session of its own (a terminal's Ctrl-C, a runner's process-group kill do not re
 waits for the watcher to end (a pidfd where Linux has one, else a poll) and:
 
 - the job's record gone (the watcher finished with the job and forgot it): exits;
-- the watcher gone and the record still there: cancels the job (registry.cancel, retried while
+- the watcher gone and the record still there, or the cancel handed over to it (the watcher's
+  own scancel refused: registry.hand_over): cancels the job (registry.cancel, retried while
   the scheduler does not answer), forgets the record, says so on the stderr it inherited and
   in ``<job folder>/<job id>_watchdog.log``, then runs the record's `then` command (the train
   stage's marks its MLflow runs KILLED: tasks.tracking.orphaned_runs), its output in that log.
@@ -48,28 +49,44 @@ def start(record: Path, owner_pid: int) -> int:
     return proc.pid
 
 
-def _wait_for_exit(pid: int, record: Path) -> bool:
-    """Block until `pid` has ended (True) or `record` is gone (False)."""
+def _wait_for_exit(pid: int, record: Path) -> str:
+    """Block until `pid` has ended ("ended"), `record` is gone ("forgotten") or the cancel was
+    handed over in it ("handed over")."""
     from trainflow.cluster.registry import pid_alive
 
     try:
         pidfd: int | None = os.pidfd_open(pid)
     except (AttributeError, OSError):  # no pidfd (old kernel), or the watcher already gone
         pidfd = None
+    seen: tuple[int, int] | None = None
     try:
-        while record.exists():
+        while True:
+            try:
+                stat = record.stat()
+            except FileNotFoundError:
+                return "forgotten"
+            if (stat.st_ino, stat.st_mtime_ns) != seen:  # rewritten (atomically): read it
+                seen = (stat.st_ino, stat.st_mtime_ns)
+                if _handed_over(record):
+                    return "handed over"
             if pidfd is not None:
                 ready, _, _ = select.select([pidfd], [], [], POLL_S)
                 if ready:
-                    return True
+                    return "ended"
             elif not pid_alive(pid):
-                return True
+                return "ended"
             else:
                 time.sleep(POLL_S)
-        return False
     finally:
         if pidfd is not None:
             os.close(pidfd)
+
+
+def _handed_over(record: Path) -> bool:
+    from trainflow.cluster.registry import read
+
+    job = read(record)
+    return job is not None and bool(job.cancel_requested)
 
 
 def _say(line: str, log: Path) -> None:
@@ -87,44 +104,37 @@ def _note(line: str, log: Path) -> None:
         pass
 
 
-def _then(argv: list[str], log: Path) -> None:
-    """Run the record's follow-up command, its output appended to `log`."""
-    if not argv:
-        return
-    try:
-        with log.open("a") as out:
-            subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, timeout=300, check=False)
-    except (OSError, subprocess.TimeoutExpired) as err:
-        _say(f"the follow-up `{' '.join(argv[1:4])} ...` failed: {err}", log)
-
-
 def main(argv: list[str]) -> int:
     """Watch the watcher of the job recorded at argv[0] (pid argv[1])."""
     from trainflow.cluster import registry
 
     record, owner = Path(argv[0]), int(argv[1])
-    if not _wait_for_exit(owner, record):
+    if _wait_for_exit(owner, record) == "forgotten":
         return 0
     job = registry.read(record)
     if job is None or job.owner_pid != owner:
         return 0  # forgotten as the watcher ended, or recorded again by another watcher
-    log = Path(job.folder) / f"{job.job_id}_watchdog.log"
+    log = registry.log_path(job)
+    what = f"the flow process {owner} that watched {job.executor} job {job.job_id}"
+    what += (
+        f" could not cancel it ({job.cancel_requested})"
+        if job.cancel_requested
+        else " ended without cancelling it (killed?)"
+    )
     for attempt in range(CANCEL_TRIES):
         if attempt:
             _note(f"the scheduler did not take the cancel of job {job.job_id} (try {attempt})", log)
             time.sleep(2.0)
         if registry.cancel(job):
             registry.forget_record(record)
-            _say(
-                f"the flow process {owner} that watched {job.executor} job {job.job_id} "
-                "ended without cancelling it (killed?): cancelled it",
-                log,
-            )
-            _then(job.then, log)
+            _say(f"{what}: cancelled it", log)
+            failed = registry.run_then(job)
+            if failed:
+                _say(failed, log)
             return 0
     _say(
-        f"the flow process {owner} that watched {job.executor} job {job.job_id} ended and "
-        f"the job could not be cancelled: run `trainflow cleanup` (or scancel {job.job_id})",
+        f"{what}, and the job could not be cancelled: run `trainflow cleanup` "
+        f"(or scancel {job.job_id}) once the scheduler answers",
         log,
     )
     return 1

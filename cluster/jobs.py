@@ -13,6 +13,7 @@ message names the lost rank, its node, how it ended and its log (cluster.lost_ra
 
 import json
 import subprocess
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -24,6 +25,7 @@ import submitit
 from submitit.core.utils import FailedJobError, UncompletedJobError
 from submitit.local.debug import DebugJob
 
+from trainflow.cluster import registry
 from trainflow.cluster.job_folder import check_private
 from trainflow.cluster.lost_ranks import (
     RankLostError,
@@ -95,11 +97,27 @@ def _forward(tails: list[LogTail], log: Callable[[str], None], final: bool = Fal
 
 
 def _cancel_quietly(job: submitit.Job[Any]) -> None:
-    """Cancel the job; never let a failing cancel hide the error that caused it."""
+    """Cancel the job; never let a failing cancel hide the error that caused it. A cancel the
+    scheduler refused (slurmctld did not answer) goes to the job's watchdog, which retries it
+    (cluster.registry.hand_over): the job never trains on unwatched."""
     try:
-        job.cancel(check=False)
+        if isinstance(job, submitit.SlurmJob):
+            why = registry.scancel([str(job.job_id)], timeout_s=CANCEL_TIMEOUT_S)
+        else:
+            job.cancel(check=False)
+            why = ""
     except Exception as exc:
-        print(f"could not cancel job {job.job_id}: {exc}", flush=True)
+        why = f"{type(exc).__name__}: {exc}"
+    if why:
+        handed = registry.hand_over(str(job.job_id), why)
+        then = "its watchdog keeps trying" if handed else f"cancel it: scancel {job.job_id}"
+        print(f"trainflow: could not cancel job {job.job_id} ({why}); {then}", file=sys.stderr)
+
+
+CANCEL_TIMEOUT_S = 20.0
+"""How long the watcher's own scancel may take (a controller that does not answer makes it
+wait MessageTimeout, 10 s by default) before the cancel goes to the watchdog: well inside a
+Prefect cancel's 30 s grace before SIGKILL."""
 
 
 POLL_S = 0.25
@@ -188,9 +206,9 @@ def wait_for_job(
     """
     if isinstance(job, DebugJob):
         return _run_debug(job)
-    tails = log_tails(job)
     ended = _Ended()
-    try:
+    try:  # from the first instruction: an interrupt anywhere in here cancels the job
+        tails = log_tails(job)
         _follow(job, tails, log, poll_s or _poll_s([job]), ended)
     except BaseException:
         _cancel_quietly(job)
@@ -212,10 +230,10 @@ def wait_for_jobs(
     debug = [job for job in jobs if isinstance(job, DebugJob)]
     if debug:
         return [_debug_outcome(job) for job in debug]
-    tails = [t for i, job in enumerate(jobs) for t in log_tails(job, f"{i} ")]
     ended = _Ended()
     poll_s = poll_s or _poll_s(jobs)
     try:
+        tails = [t for i, job in enumerate(jobs) for t in log_tails(job, f"{i} ")]
         while not ended(jobs):
             _forward(tails, log)
             time.sleep(poll_s)

@@ -4,9 +4,11 @@ If the flow process is killed outright (SIGKILL, OOM, a lost node), nothing in i
 its training job, and the job keeps its GPUs. Every submitted job is therefore recorded in
 ``<workdir>/active_jobs/<job id>.json`` with the watcher's pid and host, and removed when the
 watcher is done with it. Each record has a watchdog (cluster.job_watchdog) that cancels the
-job within a second of its watcher's death. A record whose watcher is gone marks an orphan
-that no watchdog took care of (a lost host): ``trainflow cleanup`` (and the start of every
-pipeline run) cancels it.
+job within a second of its watcher's death. A watcher whose own cancel the scheduler refused
+(slurmctld did not answer) hands the cancel over to the watchdog (`hand_over`), which retries
+it and keeps the record until the job is cancelled. A record whose watcher is gone, or whose
+cancel was handed over, marks a job no watchdog may have taken care of (a lost host):
+``trainflow cleanup`` (and the start of every pipeline run) cancels it.
 """
 
 import contextlib
@@ -16,10 +18,13 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 _DIR = "active_jobs"
+_held: dict[str, Path] = {}
+"""Job id -> the record this process wrote and has not forgotten (for `hand_over`)."""
 
 
 @dataclass(frozen=True)
@@ -37,6 +42,8 @@ class ActiveJob:
     then: list[str] = field(default_factory=list)
     """A command the watchdog runs after it cancelled the job (e.g. marking MLflow runs
     KILLED): what the dead watcher would have done on its way out."""
+    cancel_requested: str = ""
+    """Why the watcher could not cancel the job itself; set, the watchdog cancels it now."""
 
 
 def _path(workdir: Path, job_id: str) -> Path:
@@ -58,7 +65,31 @@ def record(
     _write(path, job)  # before the watchdog starts: it watches this file
     job = replace(job, watchdog_pid=start(path, job.owner_pid))
     _write(path, job)
+    _held[job_id] = path
     return job
+
+
+@contextlib.contextmanager
+def watching(
+    workdir: Path, job_id: str, executor: str, folder: Path, then: list[str] | None = None
+) -> Iterator[ActiveJob]:
+    """The job recorded (`record`) while the body watches it, forgotten (`forget`) after."""
+    job = record(workdir, job_id, executor, folder, then)
+    try:
+        yield job
+    finally:
+        forget(workdir, job_id)
+
+
+def hand_over(job_id: str, why: str) -> bool:
+    """Ask the watchdog of a job this process recorded to cancel it, `why` this process could
+    not (the record then stays until the watchdog has); False when no record is held."""
+    path = _held.pop(job_id, None)
+    job = read(path) if path is not None else None
+    if path is None or job is None:
+        return False
+    _write(path, replace(job, cancel_requested=why))
+    return True
 
 
 def _write(path: Path, job: ActiveJob) -> None:
@@ -68,8 +99,13 @@ def _write(path: Path, job: ActiveJob) -> None:
 
 
 def forget(workdir: Path, job_id: str) -> None:
-    """Remove a job's record once its watcher no longer needs it (its watchdog then exits)."""
-    forget_record(_path(workdir, job_id))
+    """Remove a job's record once its watcher no longer needs it (its watchdog then exits);
+    a record whose cancel was handed over stays for its watchdog."""
+    _held.pop(job_id, None)
+    path = _path(workdir, job_id)
+    job = read(path)
+    if job is None or not job.cancel_requested:
+        forget_record(path)
 
 
 def forget_record(path: Path) -> None:
@@ -119,13 +155,7 @@ def cancel(job: ActiveJob) -> bool:
     local job's controller (it kills ranks). False when the scheduler did not take the cancel
     (scancel failed, e.g. slurmctld did not answer): worth trying again."""
     if job.executor == "slurm":
-        try:
-            argv = ["scancel", job.job_id]
-            out = subprocess.run(argv, capture_output=True, text=True, timeout=30)
-        except (OSError, subprocess.TimeoutExpired):
-            return False
-        # A job Slurm no longer knows (purged) has nothing left to cancel.
-        return out.returncode == 0 or "Invalid job id" in out.stderr
+        return not scancel([job.job_id])
     if job.executor == "allocation":
         from trainflow.cluster.srun_executor import cancel_step
 
@@ -136,6 +166,23 @@ def cancel(job: ActiveJob) -> bool:
     return True
 
 
+def scancel(job_ids: list[str], timeout_s: float = 30.0) -> str:
+    """scancel the jobs: "" when Slurm took the cancel (a job it no longer knows, purged, has
+    nothing left to cancel), else why not (slurmctld did not answer, scancel missing, ...)."""
+    try:
+        out = subprocess.run(
+            ["scancel", *job_ids], capture_output=True, text=True, timeout=timeout_s
+        )
+    except subprocess.TimeoutExpired:
+        return f"scancel got no answer in {timeout_s:.0f} s"
+    except OSError as err:
+        return f"scancel: {err}"
+    if out.returncode == 0 or "Invalid job id" in out.stderr:
+        return ""
+    said = out.stderr.strip().splitlines()
+    return said[-1] if said else f"scancel exited with {out.returncode}"
+
+
 def _is_submitit_controller(pid: str) -> bool:
     # A local job id is its controller's pid: check it still is one before signalling it.
     try:
@@ -144,10 +191,34 @@ def _is_submitit_controller(pid: str) -> bool:
         return False
 
 
-def cancel_orphans(workdir: Path) -> list[ActiveJob]:
-    """Cancel and forget every recorded job whose watcher is gone; returns them."""
-    orphans = [job for job in recorded(workdir) if not watcher_alive(job)]
+def cancel_orphans(workdir: Path) -> list[tuple[ActiveJob, bool]]:
+    """Cancel every recorded job whose watcher is gone or whose cancel was handed over: per
+    job, whether the scheduler took the cancel. A cancelled job's record is forgotten and its
+    `then` run (as its watchdog would have); a refused one's stays for the next try."""
+    orphans = [job for job in recorded(workdir) if job.cancel_requested or not watcher_alive(job)]
+    done = []
     for job in orphans:
-        cancel(job)
-        forget(workdir, job.job_id)
-    return orphans
+        cancelled = cancel(job)
+        if cancelled:
+            forget_record(_path(workdir, job.job_id))
+            run_then(job)
+        done.append((job, cancelled))
+    return done
+
+
+def log_path(job: ActiveJob) -> Path:
+    """Where the job's watchdog (and cleanup) note what they did: its job folder."""
+    return Path(job.folder) / f"{job.job_id}_watchdog.log"
+
+
+def run_then(job: ActiveJob) -> str:
+    """Run the record's follow-up command (if any), its output appended to `log_path(job)`;
+    "" or why it failed."""
+    if not job.then:
+        return ""
+    try:
+        with log_path(job).open("a") as out:
+            subprocess.run(job.then, stdout=out, stderr=subprocess.STDOUT, timeout=300, check=False)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return f"the follow-up `{' '.join(job.then[1:4])} ...` failed: {err}"
+    return ""

@@ -172,11 +172,22 @@ def _cleanup(cfg: PipelineConfig) -> int:
     from trainflow.cluster.registry import cancel_orphans
 
     orphans = cancel_orphans(cfg.workdir)
-    for job in orphans:
-        print(f"cancelled {job.executor} job {job.job_id} (its flow process {job.owner_pid} died)")
+    for job, cancelled in orphans:
+        whose = f"its flow process {job.owner_pid}" + (
+            f" could not cancel it: {job.cancel_requested}" if job.cancel_requested else " died"
+        )
+        if cancelled:
+            print(f"cancelled {job.executor} job {job.job_id} ({whose})")
+        else:
+            print(
+                f"trainflow: error: the scheduler refused the cancel of {job.executor} job "
+                f"{job.job_id} ({whose}): run `trainflow cleanup` again once slurmctld answers "
+                f"(scontrol ping)",
+                file=sys.stderr,
+            )
     if not orphans:
         print(f"no orphaned jobs under {cfg.workdir}")
-    return 0
+    return 1 if any(not cancelled for _, cancelled in orphans) else 0
 
 
 def _sweep(args: argparse.Namespace) -> int:

@@ -189,9 +189,17 @@ def preprocess_stage(
     from trainflow.tasks.tracking.stage_logs import log_dataset
 
     get_run_logger().info("MLflow parent run %s in %s", runs.parent_id, runs.tracking_uri)
-    orphans = cancel_orphans(cfg.workdir)
-    if orphans:
-        get_run_logger().warning("cancelled orphaned jobs of dead flow runs: %s", orphans)
+    for job, cancelled in cancel_orphans(cfg.workdir):
+        get_run_logger().warning(
+            "%s orphaned %s job %s of flow process %d%s",
+            "cancelled"
+            if cancelled
+            else "could not cancel (the scheduler refused; kept for `trainflow cleanup`)",
+            job.executor,
+            job.job_id,
+            job.owner_pid,
+            f" (it could not: {job.cancel_requested})" if job.cancel_requested else " (it died)",
+        )
     with runs.stage("preprocess", flatten(cfg.preprocess)) as run_id, timed(t, "preprocess"):
         dataset, cached = preprocess(
             cfg.preprocess, cfg.cluster.dask, cfg.workdir / "datasets", code

@@ -72,20 +72,19 @@ def train_array_task(
     jobs = executor.map_array(ArrayTrainingJob(), specs)
     ids = [str(job.job_id) for job in jobs]
     logger.info("submitted %d training jobs as one array: %s", len(jobs), ", ".join(ids))
-    for job_id, spec in zip(ids, specs, strict=True):
-        then = _mark_killed_then(spec)
-        registry.record(workdir, job_id, cluster.executor, job_dir, then=then)
     since = datetime.now() - timedelta(minutes=1)  # see _wait_and_account
-    try:
+    with ExitStack() as watched:
+        for job_id, spec in zip(ids, specs, strict=True):
+            then = _mark_killed_then(spec)
+            watched.enter_context(
+                registry.watching(workdir, job_id, cluster.executor, job_dir, then=then)
+            )
         with ExitStack() as relays:
             for spec in specs:
                 relays.enter_context(
                     relaying(spec.out_dir, spec.tracking_uri, spec.run_id, logger.info)
                 )
             outcomes = wait_for_jobs(jobs, logger.info)
-    finally:
-        for job_id in ids:
-            registry.forget(workdir, job_id)
     if cluster.executor == "slurm":
         for job_id, spec in zip(ids, specs, strict=True):
             record_job_accounting(job_id, spec.tracking_uri, spec.run_id, logger.info, since)
@@ -122,11 +121,8 @@ def train_with_restarts(
     then = _mark_killed_then(spec)
 
     def wait(job: submitit.Job[Any]) -> Any:
-        registry.record(workdir, str(job.job_id), cluster.executor, job_dir, then=then)
-        try:
+        with registry.watching(workdir, str(job.job_id), cluster.executor, job_dir, then=then):
             return _wait_and_account(job, spec, cluster, log)
-        finally:
-            registry.forget(workdir, str(job.job_id))
 
     def on_loss(err: RankLostError, attempt: int) -> None:
         record_lost_ranks(spec.tracking_uri, spec.run_id, err, attempt, warn)

@@ -46,7 +46,8 @@ _WATCHER = textwrap.dedent(
     ex = submitit.LocalExecutor(work / "jobs")
     ex.update_parameters(timeout_min=5, tasks_per_node=2)
     job = ex.submit(time.sleep, 600)
-    registry.record(work, job.job_id, "local", work / "jobs")
+    then = [sys.executable, "-c", f"open({str(work / 'then-ran')!r}, 'w').close()"]
+    registry.record(work, job.job_id, "local", work / "jobs", then=then)
     print(job.job_id, flush=True)
     time.sleep(600)
     """
@@ -98,6 +99,7 @@ def test_the_watchdog_cancels_the_job_of_a_killed_watcher(tmp_path: Path) -> Non
     assert _wait_until(lambda: not _alive(controller))
     assert _wait_until(lambda: _ranks_gone(tmp_path))
     assert registry.recorded(tmp_path) == []
+    assert _wait_until(lambda: (tmp_path / "then-ran").exists())  # the record's follow-up
 
 
 def test_cleanup_cancels_the_job_of_a_watcher_killed_with_its_watchdog(tmp_path: Path) -> None:
@@ -111,3 +113,18 @@ def test_cleanup_cancels_the_job_of_a_watcher_killed_with_its_watchdog(tmp_path:
     assert _wait_until(lambda: not _alive(controller))
     assert _wait_until(lambda: _ranks_gone(tmp_path))
     assert registry.recorded(tmp_path) == []
+    assert (tmp_path / "then-ran").exists()  # the follow-up the watchdog would have run
+
+
+def test_a_handed_over_record_outlives_forget_until_its_cancel_is_taken(tmp_path: Path) -> None:
+    # A job id no scheduler knows: its "local" cancel is taken at once (nothing to signal).
+    assert not registry.hand_over("77", "not recorded by this process")
+    with registry.watching(tmp_path, "77", "local", tmp_path) as job:
+        assert registry.hand_over("77", "scancel got no answer in 20 s")
+    assert job.watchdog_pid
+    log = tmp_path / "77_watchdog.log"
+    said = "could not cancel it (scancel got no answer in 20 s): cancelled it"
+    # The watcher (this process) lives on: the hand-over alone set its watchdog to work.
+    assert _wait_until(lambda: log.exists() and said in log.read_text(), 10)
+    assert registry.recorded(tmp_path) == []
+    assert _wait_until(lambda: not _alive(job.watchdog_pid), 10)
