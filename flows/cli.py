@@ -79,9 +79,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _ui_args(cfg: PipelineConfig, port: int, host: str = "127.0.0.1") -> list[str]:
     """`mlflow ui`'s arguments serving the store (and artifacts) the pipeline's runs used."""
-    from trainflow.tasks.tracking.runs import (
-        resolve_tracking_uri,  # imports mlflow: ~2 s, not for errors
-    )
+    from trainflow.tasks.tracking.config import resolve_tracking_uri
 
     uri = resolve_tracking_uri(cfg.tracking, cfg.workdir)
     args = ["ui", "--backend-store-uri", uri]
@@ -103,7 +101,7 @@ def _local_store_path(uri: str) -> Path | None:
 
 def _ui(cfg: PipelineConfig, host: str, port: int) -> int:
     """Serve the MLflow UI on the pipeline's store until Ctrl-C (or point at a running server)."""
-    from trainflow.tasks.tracking.runs import resolve_tracking_uri
+    from trainflow.tasks.tracking.config import resolve_tracking_uri
 
     uri = resolve_tracking_uri(cfg.tracking, cfg.workdir)
     if uri.startswith(("http://", "https://")):
@@ -295,7 +293,7 @@ def _run(args: argparse.Namespace) -> int:
 
         held = hold_temporary_server()
         from trainflow.flows.pipeline import import_stages, pipeline
-        from trainflow.tasks.tracking.runs import resolve_tracking_uri
+        from trainflow.tasks.tracking.config import resolve_tracking_uri
 
         import_stages()  # torch, MLflow, dask: what the run's stages use, with the rest
 

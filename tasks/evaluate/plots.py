@@ -1,13 +1,19 @@
 """Figures people would rather look at than read: confusion matrix, training curves,
 predicted-vs-true and residuals (regression), token accuracy by position (sequence)."""
 
-import matplotlib
+from typing import Any
 
-matplotlib.use("Agg")  # headless: cluster nodes and CI have no display
-
-import matplotlib.pyplot as plt
 import numpy as np
+from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+
+
+def _subplots(*grid: int, figsize: tuple[float, float]) -> tuple[Figure, Any]:
+    """A figure drawn by Agg (headless: cluster nodes and CI have no display) and its axes,
+    without pyplot: no global figure registry to leak into, and ~0.3 CPU s less to import."""
+    fig = Figure(figsize=figsize)
+    FigureCanvasAgg(fig)
+    return fig, fig.subplots(*grid)
 
 
 def confusion_figure(cm: np.ndarray, classes: list[str]) -> Figure:
@@ -15,7 +21,7 @@ def confusion_figure(cm: np.ndarray, classes: list[str]) -> Figure:
     rows = cm.sum(axis=1, keepdims=True)
     norm = np.divide(cm, rows, out=np.zeros(cm.shape), where=rows > 0)
     size = max(4.0, 0.5 * len(classes) + 2)
-    fig, ax = plt.subplots(figsize=(size, size))
+    fig, ax = _subplots(figsize=(size, size))
     ax.imshow(norm, cmap="Blues", vmin=0, vmax=1)
     ticks = range(len(classes))
     ax.set_xticks(ticks, classes, rotation=90 if len(classes) > 10 else 0)
@@ -35,7 +41,7 @@ def confusion_figure(cm: np.ndarray, classes: list[str]) -> Figure:
 def curves_figure(history: list[dict[str, float]], metric: str = "accuracy") -> Figure:
     """Loss and `metric` (the objective's headline) per epoch, train against validation."""
     epochs = [int(h["epoch"]) for h in history]
-    fig, (loss_ax, acc_ax) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (loss_ax, acc_ax) = _subplots(1, 2, figsize=(10, 4))
     for key, ax in (("loss", loss_ax), (metric, acc_ax)):
         for split in ("train", "val"):
             name = f"{split}_{key}"
@@ -51,13 +57,13 @@ def curves_figure(history: list[dict[str, float]], metric: str = "accuracy") -> 
 
 
 def close(fig: Figure) -> None:
-    """Free a figure's memory (pyplot keeps references otherwise)."""
-    plt.close(fig)
+    """Free a figure's artists now (nothing else holds the figure: no pyplot)."""
+    fig.clear()
 
 
 def predicted_vs_true_figure(pred: np.ndarray, true: np.ndarray) -> Figure:
     """Scatter of predictions against targets, with the identity line."""
-    fig, ax = plt.subplots(figsize=(5, 5))
+    fig, ax = _subplots(figsize=(5, 5))
     ax.scatter(true, pred, s=4, alpha=0.4)
     if len(true):
         low, high = float(min(true.min(), pred.min())), float(max(true.max(), pred.max()))
@@ -72,7 +78,7 @@ def predicted_vs_true_figure(pred: np.ndarray, true: np.ndarray) -> Figure:
 
 def residual_figure(residuals: np.ndarray) -> Figure:
     """Histogram of prediction minus target."""
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = _subplots(figsize=(6, 4))
     low, high = (float(residuals.min()), float(residuals.max())) if len(residuals) else (0, 0)
     if high - low < 1e-6 * (1.0 + abs(high)):  # (near) constant: 50 bins would not fit
         low, high = low - 0.5, high + 0.5
@@ -86,7 +92,7 @@ def residual_figure(residuals: np.ndarray) -> Figure:
 
 def per_position_figure(accuracy: list[float]) -> Figure:
     """Token accuracy at each position of the sequence."""
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = _subplots(figsize=(6, 4))
     ax.plot(range(len(accuracy)), accuracy, marker=".")
     ax.set_xlabel("position")
     ax.set_ylabel("token accuracy")

@@ -16,7 +16,7 @@ from mlflow.tracking import MlflowClient
 
 from trainflow.tasks.diskspace import disk_stage
 from trainflow.tasks.tracking import runs
-from trainflow.tasks.tracking.config import TrackingConfig
+from trainflow.tasks.tracking.config import TrackingConfig, resolve_tracking_uri
 from trainflow.tasks.tracking.new_store import create_local_store
 from trainflow.tasks.tracking.reachability import limit_http_retries, reachable
 from trainflow.tasks.tracking.store_lock import store_lock
@@ -42,7 +42,7 @@ class PipelineRuns:
     def __init__(self, cfg: TrackingConfig, workdir: Path, name: str) -> None:
         limit_http_retries()
         quiet_store_setup()
-        self.tracking_uri = runs.resolve_tracking_uri(cfg, workdir)
+        self.tracking_uri = resolve_tracking_uri(cfg, workdir)
         self.experiment = cfg.experiment
         # A new SQLite store is ~1 MiB, and as much again for its journal while it is created.
         with disk_stage("tracking store", workdir, 2 << 20), store_lock(self.tracking_uri):

@@ -16,8 +16,6 @@ from mlflow.entities import Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
 from mlflow.tracking._tracking_service import utils as tracking_utils
 
-from trainflow.tasks.tracking.config import TrackingConfig
-
 # log_batch accepts at most 100 params per call.
 _MAX_PARAMS = 100
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
@@ -25,19 +23,6 @@ PROJECT_ROOT = Path(__file__).resolve().parents[2]
 # experiment in its GenAI views (Traces, Evaluations); this value is its model-training view.
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 EXPERIMENT_KIND = "custom_model_development"
-
-
-def resolve_tracking_uri(cfg: TrackingConfig, workdir: Path) -> str:
-    """The configured URI, else MLFLOW_TRACKING_URI, else a SQLite store in the working folder.
-
-    Honouring MLflow's own variable lets a deployment or an sbatch script point every run at a
-    tracking server without touching the config.
-    """
-    if cfg.tracking_uri:
-        return cfg.tracking_uri
-    if os.environ.get("MLFLOW_TRACKING_URI"):
-        return os.environ["MLFLOW_TRACKING_URI"]
-    return f"sqlite:///{(workdir / 'mlflow.db').resolve()}"
 
 
 def ensure_experiment(client: MlflowClient, name: str, workdir: Path) -> str:

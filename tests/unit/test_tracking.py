@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from trainflow.tasks.tracking.config import TrackingConfig
+from trainflow.tasks.tracking.config import TrackingConfig, resolve_tracking_uri
 from trainflow.tasks.tracking.handed import handed_through
 from trainflow.tasks.tracking.journal import Journal, read_records
 from trainflow.tasks.tracking.logger import (
@@ -18,7 +18,6 @@ from trainflow.tasks.tracking.logger import (
 )
 from trainflow.tasks.tracking.pipeline_runs import PipelineRuns
 from trainflow.tasks.tracking.relay import Relay, relaying
-from trainflow.tasks.tracking.runs import resolve_tracking_uri
 
 
 def _runs(tmp_path: Path) -> PipelineRuns:
