@@ -41,6 +41,12 @@ def free_port() -> int:
     raise AssertionError(f"no free port found between 10000 and {low}")
 
 
+def in_squeue(job_id: str) -> bool:
+    """Whether the (dev) Slurm cluster still lists the job (pending, running or completing)."""
+    out = subprocess.run(["squeue", "-h", "-j", job_id], capture_output=True, text=True)
+    return bool(out.stdout.strip())
+
+
 def wait_for(predicate: Callable[[], T | None], limit_s: float, what: str) -> T:
     """Poll `predicate` every 0.5 s until it returns something truthy; fail after limit_s."""
     deadline = time.monotonic() + limit_s

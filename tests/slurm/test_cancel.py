@@ -21,6 +21,7 @@ from tests.services import (
     background,
     cancel_flow_run,
     get_json,
+    in_squeue,
     run_deployment,
     service_env,
     wait_for,
@@ -31,11 +32,6 @@ _LONG = [
     *("--preset", "tiny", "--set", "cluster.executor=slurm", "--set", "train.epochs=5000"),
     *("--set", "cluster.nodes=2", "--set", "cluster.ranks_per_node=1"),
 ]
-
-
-def _in_squeue(job_id: str) -> bool:
-    out = subprocess.run(["squeue", "-h", "-j", job_id], capture_output=True, text=True)
-    return bool(out.stdout.strip())
 
 
 def _running_job(workdir: Path) -> str:
@@ -108,14 +104,14 @@ def test_ctrl_c_on_trainflow_run_cancels_the_slurm_job(tmp_path: Path) -> None:
     proc = _long_run(tmp_path)
     try:
         job_id = _running_job(tmp_path)
-        assert _in_squeue(job_id)
+        assert in_squeue(job_id)
         ranks = _rank_pids(tmp_path, job_id)
         assert sorted(ranks) == ["tfnode1", "tfnode2"]
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 130
     finally:
         proc.kill()
-    wait_for(lambda: not _in_squeue(job_id), 20, f"job {job_id} to leave squeue")
+    wait_for(lambda: not in_squeue(job_id), 20, f"job {job_id} to leave squeue")
     wait_for(lambda: _no_rank_left(ranks), 20, f"no rank of job {job_id} left on any node")
     assert _statuses(tmp_path) == {"tiny": "KILLED", "preprocess": "FINISHED", "train": "KILLED"}
     assert registry.recorded(tmp_path) == []
@@ -134,7 +130,7 @@ def test_a_killed_flow_process_s_job_is_cancelled_by_its_watchdog(tmp_path: Path
     log = Path(record.folder) / f"{job_id}_watchdog.log"
     said = f"the flow process {proc.pid} that watched slurm job {job_id} ended"
     wait_for(lambda: log.exists() and said in log.read_text(), 20, "the watchdog's cancel")
-    wait_for(lambda: not _in_squeue(job_id), 20, f"job {job_id} to leave squeue")
+    wait_for(lambda: not in_squeue(job_id), 20, f"job {job_id} to leave squeue")
     wait_for(lambda: _no_rank_left(ranks), 20, f"no rank of job {job_id} left on any node")
     assert registry.recorded(tmp_path) == []
     # Then it ends the runs the flow left RUNNING, as the flow's own cleanup would have.
@@ -170,7 +166,7 @@ def test_cancelling_the_prefect_flow_run_cancels_the_slurm_job(
         try:
             # The runner SIGTERMs the flow process, which cancels the job in about a second; one
             # that does not end in 30 s it SIGKILLs, and the job's watchdog cancels the job.
-            wait_for(lambda: not _in_squeue(job_id), 60, f"job {job_id} to leave squeue")
+            wait_for(lambda: not in_squeue(job_id), 60, f"job {job_id} to leave squeue")
         except AssertionError as err:
             report = _flow_report(err, record.owner_pid, tmp_path / "serve.log")
             raise AssertionError(report) from None

@@ -14,7 +14,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from tests.services import wait_for
+from tests.services import in_squeue, service_env, wait_for
 from trainflow.cluster import registry
 from trainflow.cluster.dev.slurm import slurm_home
 
@@ -51,11 +51,6 @@ _INTERRUPTED_WATCHER = textwrap.dedent(
 )
 
 
-def _in_squeue(job_id: str) -> bool:
-    out = subprocess.run(["squeue", "-h", "-j", job_id], capture_output=True, text=True)
-    return bool(out.stdout.strip())
-
-
 def _sleeping_job(log: str = "/dev/null") -> str:
     sbatch = ["sbatch", "--parsable", "-o", log, "--wrap", "echo started; sleep 600"]
     return subprocess.run(sbatch, capture_output=True, text=True, check=True).stdout.strip()
@@ -82,7 +77,7 @@ def test_the_watchdog_retries_the_cancel_until_slurmctld_answers(tmp_path: Path)
         os.kill(ctld, signal.SIGCONT)
     done = "ended without cancelling it (killed?): cancelled it"
     wait_for(lambda: done in log.read_text(), 60, "the watchdog to cancel the job")
-    wait_for(lambda: not _in_squeue(job_id), 60, f"job {job_id} to leave squeue")
+    wait_for(lambda: not in_squeue(job_id), 60, f"job {job_id} to leave squeue")
     assert registry.recorded(tmp_path) == []
 
 
@@ -106,6 +101,19 @@ def test_a_cancel_slurmctld_does_not_take_is_handed_to_the_watchdog(tmp_path: Pa
             assert watcher.stdout.readline().strip() == "interrupted"
             (record,) = registry.recorded(tmp_path)  # kept: the watchdog's to cancel
             assert record.cancel_requested
+            # `trainflow cleanup` meanwhile: refused too, it says so and keeps the record.
+            cli = [sys.executable, "-m", "trainflow.flows.cli", "cleanup"]
+            cleanup = subprocess.run(
+                [*cli, "--set", f"workdir={tmp_path}"],
+                capture_output=True,
+                text=True,
+                timeout=120,
+                env=service_env(),
+            )
+            assert cleanup.returncode == 1, cleanup.stdout + cleanup.stderr
+            refused = f"the scheduler refused the cancel of slurm job {job_id}"
+            assert refused in cleanup.stderr and "could not cancel it: scancel" in cleanup.stderr
+            assert registry.recorded(tmp_path) == [record]
         finally:
             os.kill(ctld, signal.SIGCONT)
         log = tmp_path / f"{job_id}_watchdog.log"
@@ -115,7 +123,7 @@ def test_a_cancel_slurmctld_does_not_take_is_handed_to_the_watchdog(tmp_path: Pa
             60,
             "the watchdog to cancel the job",
         )
-        wait_for(lambda: not _in_squeue(job_id), 60, f"job {job_id} to leave squeue")
+        wait_for(lambda: not in_squeue(job_id), 60, f"job {job_id} to leave squeue")
         assert watcher.poll() is None  # the hand-over set the watchdog to work, not a death
         assert registry.recorded(tmp_path) == []
         assert f"could not cancel job {job_id} (" in (tmp_path / "watcher.err").read_text()
