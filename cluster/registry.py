@@ -46,7 +46,8 @@ class ActiveJob:
     """Why the watcher could not cancel the job itself; set, the watchdog cancels it now."""
 
 
-def _path(workdir: Path, job_id: str) -> Path:
+def record_path(workdir: Path, job_id: str) -> Path:
+    """Where the record of job `job_id` lives."""
     return workdir / _DIR / f"{job_id}.json"
 
 
@@ -60,7 +61,7 @@ def record(
     job = ActiveJob(
         job_id, executor, str(folder), os.getpid(), socket.gethostname(), time.time(), 0, then or []
     )
-    path = _path(workdir, job_id)
+    path = record_path(workdir, job_id)
     path.parent.mkdir(parents=True, exist_ok=True)
     _write(path, job)  # before the watchdog starts: it watches this file
     job = replace(job, watchdog_pid=start(path, job.owner_pid))
@@ -102,7 +103,7 @@ def forget(workdir: Path, job_id: str) -> None:
     """Remove a job's record once its watcher no longer needs it (its watchdog then exits);
     a record whose cancel was handed over stays for its watchdog."""
     _held.pop(job_id, None)
-    path = _path(workdir, job_id)
+    path = record_path(workdir, job_id)
     job = read(path)
     if job is None or not job.cancel_requested:
         forget_record(path)
@@ -200,7 +201,7 @@ def cancel_orphans(workdir: Path) -> list[tuple[ActiveJob, bool]]:
     for job in orphans:
         cancelled = cancel(job)
         if cancelled:
-            forget_record(_path(workdir, job.job_id))
+            forget_record(record_path(workdir, job.job_id))
             run_then(job)
         done.append((job, cancelled))
     return done

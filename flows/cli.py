@@ -167,7 +167,7 @@ def _print_summary(summary: object, cfg: PipelineConfig) -> None:
 
 
 def _cleanup(cfg: PipelineConfig) -> int:
-    from trainflow.cluster.registry import cancel_orphans
+    from trainflow.cluster.registry import cancel_orphans, record_path
 
     orphans = cancel_orphans(cfg.workdir)
     for job, cancelled in orphans:
@@ -180,7 +180,8 @@ def _cleanup(cfg: PipelineConfig) -> int:
             print(
                 f"trainflow: error: the scheduler refused the cancel of {job.executor} job "
                 f"{job.job_id} ({whose}): run `trainflow cleanup` again once slurmctld answers "
-                f"(scontrol ping)",
+                f"(scontrol ping), or delete {record_path(cfg.workdir, job.job_id)} if the "
+                "job is gone (squeue)",
                 file=sys.stderr,
             )
     if not orphans:

@@ -194,7 +194,8 @@ def preprocess_stage(
             "%s orphaned %s job %s of flow process %d%s",
             "cancelled"
             if cancelled
-            else "could not cancel (the scheduler refused; kept for `trainflow cleanup`)",
+            else "could not cancel (the scheduler refused; `trainflow cleanup` tries again, "
+            "or delete its record under active_jobs/ if the job is gone)",
             job.executor,
             job.job_id,
             job.owner_pid,
