@@ -11,6 +11,9 @@ What the preload imported is then frozen (tasks.import_gc: the collector never t
 again), and everything is frozen at a normal exit (a rank that trained ends with os._exit,
 tasks.train.distributed; one that failed exits normally): a rank-like process, 2.1 -> 1.9 CPU s
 ending with os._exit, ~1 s less exiting normally (measured, tasks.import_gc).
+
+Rank 0's requeue (SIGUSR2 before a limit) goes through cluster.requeue, which keeps
+`scontrol requeue` alive through the SIGTERM Slurm sends the job's processes for it.
 """
 
 import os
@@ -38,9 +41,11 @@ def preload_job(folder: str) -> None:
 def main() -> None:
     if len(sys.argv) != 2:
         sys.exit("usage: python -m trainflow.cluster.rank_main <submitit folder>")
+    from trainflow.cluster import requeue
     from trainflow.tasks.import_gc import freeze_at_exit
 
     freeze_at_exit()  # registered first: it runs after submitit's and the job's own callbacks
+    requeue.install()  # scontrol requeue survives the requeue's own SIGTERM (cluster.requeue)
     preload_job(sys.argv[1])
     from submitit.core.submission import submitit_main
 

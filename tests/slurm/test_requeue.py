@@ -91,6 +91,8 @@ def test_a_two_node_job_requeued_mid_epoch_matches_an_uninterrupted_run(tmp_path
     lines = _train(spec, slurm, tmp_path / "jobs-slurm", signal_at=f"epoch 3/{EPOCHS}")
     assert any("resuming from" in line for line in lines), "no requeue happened"
     assert any(line.startswith("[rank1@tfnode2] ") for line in lines)
+    (rank0_log,) = (tmp_path / "jobs-slurm").glob("*_0_log.out")  # both attempts', appended
+    assert "scontrol shielded from SIGTERM" in rank0_log.read_text()  # cluster.requeue's
 
     reference = spec.model_copy(update={"out_dir": tmp_path / "local", "run_id": None})
     _train(reference, ClusterConfig(ranks_per_node=2), tmp_path / "jobs-local")
