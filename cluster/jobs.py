@@ -25,7 +25,7 @@ import submitit
 from submitit.core.utils import FailedJobError, UncompletedJobError
 from submitit.local.debug import DebugJob
 
-from trainflow.cluster import registry
+from trainflow.cluster import forwarded, registry
 from trainflow.cluster.job_folder import check_private
 from trainflow.cluster.lost_ranks import (
     RankLostError,
@@ -92,8 +92,12 @@ def log_tails(job: submitit.Job[Any], label: str = "") -> list[LogTail]:
 
 def _forward(tails: list[LogTail], log: Callable[[str], None], final: bool = False) -> None:
     for tail in tails:
-        for line in tail.new_lines(final):
-            log(line)
+        token = forwarded.STREAM.set(str(tail.path))  # one traceback filter state per file
+        try:
+            for line in tail.new_lines(final):
+                log(line)
+        finally:
+            forwarded.STREAM.reset(token)
 
 
 def _cancel_quietly(job: submitit.Job[Any]) -> None:

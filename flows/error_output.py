@@ -13,6 +13,7 @@ TRAINFLOW_DEBUG=1 (`trainflow --debug ...`) to see everything.
 import logging
 import re
 
+from trainflow.cluster import forwarded
 from trainflow.tasks.errors import TrainflowError, debug_enabled
 
 _KEY_CHARS = 48  # enough of a message to recognise its echoes, short of any quoting
@@ -55,9 +56,10 @@ class RankTracebacks(logging.Filter):
 
     def __init__(self) -> None:
         super().__init__()
-        self.state: dict[str, str] = {}
-        """Per rank: 'frames' inside a traceback, 'raised' after its exception line ('torch'
-        when torch prefixed every line of the block: its next prefixed lines still belong)."""
+        self.state: dict[tuple[str, str], str] = {}
+        """Per rank log file (cluster.forwarded) and rank: 'frames' inside a traceback,
+        'raised' after its exception line ('torch' when torch prefixed every line of the
+        block: its next prefixed lines still belong)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         """False for the lines of a rank's traceback."""
@@ -65,17 +67,18 @@ class RankTracebacks(logging.Filter):
         if match is None:
             return True
         rank, torch_prefix, text = match.groups()
-        state = self.state.get(rank)
+        key = (forwarded.STREAM.get(), rank)  # a rank's stdout and stderr each on their own
+        state = self.state.get(key)
         if text.startswith("Traceback (most recent call last)"):
-            self.state[rank] = "frames"
+            self.state[key] = "frames"
         elif state == "frames" and not text.startswith(" ") and text.strip():
-            self.state[rank] = "raised torch" if torch_prefix else "raised"  # its last line
+            self.state[key] = "raised torch" if torch_prefix else "raised"  # its last line
         elif state == "raised torch" and (torch_prefix or not text.strip()):
             pass  # the rest of the exception's message, as torch printed it
         elif state == "raised" and (text.startswith(_CHAINED) or not text.strip()):
             pass
         elif state in ("raised", "raised torch"):
-            del self.state[rank]
+            del self.state[key]
             return True
         elif state is None:
             return True

@@ -3,9 +3,12 @@
 import io
 import logging
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
+from trainflow.cluster import jobs
+from trainflow.cluster.jobs import LogTail
 from trainflow.flows.error_output import RankTracebacks, UserErrorEcho, quiet_user_errors
 from trainflow.tasks.errors import DataError, JobError
 
@@ -107,6 +110,36 @@ def test_rank_tracebacks_stay_off_the_console_unless_debugging(
             "[rank0] submitit ERROR (2026-11-24 01:21:46,088) - Submitted job triggered an "
             "exception",
         ]
+    for h in logging.getLogger().handlers:
+        h.filters = [f for f in h.filters if not isinstance(f, (UserErrorEcho, RankTracebacks))]
+
+
+def test_a_traceback_stays_off_the_console_when_the_other_stream_interleaves(
+    console: tuple[logging.Logger, io.StringIO], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """As a failed rank's files are followed (cluster.jobs): a poll reads the start of the
+    traceback from stderr; submitit's error line reaches stdout only before the next poll,
+    which forwards it (stdout first) between two lines of the traceback (seen in make test)."""
+    logger, stream = console
+    monkeypatch.delenv("TRAINFLOW_DEBUG", raising=False)
+    quiet_user_errors()
+    out, err = tmp_path / "7_0_log.out", tmp_path / "7_0_log.err"
+    tails = [LogTail(out, "[rank0] "), LogTail(err, "[rank0] ")]
+    error_line = "submitit ERROR (2026-11-27 06:39:26,187) - Submitted job triggered an exception"
+    out.write_text("submitit INFO (2026-11-27 06:39:26,096) - Starting\n")
+    err.write_text(f'{error_line}\nTraceback (most recent call last):\n  File "a.py", line 1\n')
+    jobs._forward(tails, logger.info)
+    with out.open("a") as f:
+        f.write(f"{error_line}\n")
+    with err.open("a") as f:
+        f.write('    g()\n  File "b.py", line 2, in g\n')
+        f.write("trainflow.tasks.errors.ConfigError: no GPU\n")
+    jobs._forward(tails, logger.info, final=True)
+    assert stream.getvalue().splitlines() == [
+        "[rank0] submitit INFO (2026-11-27 06:39:26,096) - Starting",
+        f"[rank0] {error_line}",  # stderr's
+        f"[rank0] {error_line}",  # stdout's
+    ]
     for h in logging.getLogger().handlers:
         h.filters = [f for f in h.filters if not isinstance(f, (UserErrorEcho, RankTracebacks))]
 
