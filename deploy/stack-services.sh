@@ -67,7 +67,7 @@ alive() {
   local pid
   for pid in "$@"; do
     [[ -r /proc/$pid/stat ]] || continue
-    [[ $(cut -d')' -f2 "/proc/$pid/stat" | cut -d' ' -f2) == Z ]] || return 0
+    [[ $(cut -d')' -f2 "/proc/$pid/stat" 2>/dev/null | cut -d' ' -f2) == Z ]] || return 0
   done
   return 1
 }

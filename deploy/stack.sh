@@ -187,7 +187,9 @@ cmd_down() {
   # training job and mark their MLflow runs KILLED while the servers are still up.
   if [[ -n $worker ]]; then say "stopping the worker (pid $worker)"; signal_pids INT "$worker"; fi
   for pid in $(marked_pids); do
-    group=$(ps -o pgid= -p "$pid" | tr -d ' ')
+    # A process that ends meanwhile (the worker's children do, now) is skipped: under
+    # `set -e -o pipefail` the failed ps would end this script with status 1 and no message.
+    group=$(ps -o pgid= -p "$pid" | tr -d ' ') || continue
     [[ -z $group || " ${servers[*]} $worker " == *" $group "* ]] || runs+=("$pid")
   done
   if ((${#runs[@]})); then
