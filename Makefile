@@ -15,77 +15,62 @@ FIND_LINKS := $(if $(wildcard /opt/wheels/torch-*),--find-links /opt/wheels)
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup bytecode demo test lint typecheck unit integration gpu bench lock clean \
+.PHONY: setup demo test test-fast lint typecheck unit integration gpu bench lock clean \
 	stack-up stack-deploy stack-status stack-down
 
 setup: $(VENV)/.installed-$(KIND)
 
 # One stamp per kind: switching GPU=0/1 re-syncs (uv pip sync also removes what the lock lacks).
-# Bytecode: where PYTHONDONTWRITEBYTECODE is set every process would compile each module it
-# imports anew, so the packages are compiled once here, as `uv --compile-bytecode` would, but
-# without the ~3,900 files of their own test suites (never imported): sync and compile took
-# 25.9 and 29.2 s against uv's 36.6 and 32.6 (interleaved, 2 cores, a busy hour). A file that
-# does not compile (torch ships Python 3.12 syntax in its test helpers) is skipped, as uv
-# skips it: Python could not import it either.
+# --compile-bytecode: the packages' modules are compiled at install, as pip does by default
+# (uv does not), so no process compiles them again where PYTHONDONTWRITEBYTECODE is set.
 $(VENV)/.installed-$(KIND): $(LOCK) pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	PIP_CONFIG_FILE=/dev/null $(BIN)/python -m pip install -q --disable-pip-version-check uv==0.13.9
-	$(BIN)/uv pip sync --python $(BIN)/python $(FIND_LINKS) $(LOCK)
+	$(BIN)/uv pip sync --compile-bytecode --python $(BIN)/python $(FIND_LINKS) $(LOCK)
 	$(BIN)/uv pip install --python $(BIN)/python --no-deps -e .
-	@echo "compiling the packages' bytecode (their own test folders left out)"
-	@$(BIN)/python -m compileall -q -j 0 -x '/tests?/|/testing/_internal/' \
-	  "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
-	  > /dev/null || true
 	rm -f $(VENV)/.installed $(VENV)/.installed-cpu $(VENV)/.installed-gpu
 	touch $@
 
-# The project's own modules compiled, as a wheel install's are (an editable install's are not):
-# where PYTHONDONTWRITEBYTECODE is set (CI sandboxes, some clusters) every process would
-# compile them anew, ~0.2 CPU s each (the command, each rank, each dask worker). Only what
-# changed is recompiled; a stale file is recompiled in memory as before, never run stale.
-bytecode: setup
-	@$(BIN)/python -m compileall -q -j 0 flows tasks cluster trainflow tests bench examples > /dev/null
-
-demo: bytecode
+demo: setup
 	$(BIN)/trainflow run --preset demo
 
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-# mypy's incremental cache lives outside the checkout, shared by every clone on this machine
-# (as uv's package cache is): most of a cold check is torch's, Prefect's and MLflow's stubs,
-# the same for every clone. mypy re-checks whatever changed (by content hash): a fresh clone
-# checks in ~9 instead of ~59 CPU s once any clone has run it. MYPY_CACHE=.mypy_cache: per clone.
-MYPY_CACHE ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/trainflow/mypy
-MYPY := $(BIN)/mypy --cache-dir "$(MYPY_CACHE)" trainflow tests bench examples
+MYPY := $(BIN)/mypy trainflow tests bench examples
 
 typecheck: setup
 	$(MYPY)
 
-unit: bytecode
+unit: setup
 	$(BIN)/python -m pytest tests/unit
 
-integration: bytecode
+integration: setup
 	$(BIN)/python -m pytest tests/integration
 
-bench: bytecode
+bench: setup
 	$(BIN)/python -m bench
 
-gpu: bytecode
+gpu: setup
 	$(BIN)/python -m pytest tests/gpu
 
 # The suite waits on servers, Slurm and rank processes about half of its time: 4 workers keep
-# both cores busy (each Slurm test file uses its worker's own 2-node dev cluster), the longest
-# files go first (tests/group_seconds.json), and mypy runs beside the tests, not before them.
+# both cores busy (each Slurm test file uses its worker's own 2-node dev Slurm, started for the
+# run and stopped after it; TRAINFLOW_KEEP_SLURM=1 keeps them up for the next run), and mypy
+# runs beside the tests, not before them.
 TEST_WORKERS ?= 4
-test: lint bytecode
+test: lint setup
 	@$(MYPY) > .mypy.log 2>&1 & mypy=$$!; \
 	$(BIN)/python -m pytest tests -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder \
 	  --durations=30; tests=$$?; \
 	wait $$mypy; typed=$$?; echo "== mypy =="; cat .mypy.log; \
 	test $$tests -eq 0 -a $$typed -eq 0
 
+# Everyday work: lint and the unit tests that start no service (no Prefect or MLflow server,
+# no Slurm, no dask cluster, no rank processes).
+test-fast: lint setup
+	$(BIN)/python -m pytest tests/unit -m "not services" -n 2 -q
 
 # The local stack (Prefect server, a process worker, MLflow server): see deploy/README.md.
 stack-up: setup

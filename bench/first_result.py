@@ -34,8 +34,9 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from bench.p1_training import TARGET
 from trainflow.flows.warm_command import SOCKET_ENV
+
+from bench.p1_training import TARGET
 
 CPUACCT = Path("/sys/fs/cgroup/cpuacct")
 REPEATS = int(os.environ.get("TRAINFLOW_BENCH_REPEATS", "3"))

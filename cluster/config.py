@@ -130,10 +130,6 @@ class ClusterConfig(StrictModel):
     """local: submitit LocalExecutor, one process per rank; debug: in this process, 1 rank;
     slurm: an sbatch job on the Slurm cluster this machine submits to; allocation: one srun
     step over the nodes of the Slurm job the flow runs in (deploy/slurm/pipeline.sbatch)."""
-    warm_ranks: bool = True
-    """executor=local: fork each rank from a process of this command that has torch, dynamo and
-    MLflow imported already (started with the command, reused by all its jobs: cluster.warm_ranks)
-    instead of starting a fresh Python per rank. Ignored by the other executors."""
     nodes: int = Field(1, ge=1, le=1024)
     """Nodes of the training job (more than 1 only with executor=slurm or allocation)."""
     ranks_per_node: int = Field(2, ge=1, le=64)

@@ -14,7 +14,6 @@ from submitit.core.utils import DelayedSubmission
 from trainflow.cluster.config import ClusterConfig
 from trainflow.cluster.job_folder import prepare_job_folder, private_umask, seal_files
 from trainflow.cluster.srun_executor import AllocationExecutor
-from trainflow.cluster.warm_pool import warm_pool
 
 
 def make_executor(cfg: ClusterConfig, folder: Path) -> submitit.Executor:
@@ -35,8 +34,6 @@ def make_executor(cfg: ClusterConfig, folder: Path) -> submitit.Executor:
     restore_sigint()
     executor = TrainflowLocalExecutor(folder)
     executor.peer_timeout_s = cfg.peer_timeout_s
-    # Ranks forked from this process's warm-rank server (torch, dynamo, MLflow imported).
-    executor.warm_socket = str(warm_pool()) if cfg.warm_ranks and warm_pool() else None
     executor.update_parameters(
         nodes=1,
         tasks_per_node=cfg.ranks_per_node,
@@ -47,15 +44,13 @@ def make_executor(cfg: ClusterConfig, folder: Path) -> submitit.Executor:
     return executor
 
 
-def _guarded(command: str, python: str, peer_timeout_s: int, warm: str | None = None) -> str:
+def _guarded(command: str, python: str, peer_timeout_s: int) -> str:
     """`command` (a rank's command line) run under cluster.rank_guard, which records how the
     rank ended (exit code or signal) for cluster.lost_ranks and gives the rank its collective
-    timeout; with `warm` (a socket of cluster.warm_ranks) the guard has the rank forked there.
-    `python` is already quoted."""
-    guard = f"{python} -u -m trainflow.cluster.rank_guard"
-    if warm is not None:
-        guard += f" --warm {shlex.quote(warm)}"
-    return f"{guard} --peer-timeout-s {peer_timeout_s} {command}"
+    timeout. `python` is already quoted."""
+    return (
+        f"{python} -u -m trainflow.cluster.rank_guard --peer-timeout-s {peer_timeout_s} {command}"
+    )
 
 
 def _privately(folder: Path, submit: Callable[[], list[submitit.Job[Any]]]) -> list[Any]:
@@ -71,16 +66,15 @@ class _GuardedPrivate:
     and jobs are submitted privately (umask 077: pickles, logs and job processes)."""
 
     peer_timeout_s: int = ClusterConfig().peer_timeout_s
-    warm_socket: str | None = None
     folder: Path
     python: str
 
     @property
     def _submitit_command_str(self) -> str:
         # submitit's `<python> -u -m submitit.core._submit <folder>`, through our entry that
-        # loads the job with the garbage collector paused first (cluster.rank_main).
+        # shields rank 0's requeue first (cluster.rank_main).
         command = f"{self.python} -u -m trainflow.cluster.rank_main {shlex.quote(str(self.folder))}"
-        return _guarded(command, self.python, self.peer_timeout_s, self.warm_socket)
+        return _guarded(command, self.python, self.peer_timeout_s)
 
     def _internal_process_submissions(
         self, delayed_submissions: list[DelayedSubmission]

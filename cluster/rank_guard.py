@@ -13,10 +13,6 @@ cgroup counter says so). Then it ends the same way its child did, so srun and th
 controller see what they saw before. cluster.lost_ranks turns these files into the message.
 It also hands the rank its collective timeout (cluster.peer_timeout_s) in the environment.
 
-With `--warm SOCKET` (the local executor, cluster.warm_ranks) the rank is not started here but
-forked by the warm-rank server, which hands this guard its pid and, later, its exit status;
-the guard signals it directly, and its death (the controller's SIGKILL) kills the rank.
-
 A peer's end: while its rank runs, the guard reads the job's other exit records every second.
 When a peer has ended without success (a signal, a non-zero code: lost, or it raised) and this
 rank is still running PEER_GRACE_S later, the guard ends it (SIGKILL) and records
@@ -43,7 +39,6 @@ from pathlib import Path
 from typing import Any
 
 from trainflow.cluster.prctl import die_with_parent
-from trainflow.cluster.warm_pool import WarmChild, spawn_warm
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGCONT)
 
@@ -84,7 +79,7 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def _pass_on(child: "subprocess.Popen[bytes] | WarmChild") -> None:
+def _pass_on(child: "subprocess.Popen[bytes]") -> None:
     """Install handlers that forward (local) or ignore (Slurm) the step's signals."""
     under_slurm = "SLURM_STEP_ID" in os.environ or "SLURM_JOB_ID" in os.environ
     for sig in FORWARDED:
@@ -160,7 +155,7 @@ def _written_since(result: Path, since: float) -> bool:
 
 
 def _wait(
-    child: "subprocess.Popen[bytes] | WarmChild",
+    child: "subprocess.Popen[bytes]",
     result: Path,
     since: float,
     peer: "Callable[[], dict[str, Any] | None]" = lambda: None,
@@ -215,14 +210,8 @@ def _wait(
         return (0 if outcome == "success" else 1), True, None
 
 
-def _start(
-    command: list[str], env: dict[str, str], warm: str | None
-) -> "subprocess.Popen[bytes] | WarmChild":
-    """The rank: forked by the warm-rank server at `warm` (local executor), else started."""
-    if warm is not None:
-        child = spawn_warm(warm, command, env)
-        if child is not None:
-            return child
+def _start(command: list[str], env: dict[str, str]) -> "subprocess.Popen[bytes]":
+    """The rank, started as this guard's child."""
     # The rank is killed when this guard dies (e.g. the local controller's SIGKILL after a
     # cancel): no rank outlives its guard.
     return subprocess.Popen(command, preexec_fn=_die_with_guard, env=env)
@@ -232,7 +221,7 @@ def _die_with_guard() -> None:
     die_with_parent(signal.SIGKILL)
 
 
-def main(command: list[str], peer_timeout_s: str, warm: str | None = None) -> None:
+def main(command: list[str], peer_timeout_s: str) -> None:
     """Run `command` as this rank, record how it ended, and end the same way."""
     folder, job_id, task = identity()
     node = node_name()
@@ -240,7 +229,7 @@ def main(command: list[str], peer_timeout_s: str, warm: str | None = None) -> No
     # The variable tasks.train.distributed.peer_timeout() reads (not imported: torch is heavy).
     env = {**os.environ, "TRAINFLOW_PEER_TIMEOUT_S": peer_timeout_s}
     started = time.time()
-    child = _start(command, env, warm)
+    child = _start(command, env)
     _pass_on(child)
     where = {
         "task": task,
@@ -248,7 +237,6 @@ def main(command: list[str], peer_timeout_s: str, warm: str | None = None) -> No
         "slurm_node": os.environ.get("SLURMD_NODENAME"),
         "pid": child.pid,
         "guard_pid": os.getpid(),
-        "warm": isinstance(child, WarmChild),
     }
     _write_json(folder / f"{job_id}_{task}_rank.json", where | {"started": started})
     returncode, hung, for_peer = _wait(
@@ -275,12 +263,6 @@ def main(command: list[str], peer_timeout_s: str, warm: str | None = None) -> No
 
 if __name__ == "__main__":
     args = sys.argv[1:]
-    warm_socket = None
-    if len(args) >= 2 and args[0] == "--warm":
-        warm_socket, args = args[1], args[2:]
     if len(args) < 3 or args[0] != "--peer-timeout-s" or not args[1].isdigit():
-        sys.exit(
-            "usage: python -m trainflow.cluster.rank_guard [--warm SOCKET] --peer-timeout-s S "
-            "<command> [args...]"
-        )
-    main(args[2:], args[1], warm_socket)
+        sys.exit("usage: python -m trainflow.cluster.rank_guard --peer-timeout-s S <command> ...")
+    main(args[2:], args[1])

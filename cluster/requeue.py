@@ -6,20 +6,17 @@ sending SIGTERM to every process of the job's steps, and scontrol is one of them
 rank 0's step. On a busy node that SIGTERM can reach scontrol before it has exited, after the
 requeue was accepted; submitit's `check_call` then raises `CalledProcessError(... died with
 SIGTERM)`, that error becomes rank 0's result, and the flow reports a failed job that Slurm has
-in fact requeued (seen in a `make test` run on 2 cores: tests/slurm/test_requeue.py, job 269).
+in fact requeued.
 
 Here scontrol starts with SIGTERM ignored (an ignored signal stays ignored across exec), so it
 finishes its request and exits with its own status; scontrol's real failures still raise, and
-Slurm's SIGKILL after KillWait still ends it. `install()` puts this in place of submitit's
-`SlurmJobEnvironment._requeue` in every rank (cluster.rank_main).
+Slurm's SIGKILL after KillWait still ends it. `install()` has submitit requeue this way in a
+rank's process (cluster.rank_main; the replacement itself lives in trainflow.compat).
 """
 
 import signal
 import subprocess
 from collections.abc import Sequence
-
-from submitit.core import logger
-from submitit.core.job_environment import JobEnvironment
 
 REQUEUE_TIMEOUT_S = 60.0
 """As submitit's own requeue: how long scontrol may take before it is killed."""
@@ -45,17 +42,13 @@ def call_ignoring_sigterm(argv: Sequence[str], timeout_s: float) -> None:
         raise subprocess.CalledProcessError(returncode, list(argv))
 
 
-def _requeue(self: JobEnvironment, countdown: int) -> None:
-    """submitit's SlurmJobEnvironment._requeue, with scontrol shielded from the requeue."""
-    job_id = self.job_id
+def requeue_job(job_id: str) -> None:
+    """`scontrol requeue <job_id>`, shielded from the requeue's own SIGTERM."""
     call_ignoring_sigterm(["scontrol", "requeue", job_id], REQUEUE_TIMEOUT_S)
-    logger.get_logger().info(
-        f"Requeued job {job_id} ({countdown} remaining timeouts; scontrol shielded from SIGTERM)"
-    )
 
 
 def install() -> None:
-    """Requeue through `call_ignoring_sigterm` in this process (a rank's)."""
-    from submitit.slurm.slurm import SlurmJobEnvironment
+    """Requeue through `requeue_job` in this process (a rank's)."""
+    from trainflow.compat import shield_submitit_requeue
 
-    SlurmJobEnvironment._requeue = _requeue  # type: ignore[method-assign]
+    shield_submitit_requeue(requeue_job)

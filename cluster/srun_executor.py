@@ -144,15 +144,16 @@ class AllocationJob(core.Job[core.R]):
         process: "subprocess.Popen[bytes] | None" = None,
     ) -> None:
         super().__init__(folder, job_id, tasks)
-        self._process = process
+        self.srun = process
         for sub in self._sub_jobs:
-            sub._process = process  # type: ignore[attr-defined]
+            if isinstance(sub, AllocationJob):  # submitit makes the sub-jobs of our class
+                sub.srun = process
 
     def results(self) -> list[core.R]:
         """submitit's results; when srun ended before any rank started (it refused the step),
         an UncompletedJobError with srun's own message instead of a wait for result files."""
         self.wait()
-        process = self._process
+        process = self.srun
         folder = self.paths.folder
         if process is not None and not list(folder.glob(f"{self.job_id}_*_rank.json")):
             log = folder / f"{self.job_id}_srun.log"
@@ -168,9 +169,9 @@ class AllocationJob(core.Job[core.R]):
 
     def done(self, force_check: bool = False) -> bool:
         """True once srun has ended (every rank of the step has)."""
-        if self._process is None:
+        if self.srun is None:
             return self.paths.result_pickle.exists()
-        return self._process.poll() is not None
+        return self.srun.poll() is not None
 
     @property
     def state(self) -> str:
@@ -179,15 +180,15 @@ class AllocationJob(core.Job[core.R]):
 
     def get_info(self, mode: str = "force") -> dict[str, str]:
         """The state in submitit's form, from the srun process."""
-        if self._process is None:
+        if self.srun is None:
             return {"jobState": "FINISHED" if self.paths.result_pickle.exists() else "UNKNOWN"}
-        code = self._process.poll()
+        code = self.srun.poll()
         state = "RUNNING" if code is None else ("INTERRUPTED" if code < 0 else "FINISHED")
         return {"jobState": state}
 
     def cancel(self, check: bool = True) -> None:
         """Cancel the step (Slurm ends every rank on every node), then wait for srun."""
-        process = self._process
+        process = self.srun
         deadline = time.monotonic() + CANCEL_WAIT_S
         while process is not None and process.poll() is None:
             if cancel_step(self.job_id) or time.monotonic() > deadline:

@@ -1,6 +1,5 @@
 #!/usr/bin/env bash
-# The local trainflow stack: a Prefect server (SQLite), one process worker, an MLflow server and
-# the warm `trainflow` command service (flows/warm_command.py: `trainflow run` in a warm fork).
+# The local trainflow stack: a Prefect server (SQLite), one process worker and an MLflow server.
 #
 #   deploy/stack.sh up       start what is not running yet, wait until healthy, print the UIs
 #   deploy/stack.sh deploy   register the deployments of deploy/prefect.yaml on that server
@@ -33,8 +32,7 @@ GRACE_S=${TRAINFLOW_STACK_GRACE_S:-30}
 PREFECT_API=http://127.0.0.1:$PREFECT_PORT/api
 MLFLOW_URL=http://127.0.0.1:$MLFLOW_PORT
 MARK=TRAINFLOW_STACK_ID=$STACK_DIR
-WARM_SOCKET=$STACK_DIR/warm/warm.sock
-SERVICES=(prefect-server mlflow-server worker warm)
+SERVICES=(prefect-server mlflow-server worker)
 
 die() { echo "stack: error: $*" >&2; exit 1; }
 say() { echo "stack: $*"; }
@@ -68,10 +66,9 @@ up_mlflow() {
     # New experiments get a file: artifact root rather than the mlflow-artifacts: proxy, so
     # that `trainflow run` on the SQLite store directly (no server URI) can still log
     # artifacts to an experiment a deployment run created (the proxy URI needs an http client).
-    # `mlflow server` run by tasks/tracking/mlflow_server.py: MLflow's own command with its
-    # uvicorn in the same process (one import of MLflow, not two).
+    # No MLflow job runner: trainflow runs no MLflow GenAI jobs (tasks/tracking/mlflow_server.py).
     MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false start mlflow-server \
-      "$BIN/python" -m trainflow.tasks.tracking.mlflow_server server \
+      "$BIN/mlflow" server \
       --host 127.0.0.1 --port "$MLFLOW_PORT" --workers 1 --backend-store-uri "$MLFLOW_STORE" \
       --default-artifact-root "file://$MLFLOW_ARTIFACTS" --artifacts-destination "$MLFLOW_ARTIFACTS"
     say "starting the mlflow server on port $MLFLOW_PORT ($MLFLOW_STORE)"
@@ -101,38 +98,21 @@ up_worker() {
   say "started a worker for pool '$POOL' (log: $STACK_DIR/worker.log)"
 }
 
-up_warm() {
-  if [[ -n $(service_pid warm) ]]; then
-    say "warm command service already running (pid $(service_pid warm))"
-  else
-    start warm "$BIN/trainflow" warm --socket "$WARM_SOCKET"
-    say "starting the warm command service ($WARM_SOCKET)"
-  fi
-  local deadline=$((SECONDS + 180))
-  until grep -q "serving on" "$STACK_DIR/warm.log" 2>/dev/null; do
-    [[ -n $(service_pid warm) ]] || die "the warm command service exited; its log is $STACK_DIR/warm.log"
-    ((SECONDS < deadline)) || die "the warm command service is not serving after 180 s; see $STACK_DIR/warm.log"
-    sleep 0.5
-  done
-}
-
 cmd_up() {
   [[ -x $BIN/prefect && -x $BIN/mlflow ]] || die "no virtualenv at $REPO/.venv: run make setup"
   up_prefect
   ensure_pool
   up_mlflow
   up_worker
-  up_warm
   cat <<EOF
 
 trainflow stack is up (state in $STACK_DIR)
   Prefect UI   http://127.0.0.1:$PREFECT_PORT
   MLflow UI    $MLFLOW_URL
   work pool    $POOL (one process worker)
-  warm command $WARM_SOCKET (\`trainflow run\` in a fork with its imports done)
 
 Point your shell at it:
-  export PREFECT_API_URL=$PREFECT_API MLFLOW_TRACKING_URI=$MLFLOW_URL TRAINFLOW_WARM_SOCKET=$WARM_SOCKET
+  export PREFECT_API_URL=$PREFECT_API MLFLOW_TRACKING_URI=$MLFLOW_URL
 Next: register the deployments with   deploy/stack.sh deploy   (or: make stack-deploy)
 EOF
 }
@@ -178,7 +158,7 @@ EOF
 cmd_down() {
   local worker servers=() runs=() pid group name
   worker=$(service_pid worker)
-  for name in prefect-server mlflow-server warm; do
+  for name in prefect-server mlflow-server; do
     pid=$(service_pid "$name")
     [[ -z $pid ]] || servers+=("$pid")
   done
@@ -225,7 +205,6 @@ cmd_status() {
   http_ok "$MLFLOW_URL/health" && echo "MLflow UI       $MLFLOW_URL (healthy)"
   echo "state           $STACK_DIR"
   [[ -z $(service_pid prefect-server) ]] || echo "export PREFECT_API_URL=$PREFECT_API"
-  [[ -z $(service_pid warm) ]] || echo "export TRAINFLOW_WARM_SOCKET=$WARM_SOCKET"
 }
 
 case "${1:-}" in

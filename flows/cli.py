@@ -1,24 +1,19 @@
 """The ``trainflow`` command line: run a pipeline, inspect presets and config, open the UI."""
 
 import argparse
-import atexit
-import functools
 import os
 import signal
 import socket
 import sys
-import threading
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import NoReturn, TypeVar
+from typing import NoReturn
 
 from trainflow.flows.config import PRESETS, PipelineConfig, build_config
 from trainflow.tasks.errors import DEBUG_ENV, ConfigError, JobError, TrainflowError, debug_enabled
 from trainflow.tasks.limits import open_files_advice, too_many_open_files
 
-T = TypeVar("T")
-_WARM_SOCKET_HELP = "$XDG_RUNTIME_DIR/trainflow/warm.sock, else /tmp/trainflow-<uid>/warm.sock"
 _DEBUG_HELP = "show tracebacks of errors (also: TRAINFLOW_DEBUG=1)"
 
 
@@ -58,10 +53,6 @@ def _parser() -> argparse.ArgumentParser:
         help="a train.* key and its values as a JSON list (repeatable: the grid is the product)",
     )
     sub.add_parser("presets", help="list the named presets")
-    warm = sub.add_parser(
-        "warm", help="serve `trainflow run` and `sweep` from a process with their imports done"
-    )
-    warm.add_argument("--socket", type=Path, default=None, help="default: " + _WARM_SOCKET_HELP)
     clu = sub.add_parser("cluster", help="a dev Slurm cluster of N nodes on this machine")
     clu.add_argument("action", choices=["up", "down", "status"])
     clu.add_argument("--nodes", type=int, help="up: nodes to emulate (default: as before, else 2)")
@@ -119,8 +110,7 @@ def _ui(cfg: PipelineConfig, host: str, port: int) -> int:
     print(f"MLflow UI on {uri}: http://{shown}:{port}  (Ctrl-C stops it)", flush=True)
     from trainflow.tasks.tracking.mlflow_server import serve
 
-    # MLflow's `mlflow ui` in this process (MLflow is imported already): Ctrl-C and signals
-    # reach the server; no job runner (it would fork 7 workers, ~1.5 GB, for one user).
+    # This process becomes `mlflow ui`: Ctrl-C and signals reach the server.
     serve(_ui_args(cfg, port, host))
 
 
@@ -191,20 +181,17 @@ def _cleanup(cfg: PipelineConfig) -> int:
 
 def _sweep(args: argparse.Namespace) -> int:
     from trainflow.flows.config import build_sweep, parse_override
+    from trainflow.flows.preflight import preflight
 
     grid = {".".join(path): value for path, value in map(parse_override, args.grid)}
-    base, elements = build_sweep(args.preset, args.overrides, grid)  # fail fast, before Prefect
-    from trainflow.flows.preflight import preflight, remember
-
-    trains = [cfg.train for _, cfg in elements]
-    checked = _checked_while_warming(base, lambda: preflight(base, trains))
+    base, elements = build_sweep(args.preset, args.overrides, grid)
+    model = preflight(base, [cfg.train for _, cfg in elements])  # before Prefect starts
+    print(model.line(), flush=True)
     _prepare_flow_process()
-    from trainflow.flows.sweep import sweep
-
-    remember(base, checked(), trains)
+    from trainflow.flows.sweep import checked_sweep
 
     try:
-        summary = sweep(preset=args.preset, overrides=args.overrides, grid=grid)
+        summary = checked_sweep(base, elements, model)
     except KeyboardInterrupt:
         print("trainflow: interrupted; the training jobs were cancelled", file=sys.stderr)
         return 130
@@ -240,73 +227,19 @@ def _prepare_flow_process() -> None:
     signal.signal(signal.SIGINT, _interrupt)
 
 
-def _checked_while_warming(cfg: PipelineConfig, check: Callable[[], T]) -> Callable[[], T]:
-    """Run `check` (the user's code: it imports torch and their modules) in the local
-    executor's warm-rank server, forked from this process once torch is imported: the server
-    goes on to import dynamo, MLflow and the job for the ranks while this process imports
-    Prefect and the pipeline, and torch is imported once for both (cluster.warm_pool). The
-    returned callable waits for the outcome (a mistake raises; no server is left). Without
-    warm ranks (Slurm, warm_ranks=false) or where no fork is possible, `check` runs here,
-    now, and the warm-rank server (if any) starts after it passed."""
-    if cfg.cluster.executor == "local" and cfg.cluster.warm_ranks:
-        import torch  # noqa: F401 -- before the fork: this process and the server share it
-
-        from trainflow.cluster.warm_pool import fork_pool, warm_pool
-
-        pending = fork_pool(check)
-        if pending is not None:
-            from trainflow.tasks.plugins import search_working_folder
-
-            # The fork imported the user's modules; this process imports them later (the code
-            # snapshot, the job's pickle) and must find them where the fork did.
-            search_working_folder()
-            return functools.cache(pending)
-        value = check()
-        warm_pool(for_job=False)  # if no job uses it, it is killed at exit
-        return lambda: value
-    value = check()
-    return lambda: value
-
-
 def _run(args: argparse.Namespace) -> int:
-    cfg = build_config(args.preset, args.overrides)  # fail fast, before Prefect starts
-    from trainflow.flows.preflight import check_code, check_inputs, remember
+    from trainflow.flows.preflight import preflight
 
-    spec = check_inputs(cfg)  # bad data: refused in ~1 s, before any process is started
-    from trainflow.flows.early_server import (
-        api_url_in_use,
-        hold_temporary_server,
-        keep_if_needed,
-        preload_tracking_store,
-        start_temporary_server,
-    )
-    from trainflow.tasks.import_gc import freeze_imported, imports_without_gc
-
-    # A mistake in the user's code (import, factory, output shape) is refused before any
-    # Prefect server or job starts too: checked in the warm-rank server as it boots, while
-    # this process imports Prefect and the pipeline, and Prefect's temporary server (if one
-    # is wanted: a fork of this process once Prefect is imported) imports its application,
-    # held: it serves only once the check passed.
-    checked = _checked_while_warming(cfg, lambda: check_code(cfg, spec))
+    cfg = build_config(args.preset, args.overrides)
+    # Bad data, a bad Slurm request or a mistake in the user's code: one line, before Prefect
+    # (and its server) or any job starts. The flow gets the config and the check's report.
+    model = preflight(cfg)
+    print(model.line(), flush=True)
     _prepare_flow_process()
-    with imports_without_gc():  # the flow's imports, 15-25% less CPU (tasks.import_gc)
-        import prefect  # noqa: F401 -- first of the flow's imports: the held server's fork shares it
+    from trainflow.flows.pipeline import checked_pipeline
 
-        held = hold_temporary_server()
-        from trainflow.flows.pipeline import import_stages, pipeline
-        from trainflow.tasks.tracking.config import resolve_tracking_uri
-
-        import_stages()  # torch, MLflow, dask: what the run's stages use, with the rest
-
-        print(remember(cfg, checked(), spec=spec).line(), flush=True)
-        server = keep_if_needed(start_temporary_server(held))  # released: ~0.6 s to answer
-        preload_tracking_store(resolve_tracking_uri(cfg.tracking, cfg.workdir))
-        # Never traversed again (tasks.import_gc); collected first: the user's model may have
-        # been built here to check it, and its cycles must not stay for good.
-        freeze_imported(collect=True)
     try:
-        with api_url_in_use(server):
-            summary = pipeline(preset=args.preset, overrides=args.overrides)
+        summary = checked_pipeline(cfg, model)
     except KeyboardInterrupt:
         print("trainflow: interrupted; the training job was cancelled", file=sys.stderr)
         return 130
@@ -331,11 +264,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         if args.command == "sweep":
             return _sweep(args)
-        if args.command == "warm":
-            from trainflow.flows.warm_command import default_socket
-            from trainflow.flows.warm_service import serve
-
-            return serve(args.socket or default_socket())
         if args.command == "cluster":
             from trainflow.cluster.dev.slurm import run as slurm
 
@@ -363,32 +291,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def entry() -> NoReturn:
-    """The ``trainflow`` command: main() (in the warm command service where one is set and
-    can run it: flows.warm_command), then an exit without the interpreter's teardown."""
-    from trainflow.flows.warm_command import run_served
-
-    served = run_served(sys.argv[1:])
-    exit_fast(main() if served is None else served)
-
-
-def exit_fast(code: int) -> NoReturn:
-    """End the process as a normal exit would, minus Python's teardown of every module.
-
-    With torch, MLflow and Prefect loaded that teardown takes ~2-3 s on 2 cores (measured:
-    1.8 s for their imports alone, 2.7 s after a whole `trainflow run`), after the work and
-    the summary are done. Everything a normal exit does first still happens: other
-    non-daemon threads are joined, atexit handlers run (Prefect's temporary server stops,
-    logging flushes its handlers, temporary folders are removed), and stdout/stderr flush.
-    ``threading._shutdown`` is CPython's own step of a normal exit (private, stable since 3.4).
-    """
-    # What the interpreter's own exit runs first, in its order: threading's exit hooks (they
-    # stop idle ThreadPoolExecutor workers, which a plain join would wait on forever), the
-    # join of non-daemon threads, then atexit.
-    threading._shutdown()  # type: ignore[attr-defined]
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    """The ``trainflow`` command."""
+    sys.exit(main())
 
 
 if __name__ == "__main__":

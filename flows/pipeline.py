@@ -3,7 +3,6 @@
 Composes stages only; all work happens in tasks/ and cluster/.
 """
 
-import importlib
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -20,8 +19,8 @@ from trainflow.flows.config import PipelineConfig, build_config, config_hash, fl
 from trainflow.flows.error_output import quiet_user_errors
 from trainflow.flows.preflight import preflight, user_modules
 from trainflow.tasks.preprocess.ref import DatasetRef
-from trainflow.tasks.prewarm import evaluate_modules, prewarm_imports
 from trainflow.tasks.tracking.report import run_link, runs_and_plots_markdown, summary_markdown
+from trainflow.tasks.train.model_report import ModelReport
 from trainflow.tasks.train.ref import CheckpointRef
 
 if TYPE_CHECKING:
@@ -29,25 +28,6 @@ if TYPE_CHECKING:
     from trainflow.tasks.tracking.lineage import Lineage
     from trainflow.tasks.tracking.pipeline_runs import PipelineRuns
     from trainflow.tasks.train.job import TrainJobSpec
-
-STAGE_MODULES = (
-    "trainflow.tasks.tracking.pipeline_runs",
-    "trainflow.tasks.tracking.lineage",
-    "trainflow.tasks.tracking.stage_logs",
-    "trainflow.tasks.preprocess.task",
-    "trainflow.tasks.train.task",
-    "trainflow.tasks.evaluate.task",
-)
-"""The stages' modules (torch, MLflow, dask: ~2.6 CPU s), imported where the flow runs its
-stages, not with this module: what only loads the flow (`prefect deploy`, a served flow's
-process, Prefect's cancellation-hook process) imports Prefect and the config alone. The
-command and the warm command service import them up front (`import_stages`)."""
-
-
-def import_stages() -> None:
-    """Import STAGE_MODULES now (what a run of the flow imports anyway)."""
-    for name in STAGE_MODULES:
-        importlib.import_module(name)
 
 
 class PipelineSummary(BaseModel):
@@ -89,20 +69,28 @@ def timed(timings: dict[str, float], name: str) -> Iterator[None]:
 def pipeline(
     preset: str = "demo", overrides: dict[str, Any] | list[str] | None = None
 ) -> PipelineSummary:
-    """Run the whole pipeline for a preset plus dotted overrides (e.g. train.epochs=3)."""
+    """Run the whole pipeline for a preset plus dotted overrides (e.g. train.epochs=3): what a
+    deployment runs. The config is built and checked here, first thing."""
     quiet_user_errors()
-    return run_pipeline(build_config(preset, overrides or []))
+    cfg = build_config(preset, overrides or [])
+    return run_pipeline(cfg, preflight(cfg))
 
 
-def run_pipeline(cfg: PipelineConfig) -> PipelineSummary:
-    """The pipeline body for an already validated config (must run inside a flow)."""
-    import_stages()  # all of them first, as when this module imported them: see prewarm below
+@flow(name="trainflow-pipeline")
+def checked_pipeline(cfg: PipelineConfig, model: ModelReport) -> PipelineSummary:
+    """Run the whole pipeline for a config the caller built and checked (flows.preflight):
+    what `trainflow run` runs, having refused a bad config before Prefect started."""
+    quiet_user_errors()
+    return run_pipeline(cfg, model)
+
+
+def run_pipeline(cfg: PipelineConfig, model: ModelReport) -> PipelineSummary:
+    """The pipeline body for a validated and checked config (must run inside a flow)."""
     from trainflow.tasks.tracking.lineage import log_dataset_input
     from trainflow.tasks.tracking.pipeline_runs import PipelineRuns
     from trainflow.tasks.tracking.stage_logs import log_checkpoint
     from trainflow.tasks.train.task import train_task
 
-    model = preflight(cfg)  # bad paths, files, models, Slurm: fail before any server or cluster
     get_run_logger().info(model.line())
     runs = PipelineRuns(cfg.tracking, cfg.workdir, cfg.name)
     run_dir = (cfg.workdir / "runs" / runs.parent_id).resolve()
@@ -117,11 +105,7 @@ def run_pipeline(cfg: PipelineConfig) -> PipelineSummary:
             log_dataset_input(runs.client, run_id, dataset, "training")
             runs.tag(run_id, lineage_of(runs, cfg, dataset, code_hash=code_hash).tags())
             spec = train_spec(cfg, dataset, run_dir, runs.tracking_uri, run_id, paths)
-            # Imported while the job runs; joined before MLflow is used again: two threads
-            # importing parts of one package with import cycles can see it half initialised.
-            warm = prewarm_imports(evaluate_modules())
-            ckpt = train_task(spec, cfg.cluster, run_dir / "jobs", cfg.workdir)
-            warm.join()
+            ckpt = train_task(spec, cfg.cluster, run_dir / "jobs", cfg.workdir, model)
             log_checkpoint(runs.client, run_id, ckpt)
             runs.tag(run_id, lineage_of(runs, cfg, dataset, ckpt, code_hash).tags())
         result = evaluate_stage(runs, cfg, dataset, ckpt, t, code_hash, paths)

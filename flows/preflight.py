@@ -1,9 +1,10 @@
 """Every check that needs no server, cluster or job: run before any of them starts.
 
-`trainflow run` and `trainflow sweep` call this right after building the config, so a wrong path,
-a malformed file list, a model plug-in that does not import, build or fit the data, or an
-unreachable Slurm reports in about a second, alone; the flows call it again first thing (a
-deployment run does not go through the command line).
+`trainflow run` and `trainflow sweep` call this right after building the config, before Prefect
+starts, so a wrong path, a malformed file list, a model plug-in that does not import, build or
+fit the data, or an unreachable Slurm reports in seconds, alone; they hand the config and the
+check's report to the flow. A deployment run (which does not go through the command line)
+checks first thing in its flow.
 """
 
 import os
@@ -19,53 +20,24 @@ from trainflow.tasks.errors import ConfigError
 from trainflow.tasks.preprocess.preflight import preflight_source, probe_spec
 from trainflow.tasks.preprocess.size import preprocess_need
 from trainflow.tasks.train.config import TrainConfig
+from trainflow.tasks.train.model_report import ModelReport
 
-if TYPE_CHECKING:  # check_code imports them: they import torch (seconds), check_inputs does not
+if TYPE_CHECKING:  # check_code imports torch (seconds), check_inputs does not
     from trainflow.tasks.spec import DataSpec
-    from trainflow.tasks.train.model_plugins import ModelReport
 
 
-_checked: dict[str, "ModelReport"] = {}
-"""Reports of the configs this process checked already (`remember`), by _key."""
-
-
-def _key(cfg: PipelineConfig, sweep: Iterable[TrainConfig]) -> str:
-    return "\n".join([cfg.model_dump_json(), *(train.model_dump_json() for train in sweep)])
-
-
-def remember(
-    cfg: PipelineConfig,
-    report: "ModelReport",
-    sweep: Iterable[TrainConfig] = (),
-    spec: "DataSpec | None" = None,
-) -> "ModelReport":
-    """Record that `cfg` (and `sweep`) passed every check, with this report, its model for
-    the data's `spec`: the flow that the command then runs in this process checks neither
-    again (the model check may have run in the warm-rank server; here its forward pass would
-    import torch._dynamo into the flow)."""
-    _checked[_key(cfg, sweep)] = report
-    if spec is not None:
-        from trainflow.tasks.train.model_plugins import record_check
-
-        record_check(cfg.train, spec, report)
-    return report
-
-
-def preflight(cfg: PipelineConfig, sweep: Iterable[TrainConfig] = ()) -> "ModelReport":
+def preflight(cfg: PipelineConfig, sweep: Iterable[TrainConfig] = ()) -> ModelReport:
     """ConfigError or DataError (what is wrong and the fix) before any expensive work; what
     the model check found (built on the meta device: nothing allocated). `sweep`: the train
-    configs of a sweep's elements, whose models are checked against the same data. A config
-    the `trainflow` command checked seconds ago in this process is not checked again."""
-    sweep = list(sweep)
-    known = _checked.get(_key(cfg, sweep))
-    return known if known is not None else check_code(cfg, check_inputs(cfg), sweep)
+    configs of a sweep's elements, whose models are checked against the same data."""
+    return check_code(cfg, check_inputs(cfg), sweep)
 
 
 def check_inputs(cfg: PipelineConfig) -> "DataSpec":
     """The checks that import neither torch nor a model: the workdir, the data source and its
     probe, the disk space the dataset needs, the Slurm requests; the data's spec. `trainflow
-    run` calls this before it starts any process (warm ranks, Prefect's temporary server), so
-    bad data is refused in about a second on an idle machine, alone."""
+    run` calls this before it imports torch or starts any process, so bad data is refused in
+    about a second on an idle machine, alone."""
     check_workdir(cfg.workdir)
     preflight_source(cfg.preprocess)
     spec = probe_spec(cfg.preprocess, cfg.train.objective)
@@ -78,7 +50,7 @@ def check_inputs(cfg: PipelineConfig) -> "DataSpec":
 
 def check_code(
     cfg: PipelineConfig, spec: "DataSpec", sweep: Iterable[TrainConfig] = ()
-) -> "ModelReport":
+) -> ModelReport:
     """The checks that import torch and the user's code: the objective against the data, the
     model (and each sweep element's) built on the meta device, the code snapshot's size."""
     from trainflow.cluster.snapshot import plan_snapshot
@@ -93,7 +65,7 @@ def check_code(
     return model
 
 
-def user_modules(cfg: PipelineConfig, model: "ModelReport") -> list[str]:
+def user_modules(cfg: PipelineConfig, model: ModelReport) -> list[str]:
     """The modules of the user's plug-ins (model, data source) whose code the run snapshots
     (cluster.snapshot)."""
     from trainflow.tasks.plugins import resolve

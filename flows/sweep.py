@@ -27,6 +27,7 @@ from trainflow.tasks.tracking.lineage import log_dataset_input
 from trainflow.tasks.tracking.pipeline_runs import PipelineRuns
 from trainflow.tasks.tracking.stage_logs import log_checkpoint
 from trainflow.tasks.train.model_plugins import resolve_factory
+from trainflow.tasks.train.model_report import ModelReport
 from trainflow.tasks.train.ref import CheckpointRef
 from trainflow.tasks.train.sweep import best_element
 from trainflow.tasks.train.task import train_array_task
@@ -51,14 +52,27 @@ def sweep(
     """Train every element of ``grid`` (e.g. {"train.lr": [1e-3, 3e-3]}), evaluate the best."""
     quiet_user_errors()
     base, elements = build_sweep(preset, overrides or [], grid or {})
-    return run_sweep(base, elements)
+    return run_sweep(base, elements, preflight(base, [cfg.train for _, cfg in elements]))
+
+
+@flow(name="trainflow-sweep")
+def checked_sweep(
+    base: PipelineConfig,
+    elements: list[tuple[dict[str, Any], PipelineConfig]],
+    model: ModelReport,
+) -> SweepSummary:
+    """The sweep of configs the caller built and checked (`trainflow sweep`)."""
+    quiet_user_errors()
+    return run_sweep(base, elements, model)
 
 
 def run_sweep(
-    base: PipelineConfig, elements: list[tuple[dict[str, Any], PipelineConfig]]
+    base: PipelineConfig,
+    elements: list[tuple[dict[str, Any], PipelineConfig]],
+    model: ModelReport,
 ) -> SweepSummary:
-    """The sweep body for validated configs (must run inside a flow)."""
-    modules = user_modules(base, preflight(base, [cfg.train for _, cfg in elements]))
+    """The sweep body for validated and checked configs (must run inside a flow)."""
+    modules = user_modules(base, model)
     modules += [resolve_factory(cfg.train).target.partition(":")[0] for _, cfg in elements]
     runs = PipelineRuns(base.tracking, base.workdir, f"{base.name}-sweep")
     grid_text = json.dumps([e for e, _ in elements])

@@ -215,51 +215,6 @@ def prefect_server(
 
 
 @contextmanager
-def migrated_prefect_db(shared: Path, folder: Path) -> Iterator[bool]:
-    """`folder`/prefect.db seeded from a copy at Prefect's head revision kept in `shared` (one
-    per Prefect version), when there is one; yields whether it was seeded. Otherwise the
-    caller's server migrates a new database (a real `prefect server start`: 11-14 CPU s here,
-    4.4-4.8 on a seeded one) and, while this context is open, `save_template` keeps a copy;
-    other processes wait on the lock meanwhile rather than each migrating its own."""
-    import fcntl
-
-    import prefect
-
-    from trainflow.tasks.tracking.new_store import sqlite_answers
-
-    template = shared / f"prefect-{prefect.__version__}.db"
-    with (shared / f"{template.name}.lock").open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if template.exists() and sqlite_answers(template) is None:
-            template.unlink()  # made anew by this caller's server
-        if template.exists():
-            folder.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(template, folder / "prefect.db")
-            fcntl.flock(lock, fcntl.LOCK_UN)
-            yield True
-            return
-        yield False  # the caller starts its server and calls save_template before leaving
-
-
-def save_template(shared: Path, folder: Path) -> None:
-    """A consistent copy of `folder`/prefect.db (its server running) as the template
-    migrated_prefect_db seeds from (SQLite's backup API; renamed into place)."""
-    import sqlite3
-
-    import prefect
-
-    template = shared / f"prefect-{prefect.__version__}.db"
-    partial = template.with_name(f"{template.name}.{os.getpid()}.tmp")
-    source, copy = sqlite3.connect(folder / "prefect.db"), sqlite3.connect(partial)
-    try:
-        source.backup(copy)
-    finally:
-        copy.close()
-        source.close()
-    os.replace(partial, template)
-
-
-@contextmanager
 def mlflow_server(
     folder: Path,
     extra_args: list[str] | None = None,
@@ -269,15 +224,12 @@ def mlflow_server(
 ) -> Iterator[str]:
     """A real `mlflow server` (as the product starts one: tasks.tracking.mlflow_server) on a
     SQLite store under `folder` (on `port`, else a free one: give the same folder and port to
-    start a stopped server again); yields its URL. A new
-    store starts as a copy of this machine's migrated template where there is one (MLflow
-    creates its Default experiment in it): no ~0.7 CPU s of schema migrations per server."""
+    start a stopped server again); yields its URL."""
+    from trainflow.tasks.tracking.mlflow_server import JOB_EXECUTION
     from trainflow.tasks.tracking.mlflow_server import command as mlflow_command
-    from trainflow.tasks.tracking.new_store import seed_store
 
     port = port or free_port()
-    if not (folder / "mlflow.db").exists():
-        seed_store(folder / "mlflow.db")
+    env = {JOB_EXECUTION: "false", **dict(env or {})}
     argv = [
         *mlflow_command("server", "--host", "127.0.0.1", "--port", str(port)),
         *("--backend-store-uri", f"sqlite:///{folder}/mlflow.db"),

@@ -10,42 +10,17 @@ flow process.
 """
 
 import os
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from importlib.metadata import version
 
 import mlflow
+import mlflow.pytorch
 import numpy as np
 import torch
 from mlflow.models import infer_signature
 
 from trainflow.tasks.tracking.runs import use_tracking_uri
-
-
-@contextmanager
-def _lightning_hidden() -> Iterator[None]:
-    """Hide PyTorch Lightning from the imports in this block, when nothing has imported it.
-
-    Importing MLflow's pytorch flavor imports Lightning whenever it is installed, only to offer
-    a Lightning checkpoint callback (it skips it when the import fails): ~2.2 s on this 2-core
-    machine (Lightning, lightning_fabric, scipy.signal, scipy.stats), a third of the evaluate
-    stage, for a class trainflow never uses. A None entry in sys.modules makes that import
-    fail; it is removed after, so later imports of Lightning work as usual.
-    """
-    if "pytorch_lightning" in sys.modules:
-        yield
-        return
-    sys.modules["pytorch_lightning"] = None  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        if "pytorch_lightning" in sys.modules and sys.modules["pytorch_lightning"] is None:
-            del sys.modules["pytorch_lightning"]
-
-
-with _lightning_hidden():
-    import mlflow.pytorch
 
 # Explicit requirements: MLflow otherwise spends ~7 s guessing them by importing the model.
 _REQUIREMENTS = ("torch", "numpy", "mlflow")

@@ -11,6 +11,7 @@ from mlflow.entities import Metric
 from mlflow.tracking import MlflowClient
 from pydantic import BaseModel, ConfigDict
 
+from trainflow.cluster.snapshot import code_path
 from trainflow.tasks.errors import ConfigError, DataError
 from trainflow.tasks.evaluate.config import EvaluateConfig
 from trainflow.tasks.evaluate.predict import test_batches
@@ -71,12 +72,13 @@ def run_evaluate(
     """Evaluate the best checkpoint on the test split and log everything to ``run_id``;
     `say` gets the headline metric as soon as the test pass gives it (the run's first result:
     plots, the model's export and registration follow). `code`: the run's code snapshot
-    folders, which a forked model export imports the user's modules from.
+    folders, where the user's modules are imported from (cluster.snapshot).
 
     With registration on, the logged model becomes a new registered version tagged with
     ``version_tags`` (dataset_hash, git_commit, config_hash) and may take the champion alias.
     """
-    model = load_model(ckpt, train, dataset)
+    with code_path(code):
+        model = load_model(ckpt, train, dataset)
     objective = make_objective(
         train.objective, dataset_spec(dataset, train.objective), train.objective_args
     )
@@ -89,7 +91,9 @@ def run_evaluate(
     _log_results(client, run_id, report, objective, ckpt.history_path)
     uri = None
     if cfg.log_model:
-        uri = _log_model(model, ckpt, train, dataset, example[0], tracking_uri, run_id, code)
+        from trainflow.tasks.evaluate.model_logging import log_model  # torch.export: lazy
+
+        uri = log_model(model, example[0], tracking_uri, run_id)
     flat = report.metrics
     registry = _register(client, cfg, uri, run_id, flat, objective, version_tags) if uri else None
     return EvalResult(
@@ -108,29 +112,6 @@ def _headline_line(headline: str, value: float, job_value: float | None) -> str:
     if job_value is None:
         return f"{words} {value:.4f} (first result; {follow})"
     return f"{words} {value:.4f} (the training job's test pass: {job_value:.4f}; {follow})"
-
-
-def _log_model(
-    model: torch.nn.Module,
-    ckpt: CheckpointRef,
-    train: TrainConfig,
-    dataset: DatasetRef,
-    example: np.ndarray,
-    tracking_uri: str,
-    run_id: str,
-    code: Sequence[Path] = (),
-) -> str:
-    """The model's pt2 export logged to the run: in a warm fork where this process runs a
-    warm-rank server (no torch._dynamo import here; the user's modules from the snapshot
-    folders `code`), else in this process."""
-    from trainflow.tasks.evaluate.warm_export import log_model_warm
-
-    uri = log_model_warm(ckpt, train, dataset, example, tracking_uri, run_id, code)
-    if uri is not None:
-        return uri
-    from trainflow.tasks.evaluate.model_logging import log_model  # torch.export: lazy
-
-    return log_model(model, example, tracking_uri, run_id)
 
 
 def _register(

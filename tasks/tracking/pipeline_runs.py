@@ -17,9 +17,21 @@ from mlflow.tracking import MlflowClient
 from trainflow.tasks.diskspace import disk_stage
 from trainflow.tasks.tracking import runs
 from trainflow.tasks.tracking.config import TrackingConfig, resolve_tracking_uri
-from trainflow.tasks.tracking.new_store import create_local_store
 from trainflow.tasks.tracking.reachability import limit_http_retries, reachable
-from trainflow.tasks.tracking.store_lock import store_lock
+from trainflow.tasks.tracking.store_lock import sqlite_path, store_lock
+
+
+def create_local_store(tracking_uri: str, artifact_root: Path) -> None:
+    """Create the SQLite store of `tracking_uri` when its file does not exist yet, with MLflow's
+    Default experiment keeping its artifacts under `artifact_root` (not the working folder).
+    Other stores are left to MLflow. Call it under store_lock (one creator at a time)."""
+    db = sqlite_path(tracking_uri)
+    if db is None or db.exists():
+        return
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+    db.parent.mkdir(parents=True, exist_ok=True)
+    SqlAlchemyStore(tracking_uri, artifact_root.resolve().as_uri()).engine.dispose()
 
 
 def status_for(exc: BaseException) -> str:

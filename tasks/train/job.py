@@ -76,7 +76,6 @@ from trainflow.tasks.train.throughput import (
     announce_flops,
     epoch_throughput,
 )
-from trainflow.tasks.train.warmup import prewarm_rank
 
 
 class TrainJobSpec(BaseModel):
@@ -124,7 +123,6 @@ class TrainingJob(submitit.helpers.Checkpointable):
         deliver_held_signal()  # a requeue signal that came during start-up: requeue now
         spec, cfg = self.spec, self.spec.train
         code_first(spec.code)  # the user's code as submitted, not as the files hold it now
-        warm = prewarm_rank()  # torch._dynamo, imported in the waits (rendezvous, data loading)
         torch.set_num_threads(spec.cpus_per_task)
         run_out = spec.out_dir if spec.tracking_uri and spec.run_id else None  # a run to log
         with (
@@ -143,7 +141,6 @@ class TrainingJob(submitit.helpers.Checkpointable):
             train, val = self._load("train", dist, nhwc), self._load("val", dist, nhwc)
             if dist.is_main:
                 announce(cfg, dist, policy, nhwc, train, journal)
-            warm.join()  # the model, optimizer and DDP import torch internals on this thread
             self._flops = NO_FLOPS
             if dist.is_main:  # counted once, on a meta copy of the model as built (before
                 self._flops = announce_flops(  # FSDP, which cannot be copied, shards it)

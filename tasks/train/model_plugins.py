@@ -10,7 +10,6 @@ shape is one line before any work starts, whatever the model's size.
 """
 
 import inspect
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -19,6 +18,7 @@ from torch import nn
 from trainflow.tasks.plugins import PluginError, Resolved, call, resolve
 from trainflow.tasks.spec import DataSpec
 from trainflow.tasks.train.config import TrainConfig
+from trainflow.tasks.train.model_report import ModelReport
 
 MODEL_GROUP = "trainflow.models"
 """Entry-point group under which installed packages register model factories."""
@@ -45,38 +45,6 @@ class ModelFactory(Protocol):
     def __call__(self, spec: DataSpec, **model_args: Any) -> nn.Module: ...
 
 
-@dataclass(frozen=True)
-class ModelReport:
-    """What preflight learnt about the model without allocating it."""
-
-    target: str
-    """`module:factory` that train.model resolved to."""
-    file: str
-    """The factory's module file."""
-    parameters: int
-    """Number of parameters."""
-    parameter_bytes: int
-    """Bytes of the parameters in their dtypes."""
-
-    @property
-    def module(self) -> str:
-        """The factory's module (what the run's code snapshot starts from)."""
-        return self.target.partition(":")[0]
-
-    def params(self) -> dict[str, str]:
-        """MLflow params of the train run."""
-        return {
-            "model_factory": self.target,
-            "model_parameters": str(self.parameters),
-            "model_parameter_bytes": str(self.parameter_bytes),
-        }
-
-    def line(self) -> str:
-        """One log line."""
-        mib = self.parameter_bytes / 2**20
-        return f"model {self.target}: {self.parameters:,} parameters, {mib:.2f} MiB ({self.file})"
-
-
 def resolve_factory(cfg: TrainConfig) -> Resolved:
     """The factory cfg.model names (PluginError: one line naming the module and the fix)."""
     return resolve(cfg.model, setting="train.model", group=MODEL_GROUP, builtins=BUILTIN_MODELS)
@@ -87,30 +55,9 @@ def build_model(cfg: TrainConfig, spec: DataSpec) -> nn.Module:
     return _build(resolve_factory(cfg), cfg, spec)
 
 
-_passed: dict[tuple[str, DataSpec], ModelReport] = {}
-"""Models this process knows pass check_model for a spec (record_check; check_model itself)."""
-
-
-def record_check(cfg: TrainConfig, spec: DataSpec, report: ModelReport) -> None:
-    """Record that cfg's model passed check_model for `spec` (in the warm-rank server forked
-    from this process: the `trainflow` command), with this report."""
-    _passed[(cfg.model_dump_json(), spec)] = report
-
-
 def check_model(cfg: TrainConfig, spec: DataSpec) -> ModelReport:
     """Build cfg's model on the meta device (no weights allocated) and check one forward pass
-    of CHECK_BATCH samples gives spec.output_shape; PluginError (one line) otherwise. Checked
-    once per process for a config and spec: the train stage asks again for the dataset's
-    spec, and the forward pass would import torch._dynamo into the flow (1-2 s)."""
-    known = _passed.get((cfg.model_dump_json(), spec))
-    if known is not None:
-        return known
-    report = _check_model(cfg, spec)
-    record_check(cfg, spec, report)
-    return report
-
-
-def _check_model(cfg: TrainConfig, spec: DataSpec) -> ModelReport:
+    of CHECK_BATCH samples gives spec.output_shape; PluginError (one line) otherwise."""
     factory = resolve_factory(cfg)
     with torch.device("meta"):
         model = _build(factory, cfg, spec)

@@ -19,32 +19,30 @@ from trainflow.cluster.restarts import run_with_restarts
 from trainflow.cluster.slurm_checks import check_cluster
 from trainflow.tasks.diskspace import disk_stage, require_space
 from trainflow.tasks.errors import JobError
-from trainflow.tasks.preprocess.ref import dataset_spec
 from trainflow.tasks.tracking import orphaned_runs
 from trainflow.tasks.tracking.lost_ranks import record_lost_ranks
 from trainflow.tasks.tracking.progress import EpochProgress
 from trainflow.tasks.tracking.relay import relaying
 from trainflow.tasks.tracking.slurm_logs import record_job_accounting
 from trainflow.tasks.train.job import TrainingJob, TrainJobSpec
-from trainflow.tasks.train.model_plugins import check_model
+from trainflow.tasks.train.model_report import ModelReport
 from trainflow.tasks.train.ref import CheckpointRef
 from trainflow.tasks.train.sweep import ArrayTrainingJob
 
 
 @task(name="train", cache_policy=NO_CACHE, persist_result=False)
 def train_task(
-    spec: TrainJobSpec, cluster: ClusterConfig, job_dir: Path, workdir: Path
+    spec: TrainJobSpec, cluster: ClusterConfig, job_dir: Path, workdir: Path, model: ModelReport
 ) -> CheckpointRef:
     """Run the training job on the configured executor and return its best checkpoint.
 
-    The job is recorded under workdir/active_jobs while it is watched, so that if this
-    process dies, `trainflow cleanup` (or the next run) can still cancel it.
+    `model`: what preflight found when it checked the model against the data (its size sets
+    the disk space the checkpoints need). The job is recorded under workdir/active_jobs while
+    it is watched, so that if this process dies, `trainflow cleanup` (or the next run) can
+    still cancel it.
     """
-    # Model/data mismatches (e.g. images too small) fail here, before anything is queued;
-    # built on the meta device: nothing allocated on the flow's host.
-    params = check_model(spec.train, dataset_spec(spec.dataset, spec.train.objective)).parameters
     # A checkpoint holds weights and two Adam moments; two of them and best.pt may coexist.
-    need = 4 * params * 7
+    need = 4 * model.parameters * 7
     require_space("train", spec.out_dir, need)  # before the job is queued
     logger = get_run_logger()
     check_cluster(cluster)
@@ -63,10 +61,9 @@ def train_task(
 def train_array_task(
     specs: list[TrainJobSpec], cluster: ClusterConfig, job_dir: Path, workdir: Path
 ) -> list[CheckpointRef | str]:
-    """Train every spec as one job array; per element its checkpoint or its error text."""
+    """Train every spec as one job array (their models checked by preflight); per element its
+    checkpoint or its error text."""
     logger = get_run_logger()
-    for spec in specs:
-        check_model(spec.train, dataset_spec(spec.dataset, spec.train.objective))
     check_cluster(cluster)
     executor = make_executor(cluster, job_dir)
     jobs = executor.map_array(ArrayTrainingJob(), specs)

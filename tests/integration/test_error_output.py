@@ -16,7 +16,7 @@ from tests.services import service_env
 from tests.unit.test_preprocess_sources import _folder, _save_image
 
 # What a terminal shows of the command run cold, as a user without the stack runs it.
-pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("cold_command")]
+pytestmark = pytest.mark.integration
 
 
 def _run(

@@ -2,9 +2,10 @@
 
 Under pytest-xdist each worker has a 2-node cluster of its own (its own base folder and ports,
 `worker_cluster`), so Slurm tests run on every worker at once without sharing a queue, a job id
-sequence or the nodes' CPUs. A cluster this session starts is left running: the next session
-reuses it in a second instead of starting it again (`trainflow cluster down` with the same
-TRAINFLOW_SLURM_HOME stops it).
+sequence or the nodes' CPUs. A cluster this session starts is stopped when the session ends;
+with TRAINFLOW_KEEP_SLURM=1 it is left running for the next session to reuse (`trainflow
+cluster down` with the same TRAINFLOW_SLURM_HOME stops it). A cluster that was up before the
+session is used and left as it was.
 """
 
 import fcntl
@@ -57,10 +58,15 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.slurm)
 
 
-def _ensure_cluster() -> None:
-    """Use a running cluster of NODES nodes, start one, or skip (fail in CI) with the reason."""
+KEEP_ENV = "TRAINFLOW_KEEP_SLURM"
+"""Set to 1: a dev cluster the tests start stays up after the session."""
+
+
+def _ensure_cluster() -> bool:
+    """Use a running cluster of NODES nodes, or start one (True), or skip (fail in CI) with the
+    reason."""
     if is_up(NODES):
-        return
+        return False
     ok, why = can_start()
     if ok:
         output = io.StringIO()
@@ -69,7 +75,7 @@ def _ensure_cluster() -> None:
             started = run("up", out=output, nodes=NODES)
         if started != 0:
             pytest.fail(f"`cluster/dev/slurm.sh up` failed:\n{output.getvalue()}", pytrace=False)
-        return
+        return True
     if os.environ.get("CI"):
         pytest.fail(f"no Slurm cluster in CI: {why}", pytrace=False)
     pytest.skip(f"no Slurm cluster: run `trainflow cluster up` (needs root and apt): {why}")
@@ -79,7 +85,7 @@ def _ensure_cluster() -> None:
 def slurm_cluster() -> Iterator[Path]:
     """The slurm.conf of a usable cluster, exported as SLURM_CONF for the session."""
     worker_cluster()
-    _ensure_cluster()
+    started = _ensure_cluster()
     previous = os.environ.get("SLURM_CONF")
     os.environ["SLURM_CONF"] = str(slurm_conf())
     yield slurm_conf()
@@ -87,19 +93,14 @@ def slurm_cluster() -> Iterator[Path]:
         os.environ.pop("SLURM_CONF", None)
     else:
         os.environ["SLURM_CONF"] = previous
+    if started and os.environ.get(KEEP_ENV) != "1":
+        run("down", out=io.StringIO())
 
 
 @pytest.fixture(scope="session", autouse=True)
 def _prefect_for_all(prefect_api: str) -> str:
     """Every Slurm test's flows, served flows and jobs use the session's Prefect server."""
     return prefect_api
-
-
-@pytest.fixture(autouse=True)
-def _served(served_commands: Path) -> Path:
-    """Every Slurm test's `trainflow run`s go to this test process's warm command service
-    (tests/conftest.py `served_commands`), as with the local stack up."""
-    return served_commands
 
 
 @pytest.fixture(autouse=True)

@@ -14,7 +14,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 from mlflow.tracking import MlflowClient
 
 from tests.services import (
@@ -117,7 +116,6 @@ def test_ctrl_c_on_trainflow_run_cancels_the_slurm_job(tmp_path: Path) -> None:
     assert registry.recorded(tmp_path) == []
 
 
-@pytest.mark.usefixtures("cold_command")  # served, the service would cancel it itself
 def test_a_killed_flow_process_s_job_is_cancelled_by_its_watchdog(tmp_path: Path) -> None:
     proc = _long_run(tmp_path, new_session=True)
     try:

@@ -16,7 +16,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import pytest
 from mlflow.entities import Run
 from mlflow.tracking import MlflowClient
 
@@ -28,7 +27,6 @@ PLACEHOLDER = "/path/to/trainflow"
 ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "DEADLINE"}
 ENDED |= {"PREEMPTED", "BOOT_FAIL"}
 # The templates' `trainflow` commands run in the job, cold, as on a cluster's compute node.
-pytestmark = pytest.mark.usefixtures("cold_command")
 
 
 # --- Slurm -----------------------------------------------------------------------------------

@@ -23,11 +23,13 @@ from trainflow.cluster.jobs import wait_for_job
 from trainflow.tasks.diskspace import DiskFullError, disk_stage
 from trainflow.tasks.evaluate.config import EvaluateConfig
 from trainflow.tasks.evaluate.task import evaluate_task
+from trainflow.tasks.preprocess.ref import dataset_spec
 from trainflow.tasks.preprocess.writer import stage
 from trainflow.tasks.tracking.config import TrackingConfig
 from trainflow.tasks.tracking.pipeline_runs import PipelineRuns
 from trainflow.tasks.train.config import TrainConfig
 from trainflow.tasks.train.job import TrainingJob, TrainJobSpec
+from trainflow.tasks.train.model_plugins import check_model
 from trainflow.tasks.train.ref import CheckpointRef
 from trainflow.tasks.train.task import train_task
 
@@ -99,7 +101,8 @@ def test_training_refuses_a_disk_too_small_for_its_checkpoints(
     )
     jobs = tmp_path / "jobs"
     with pytest.raises(DiskFullError) as err:
-        train_task.fn(spec, ClusterConfig(ranks_per_node=1), jobs, tmp_path / "wd")
+        model = check_model(spec.train, dataset_spec(dataset, "classification"))
+        train_task.fn(spec, ClusterConfig(ranks_per_node=1), jobs, tmp_path / "wd", model)
     message = str(err.value)
     assert message.startswith(f"train: not enough space on the disk of {spec.out_dir} (")
     assert "needed): free some space there" in message and "\n" not in message

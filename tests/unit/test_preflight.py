@@ -251,15 +251,11 @@ def test_the_command_refuses_bad_data_or_a_bad_model_before_it_starts_any_proces
     capsys: pytest.CaptureFixture[str],
     mistake: str,
 ) -> None:
-    """`trainflow run` checks the data and the user's model before it starts warm ranks or
-    Prefect's temporary server (each a process importing torch or Prefect's server, seconds of
-    CPU beside the check): the refusal is one line and nothing was started."""
-    from trainflow.cluster import warm_pool
+    """`trainflow run` checks the data and the user's model before it starts Prefect's
+    temporary server or any job: the refusal is one line and nothing was started."""
     from trainflow.flows import cli
 
     monkeypatch.delenv("PREFECT_API_URL", raising=False)  # else no temporary server would start
-    monkeypatch.delenv(warm_pool.DISABLE_ENV, raising=False)
-    monkeypatch.setattr(warm_pool, "_pool", None)
     argv = ["run", "--preset", "tiny", "--set", f"workdir={tmp_path}"]
     if mistake == "data":
         (tmp_path / "data.npz").write_text("images,labels\n")
@@ -274,27 +270,23 @@ def test_the_command_refuses_bad_data_or_a_bad_model_before_it_starts_any_proces
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and said in err, err
-    assert warm_pool._pool is None  # no warm-rank server
+    assert not (tmp_path / "runs").exists()  # no job folder
     assert "prefect-temporary-server" not in {t.name for t in threading.enumerate()}
 
 
 @pytest.mark.parametrize("debug", [False, True])
-def test_a_model_refused_in_the_forked_warm_server_is_one_line_and_leaves_no_process(
+def test_a_model_refused_by_the_command_is_one_line_and_leaves_no_process(
     tmp_path: Path, debug: bool
 ) -> None:
-    """The command (a process of its own, as users start it) checks the model in the warm-rank
-    server it forks once torch is imported (cluster.warm_pool.fork_pool): a mistake is the
-    same one line and exit 2, the fork exits with it and nothing else was started; --debug
-    shows the traceback from the fork."""
+    """The command (a process of its own, as users start it) checks the model before anything
+    starts: a mistake is one line and exit 2, and no process is left; --debug shows the
+    traceback from the user's file."""
     import psutil
-
-    from trainflow.cluster.warm_pool import DISABLE_ENV
 
     (tmp_path / "tf_user_models.py").write_text(_USER_MODEL)
     marker = uuid.uuid4().hex
     env = {**os.environ, "PYTHONPATH": str(tmp_path), "TRAINFLOW_TEST_MARK": marker}
-    for name in ("PREFECT_API_URL", DISABLE_ENV):
-        env.pop(name, None)
+    env.pop("PREFECT_API_URL", None)
     argv = [sys.executable, "-m", "trainflow.flows.cli", *(["--debug"] if debug else []),
             "run", "--preset", "tiny", "--set", f"workdir={tmp_path / 'work'}",
             "--set", "train.model=tf_user_models:wrong_width"]  # fmt: skip
@@ -303,7 +295,7 @@ def test_a_model_refused_in_the_forked_warm_server_is_one_line_and_leaves_no_pro
     assert out.stdout == ""
     said = "gives (2, 5) for a batch of 2"
     if debug:
-        assert "Traceback" in out.stderr and "_forked_server" in out.stderr, out.stderr
+        assert "Traceback" in out.stderr and "tf_user_models.py" in out.stderr, out.stderr
     else:
         assert out.stderr.count("\n") == 1 and said in out.stderr, out.stderr
     assert said in out.stderr.splitlines()[-1]

@@ -1,0 +1,34 @@
+"""The one place trainflow replaces part of a library's private internals.
+
+Each entry says what it replaces, why no public API does the job, the upstream code it tracks,
+and the versions it was checked against; tests/unit/test_compat.py fails when an installed
+version differs or the replaced code no longer looks as the entry expects.
+"""
+
+from collections.abc import Callable
+
+SUBMITIT_VERSIONS = ("1.5.4",)
+"""submitit versions whose `SlurmJobEnvironment._requeue` `shield_submitit_requeue` replaces."""
+
+
+def shield_submitit_requeue(requeue: Callable[[str], None]) -> None:
+    """Have submitit requeue a Slurm job (after SIGUSR2 before a time limit or a preemption)
+    through `requeue(job_id)` instead of its own `SlurmJobEnvironment._requeue`.
+
+    Why: submitit runs `subprocess.check_call(["scontrol", "requeue", job_id], timeout=60)`
+    (submitit/slurm/slurm.py, `_requeue`; its timeout came with facebookincubator/submitit#1713).
+    Slurm carries the requeue out by sending SIGTERM to every process of the job's steps, and
+    scontrol runs in rank 0's step: when the SIGTERM reaches scontrol before it has exited,
+    check_call raises, that error becomes rank 0's result, and the flow reports a failed job
+    that Slurm has requeued. submitit has no hook for the requeue command, so the method is
+    replaced in the rank's process (cluster.rank_main). No upstream issue covers it yet.
+    Versions: SUBMITIT_VERSIONS.
+    """
+    from submitit.core import logger
+    from submitit.slurm.slurm import SlurmJobEnvironment
+
+    def _requeue(self: SlurmJobEnvironment, countdown: int) -> None:
+        requeue(self.job_id)
+        logger.get_logger().info(f"Requeued job {self.job_id} ({countdown} remaining timeouts)")
+
+    SlurmJobEnvironment._requeue = _requeue  # type: ignore[method-assign]
