@@ -13,10 +13,8 @@ its workers exit after DEATH_TIMEOUT_S without a scheduler, which ends their job
 """
 
 import logging
-import signal
 import socket
 import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
@@ -30,6 +28,7 @@ import distributed
 from trainflow.cluster import registry
 from trainflow.cluster.config import DaskConfig
 from trainflow.cluster.dask_slurm_checks import check_dask_workers, worker_mem_mb
+from trainflow.compat import import_slurm_cluster
 from trainflow.tasks.errors import ConfigError, JobError
 
 Backend = Literal["numpy", "cupy"]
@@ -120,24 +119,6 @@ def submit_workers(cluster: Any, n: int) -> None:
             f"sbatch refused a dask worker job: {why}; check cluster.dask.partition, account "
             "and sbatch_extra"
         ) from None
-
-
-def import_slurm_cluster() -> Any:
-    """dask_jobqueue's SLURMCluster, imported without the SIGINT handler its import installs.
-
-    dask_jobqueue.runner sets SIGINT to `sys.exit()` when imported: Ctrl-C would then end the
-    flow with exit status 0 instead of KeyboardInterrupt (and the import fails off the main
-    thread, where signal.signal raises). signal.signal is held off for the import alone.
-    """
-    if "dask_jobqueue" in sys.modules:
-        return sys.modules["dask_jobqueue"].SLURMCluster
-    real = signal.signal
-    signal.signal = lambda signum, _handler: signal.getsignal(signum)  # type: ignore[assignment]
-    try:
-        from dask_jobqueue import SLURMCluster
-    finally:
-        signal.signal = real
-    return SLURMCluster
 
 
 def cluster_options(

@@ -5,10 +5,15 @@ and the versions it was checked against; tests/unit/test_compat.py fails when an
 version differs or the replaced code no longer looks as the entry expects.
 """
 
+import signal
+import sys
 from collections.abc import Callable
+from typing import Any
 
 SUBMITIT_VERSIONS = ("1.5.4",)
 """submitit versions whose `SlurmJobEnvironment._requeue` `shield_submitit_requeue` replaces."""
+DASK_JOBQUEUE_VERSIONS = ("0.9.0",)
+"""dask-jobqueue versions whose import `import_slurm_cluster` shields."""
 
 
 def shield_submitit_requeue(requeue: Callable[[str], None]) -> None:
@@ -32,3 +37,23 @@ def shield_submitit_requeue(requeue: Callable[[str], None]) -> None:
         logger.get_logger().info(f"Requeued job {self.job_id} ({countdown} remaining timeouts)")
 
     SlurmJobEnvironment._requeue = _requeue  # type: ignore[method-assign]
+
+
+def import_slurm_cluster() -> Any:
+    """dask_jobqueue's SLURMCluster, imported without the SIGINT handler its import installs.
+
+    Why: dask_jobqueue.runner runs `signal.signal(signal.SIGINT, lambda *_: sys.exit())` when
+    imported (dask/dask-jobqueue#696, fixed by #697 after 0.9.0): Ctrl-C would then end the
+    flow with exit status 0 instead of KeyboardInterrupt, and the import raises off the main
+    thread, where signal.signal is refused. `signal.signal` is held off for the import alone.
+    Versions: DASK_JOBQUEUE_VERSIONS.
+    """
+    if "dask_jobqueue" in sys.modules:
+        return sys.modules["dask_jobqueue"].SLURMCluster
+    real = signal.signal
+    signal.signal = lambda signum, _handler: signal.getsignal(signum)  # type: ignore[assignment]
+    try:
+        from dask_jobqueue import SLURMCluster
+    finally:
+        signal.signal = real
+    return SLURMCluster

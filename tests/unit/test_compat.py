@@ -6,7 +6,7 @@ import inspect
 import submitit
 from submitit.slurm.slurm import SlurmJobEnvironment
 
-from trainflow.compat import SUBMITIT_VERSIONS
+from trainflow.compat import DASK_JOBQUEUE_VERSIONS, SUBMITIT_VERSIONS
 
 
 def test_submitit_is_a_version_the_requeue_shield_was_checked_against() -> None:
@@ -33,3 +33,33 @@ def test_the_shield_replaces_submitits_requeue_with_the_given_call(monkeypatch) 
     env = SlurmJobEnvironment.__new__(SlurmJobEnvironment)
     env._requeue(3)
     assert called == ["42"]
+
+
+def test_dask_jobqueue_is_a_version_whose_import_still_sets_a_sigint_handler() -> None:
+    import importlib.metadata
+    import importlib.util
+
+    version = importlib.metadata.version("dask-jobqueue")
+    assert version in DASK_JOBQUEUE_VERSIONS, (
+        f"dask-jobqueue {version}: if its runner no longer sets SIGINT on import "
+        "(dask/dask-jobqueue#697), drop trainflow.compat.import_slurm_cluster"
+    )
+    spec = importlib.util.find_spec("dask_jobqueue.runner")
+    assert spec is not None and spec.origin is not None
+    with open(spec.origin) as source:
+        top_level = [line for line in source if line.startswith("signal.signal(signal.SIGINT")]
+    assert top_level, "dask_jobqueue.runner no longer sets SIGINT at import: drop the shield"
+
+
+def test_the_shielded_import_leaves_sigint_as_it_was() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import signal, sys; from trainflow.compat import import_slurm_cluster; "
+        "before = signal.getsignal(signal.SIGINT); assert 'dask_jobqueue' not in sys.modules; "
+        "assert import_slurm_cluster().__name__ == 'SLURMCluster'; "
+        "assert signal.getsignal(signal.SIGINT) is before; print('kept')"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "kept", out.stderr

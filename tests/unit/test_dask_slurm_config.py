@@ -8,10 +8,11 @@ from pydantic import ValidationError
 
 from trainflow.cluster.config import DaskConfig
 from trainflow.cluster.dask import dask_client
-from trainflow.cluster.dask_slurm import cluster_options, import_slurm_cluster, slurm_time
+from trainflow.cluster.dask_slurm import cluster_options, slurm_time
 from trainflow.cluster.dask_slurm_checks import check_workers_against
 from trainflow.cluster.dask_srun import srun_argv
 from trainflow.cluster.slurm_checks import Node, Partition
+from trainflow.compat import import_slurm_cluster
 from trainflow.tasks.errors import ConfigError
 
 _PARTS = [
