@@ -24,7 +24,7 @@ from trainflow.tasks.tracking.progress import TaskProgress
 LAYOUT = "layout 2: a shard's rows in source order"
 """Part of every dataset's key, changed whenever the same inputs and config give other shards:
 a dataset an earlier layout cached is rebuilt, so one config trains the same on every machine
-whatever its cache holds. Layout 2 (session 17): the rows inside a shard in source order
+whatever its cache holds. Layout 2: the rows inside a shard in source order
 (run.split_indices)."""
 
 

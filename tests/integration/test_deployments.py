@@ -136,7 +136,6 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         PYTHONPATH=str(tmp_path / "user code"),  # where the worker finds a user's model plug-in
     )
     env.pop("MLFLOW_TRACKING_URI", None)
-    env.pop("TRAINFLOW_WARM_SOCKET", None)  # the stack's own service, not this process's
     stack = Stack(state, env, api, f"http://127.0.0.1:{mlflow_port}")
     try:
         stack.sh("up")

@@ -71,7 +71,7 @@ def test_bad_input_is_refused_alone_before_any_server_starts(tmp_path: Path, mak
 
 @pytest.fixture
 def three_mib_disk(tmp_path: Path) -> Iterator[Path]:
-    """A 3 MiB tmpfs: the disk of issue 18's demo run that ended in numpy's short write."""
+    """A 3 MiB tmpfs: a disk that fills up in the middle of a write (numpy's short write)."""
     yield from tmpfs(tmp_path / "three", "3m")
 
 

@@ -1,5 +1,5 @@
 """A model whose DDP rank does not fit in a memory limit trains under FSDP on 4 ranks (2 per node
-of the 2-node dev Slurm) inside that limit per rank (issue 17, point 3).
+of the 2-node dev Slurm) inside that limit per rank.
 
 The dev Slurm runs no cgroup plugin, but each node's slurmd forks every step and task it runs:
 the fixture moves each node's slurmd into a memory cgroup (v1) of its own, limited (memory and

@@ -69,7 +69,7 @@ def test_a_full_disk_in_a_training_rank_is_one_line(small_disk: Path, tmp_path: 
 
 @pytest.fixture
 def three_mib_disk(tmp_path: Path) -> Iterator[Path]:
-    """A 3 MiB tmpfs: the disk of issue 18's demo run that ended in numpy's short write."""
+    """A 3 MiB tmpfs: a disk that fills up in the middle of a write (numpy's short write)."""
     yield from tmpfs(tmp_path / "three", "3m")
 
 

@@ -306,4 +306,4 @@ def test_a_model_refused_by_the_command_is_one_line_and_leaves_no_process(
         except psutil.Error:
             return False
 
-    assert [p for p in psutil.process_iter() if marked(p)] == []  # no server, fork or job
+    assert [p for p in psutil.process_iter() if marked(p)] == []  # no server or job
