@@ -15,7 +15,7 @@ FIND_LINKS := $(if $(wildcard /opt/wheels/torch-*),--find-links /opt/wheels)
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup bytecode demo test lint typecheck unit integration gpu bench lock clean \
+.PHONY: setup bytecode demo test lint typecheck unit integration gpu bench lock clean docs \
 	stack-up stack-deploy stack-status stack-down
 
 setup: $(VENV)/.installed-$(KIND)
@@ -87,6 +87,11 @@ test: lint bytecode
 	test $$tests -eq 0 -a $$typed -eq 0
 
 
+# The documentation site (docs/): warnings are errors, so a broken link or reference fails.
+docs: setup
+	$(BIN)/sphinx-build -W --keep-going -q -b html docs docs/_build/html
+	@echo "docs: docs/_build/html/index.html"
+
 # The local stack (Prefect server, a process worker, MLflow server): see deploy/README.md.
 stack-up: setup
 	deploy/stack.sh up
@@ -117,4 +122,4 @@ define compile_lock
 endef
 
 clean:
-	rm -rf $(VENV) trainflow-work .mypy_cache .ruff_cache
+	rm -rf $(VENV) trainflow-work .mypy_cache .ruff_cache docs/_build docs/api/generated
