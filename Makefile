@@ -92,7 +92,7 @@ docs: setup
 	$(BIN)/sphinx-build -W --keep-going -q -b html docs docs/_build/html
 	@echo "docs: docs/_build/html/index.html"
 
-# The local stack (Prefect server, a process worker, MLflow server): see deploy/README.md.
+# The local stack (Prefect server, a process worker, MLflow server): see docs/deployments.md.
 stack-up: setup
 	deploy/stack.sh up
 
