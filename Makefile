@@ -15,7 +15,7 @@ FIND_LINKS := $(if $(wildcard /opt/wheels/torch-*),--find-links /opt/wheels)
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup demo test test-fast lint typecheck unit integration gpu bench lock clean \
+.PHONY: setup demo test test-fast lint typecheck unit integration gpu bench lock clean docs \
 	stack-up stack-deploy stack-status stack-down
 
 setup: $(VENV)/.installed-$(KIND)
@@ -72,7 +72,12 @@ test: lint setup
 test-fast: lint setup
 	$(BIN)/python -m pytest tests/unit -m "not services" -n 2 -q
 
-# The local stack (Prefect server, a process worker, MLflow server): see deploy/README.md.
+# The documentation site (docs/): warnings are errors, so a broken link or reference fails.
+docs: setup
+	$(BIN)/sphinx-build -W --keep-going -q -b html docs docs/_build/html
+	@echo "docs: docs/_build/html/index.html"
+
+# The local stack (Prefect server, a process worker, MLflow server): see docs/deployments.md.
 stack-up: setup
 	deploy/stack.sh up
 
@@ -102,4 +107,4 @@ define compile_lock
 endef
 
 clean:
-	rm -rf $(VENV) trainflow-work .mypy_cache .ruff_cache
+	rm -rf $(VENV) trainflow-work .mypy_cache .ruff_cache docs/_build docs/api/generated

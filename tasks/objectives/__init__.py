@@ -34,7 +34,7 @@ class Report:
     """What the evaluate stage logs for the test split."""
 
     metrics: dict[str, float]
-    """Flat MLflow metric names, each starting with test_."""
+    """Flat MLflow metric names, each starting with `test_`."""
     figures: "dict[str, Figure]" = field(default_factory=dict)
     """Artifact file name (.png) -> figure."""
     documents: dict[str, Any] = field(default_factory=dict)

@@ -208,7 +208,7 @@ class PartRows:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        """(N, *sample_shape)."""
+        """`(N, *sample_shape)`."""
         return (self.starts[-1], *self.sample_shape)
 
     @property

@@ -1,4 +1,4 @@
-"""Prefect and MLflow servers with authentication on PostgreSQL, as deploy/production.md has it.
+"""Prefect and MLflow servers with authentication on PostgreSQL, as docs/production.md has it.
 
 All servers are the real programs: a PostgreSQL (password login over TCP) holding Prefect's
 database, MLflow's tracking store and MLflow's user store; Prefect with an API auth string
@@ -44,7 +44,7 @@ pytestmark = pytest.mark.integration
 PREFECT_AUTH = "trainflow:prefect-secret-8d2f"
 ADMIN = ("admin", "admin-secret-71c0")
 PIPELINE_USER = ("pipeline", "pipeline-secret-5a9e")
-# MLflow's basic-auth app as deploy/production.md configures it: a user store and an admin
+# MLflow's basic-auth app as docs/production.md configures it: a user store and an admin
 # created on first start. Every user may read everything and manages what they create (with
 # NO_PERMISSIONS the registry's existence check of a new model answers 403 instead of 404).
 # Checked credentials are cached for 60 s: without it every request hashes the password with

@@ -162,7 +162,7 @@ def test_two_fsdp_ranks_write_a_shard_each_keep_two_and_resume_on_one_rank(
 
 def _final(out_dir: Path) -> dict[str, Any]:
     """The newest checkpoint's train state, and its weights and optimizer state read as the
-    README says to load one elsewhere (DCP's one-file conversion, no trainflow)."""
+    docs (training.md) say to load one elsewhere (DCP's one-file conversion, no trainflow)."""
     folder = sharded_checkpoints(out_dir / "checkpoints")[0]
     state: dict[str, Any] = torch.load(folder / TRAIN_STATE, weights_only=True)
     dcp_to_torch_save(folder, out_dir / "whole.pt")
