@@ -49,6 +49,7 @@ from typing import Any
 
 from bench.timed import (
     TEST_ACCURACY,
+    Timed,
     command_env,
     fresh_prefect_home,
     median,
@@ -72,7 +73,7 @@ def trainflow_argv(preset: str, workdir: Path) -> list[str]:
             "--set", f"workdir={workdir}"]  # fmt: skip
 
 
-def side_run(side: str, folder: Path, api: str, database: Path, recipe: dict[str, Any]) -> Any:
+def side_run(side: str, folder: Path, api: str, database: Path, recipe: dict[str, Any]) -> Timed:
     """Launch one side in the new `folder` and time it to the test accuracy line and exit."""
     work = folder / "work"
     work.mkdir(parents=True)
@@ -89,9 +90,9 @@ def side_run(side: str, folder: Path, api: str, database: Path, recipe: dict[str
     return timed_command(argv, env, TEST_ACCURACY, cwd=folder)
 
 
-def record(side: str, timed: Any, work: Path) -> dict[str, Any]:
+def record(side: str, timed: Timed, work: Path) -> dict[str, Any]:
     """One run's figures; raises with the output's tail when the command failed."""
-    if timed.returncode != 0 or timed.event is None:
+    if timed.returncode != 0 or timed.event is None or timed.event_s is None:
         raise RuntimeError(f"{side} failed ({timed.returncode}):\n{timed.tail()}")
     accuracy = float(timed.event)
     out: dict[str, Any] = {
