@@ -2,6 +2,7 @@
 bench/results/<machine>.json; each benchmark prints its own table of medians and ratios."""
 
 import importlib
+import os
 import sys
 import time
 
@@ -15,29 +16,26 @@ BENCHES = [
     "p4_logging",
     "p5_checkpoint",
     "p6_gpu",
-    "p7_lightning",
+    "p7t",
     "p8_fixed_costs",
     "p9_fsdp",
-    "new_store",  # P10: a new tracking store without a sync per migration
-    "first_result",  # P7 and P8 from the command, with CPU seconds (issue 18 point 1)
 ]
-OPTIONAL = ["cold_start"]
-"""Known but not run by default (`python -m bench cold_start`)."""
 
 
 def main(argv: list[str]) -> int:
     """Run the named benchmarks (all by default) one after another."""
     names = argv or BENCHES
-    unknown = sorted(set(names) - set(BENCHES) - set(OPTIONAL))
+    unknown = sorted(set(names) - set(BENCHES))
     if unknown:
-        print(f"unknown benchmark(s) {unknown}; choose from {BENCHES + OPTIONAL}", file=sys.stderr)
+        print(f"unknown benchmark(s) {unknown}; choose from {BENCHES}", file=sys.stderr)
         return 2
     for name in names:
-        start = time.perf_counter()
+        start, load = time.perf_counter(), os.getloadavg()
         module = importlib.import_module(f"bench.{name}")
         title, rows, result = module.run()
         print(table(title, rows), flush=True)
-        path = save(name, {**result, "wall_s": round(time.perf_counter() - start, 1)})
+        result |= {"wall_s": round(time.perf_counter() - start, 1)}
+        path = save(name, result, command=f"python -m bench {name}", load_at_start=load)
         print(f"({name}: {time.perf_counter() - start:.0f} s, saved to {path})\n", flush=True)
     return 0
 

@@ -2,6 +2,7 @@
 
 import contextlib
 import json
+import os
 import platform
 import statistics
 import time
@@ -32,7 +33,7 @@ def machine_name() -> str:
         return f"{cpu.model} ({bf16})"
     # A hypervisor's generic name ("AMD EPYC" under KVM) names several generations: Zen 1, 3
     # and 4 all ran here, the first two without bf16 and 2.5x apart in speed. Their family and
-    # model numbers tell them apart (the results files before 2026-11-26 predate this).
+    # model numbers tell them apart.
     return f"{cpu.model} {x86_family_model()} ({bf16})".replace("  ", " ")
 
 
@@ -45,6 +46,19 @@ def cpuinfo_fields() -> dict[str, str]:
             if sep:
                 fields.setdefault(key.strip(), value.strip())
     return fields
+
+
+def cpu_facts() -> dict[str, Any]:
+    """The CPU as /proc/cpuinfo names it, its family and model, the cores this process may
+    use, and whether it computes bf16 natively (what trainflow's precision policy reads)."""
+    from trainflow.tasks.train.native_bf16 import cpu_bf16, this_cpu
+
+    return {
+        "model_name": cpuinfo_fields().get("model name", platform.processor()),
+        "family_model": x86_family_model(),
+        "cores": len(os.sched_getaffinity(0)),
+        "native_bf16": cpu_bf16(this_cpu())[0],
+    }
 
 
 def x86_family_model() -> str:
@@ -79,12 +93,21 @@ def table(title: str, rows: list[tuple[str, str, str]]) -> str:
     return "\n".join(lines)
 
 
-def save(name: str, result: dict[str, Any]) -> Path:
-    """Merge one benchmark's result into bench/results/<machine>.json."""
+def save(name: str, result: dict[str, Any], command: str, load_at_start: tuple[float, ...]) -> Path:
+    """Merge one benchmark's result into bench/results/<machine>.json, with the command that
+    wrote it, the machine's 1/5/15-minute load averages when it started and at the end, the
+    CPU model, whether it computes bf16 natively, and the time it was written."""
     machine = machine_name()
     path = RESULTS / f"{slug(machine)}.json"
     data = json.loads(path.read_text()) if path.exists() else {"machine": machine}
-    data[name] = result
+    data[name] = {
+        **result,
+        "command": command,
+        "load_average_at_start": [round(v, 2) for v in load_at_start],
+        "load_average_at_end": [round(v, 2) for v in os.getloadavg()],
+        "cpu": cpu_facts(),
+        "written": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+    }
     RESULTS.mkdir(exist_ok=True)
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
     return path

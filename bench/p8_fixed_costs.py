@@ -1,26 +1,37 @@
-"""P8: fixed costs of `trainflow run --preset tiny`, from command to summary (goal: <= 10 s
+"""P8: fixed costs of `trainflow run --preset tiny`, command to exit, cold (goal: <= 10 s
 against a running Prefect server, <= 20 s with Prefect's temporary one).
 
-The command runs as a user runs it (a subprocess, preprocessing served by its cache, the
-MLflow store and Prefect's database already created), once against a running `prefect server
-start` and once with the temporary server. Each fixed cost is broken out from the run's own
-timestamped log (see `phases`), and three are also measured on their own: the flow process's
-imports, a dask cluster's start and stop (the cache skips it in these runs, not in a first
-run), and the model export of the evaluate stage.
+`python -m bench p8_fixed_costs` runs ROUNDS rounds (TRAINFLOW_BENCH_ROUNDS, default 3), each
+launching the command twice, one after the other: against a running `prefect server start`
+(started once before the rounds, PREFECT_API_URL set) and with Prefect's temporary server (no
+PREFECT_API_URL). Each launch is a new process in a new folder, cold as in P7t (bench/p7t.py:
+no dataset cache, a new MLflow store, an empty PREFECT_HOME and TRAINFLOW_CACHE; the temporary
+server's database a copy of one at Prefect's head revision). Timed from the launch of the
+process to its exit, with its CPU seconds (bench.timed); the medians are reported, and each
+run's fixed costs are broken out from its own timestamped log (see `phases`).
 """
 
 import ast
 import os
 import re
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import median_seconds
-from tests.services import prefect_server, service_env
+from bench.p7t import trainflow_argv
+from bench.timed import (
+    command_env,
+    fresh_prefect_home,
+    median,
+    migrated_prefect_db,
+    running_prefect_server,
+    timed_command,
+)
+
+ROUNDS = int(os.environ.get("TRAINFLOW_BENCH_ROUNDS", "3"))
+MODES = {"running server": 10.0, "temporary server": 20.0}
+"""Each mode and its goal in seconds, command to exit."""
 
 _DASK_INFO = re.compile(r"\| INFO +\| (distributed|dask_cuda)\.")
 _STAMP = re.compile(r"^(\d\d):(\d\d):(\d\d)\.(\d\d\d) \| ")
@@ -29,7 +40,7 @@ _MARKS = (
     ("start-up and imports", "Starting temporary server|Beginning flow run"),
     ("temporary Prefect server", "Beginning flow run"),
     ("run set-up (flow, MLflow runs)", "MLflow parent run"),
-    ("preprocess (cached)", "Task run 'preprocess"),
+    ("preprocess", "Task run 'preprocess"),
     ("train: submit to rank 0 ready", r"\[rank0\] training "),
     ("train: first epoch", r"\[rank0\] epoch 1/"),
     ("train: other epochs, job end", "Task run 'train.*Finished"),
@@ -66,108 +77,63 @@ def phases(lines: list[str], started: float, wall: float) -> dict[str, float]:
     return out
 
 
-def _trainflow(workdir: Path, env: dict[str, str]) -> dict[str, Any]:
-    argv = [sys.executable, "-m", "trainflow.flows.cli", "run", "--preset", "tiny"]
+def tiny_run(folder: Path, api: str | None, database: Path) -> dict[str, Any]:
+    """One cold `trainflow run --preset tiny` in the new `folder`: against the server at
+    `api`, or with the temporary server when api is None."""
+    work = folder / "work"
+    work.mkdir(parents=True)
+    extra = {"TRAINFLOW_CACHE": str(folder / "trainflow-cache")}
+    if api is not None:
+        env = command_env(fresh_prefect_home(folder, None), PREFECT_API_URL=api, **extra)
+    else:
+        env = command_env(fresh_prefect_home(folder, database), **extra)
     started = time.time()
-    out = subprocess.run(
-        [*argv, "--set", f"workdir={workdir}"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
-    wall = time.time() - started
-    if out.returncode != 0:
-        raise RuntimeError(f"trainflow run failed ({out.returncode}):\n{out.stderr[-3000:]}")
-    lines = (out.stdout + out.stderr).splitlines()
+    timed = timed_command(trainflow_argv("tiny", work), env, cwd=folder, timeout_s=600)
+    if timed.returncode != 0:
+        raise RuntimeError(f"trainflow run failed ({timed.returncode}):\n{timed.tail()}")
+    lines = [x.rstrip("\n") for x in timed.lines]
     stage = next(x for x in lines if x.startswith("stage seconds"))
     return {
-        "wall_s": round(wall, 2),
+        "exit_s": round(timed.exit_s, 2),
+        "cpu_s": round(timed.cpu_s, 2),
         "stages_s": ast.literal_eval(stage.split(None, 2)[2]),
-        "phases_s": phases(lines, started, wall),
+        "phases_s": phases(lines, started, timed.exit_s),
         "dask_info_lines": sum(bool(_DASK_INFO.search(x)) for x in lines),
     }
 
 
-def _import_seconds() -> float:
-    """Wall time of a fresh process that imports the flow and its stages (what `trainflow
-    run` loads)."""
-
-    def once() -> None:
-        code = "import flows.pipeline as p; p.import_stages()"
-        subprocess.run([sys.executable, "-c", code], check=True)
-
-    return median_seconds(once, repeats=2, warmup=0)
-
-
-def _dask_seconds() -> float:
-    from trainflow.cluster.config import DaskConfig
-    from trainflow.cluster.dask import dask_client
-
-    def once() -> None:
-        with dask_client(DaskConfig()):
-            pass
-
-    return median_seconds(once, repeats=2, warmup=0)
-
-
-def _export_seconds(folder: Path) -> float:
-    """log_model of the tiny preset's model into a fresh run (the evaluate stage's export)."""
-    import numpy as np
-    from mlflow.tracking import MlflowClient
-
-    from trainflow.flows.config import build_config
-    from trainflow.tasks.evaluate.model_logging import log_model
-    from trainflow.tasks.spec import image_classification
-    from trainflow.tasks.train.model_plugins import build_model
-
-    cfg = build_config("tiny", [])
-    shape = (1, 16, 16)  # the synthetic source's images
-    model = build_model(cfg.train, image_classification(shape, cfg.preprocess.synthetic_classes))
-    uri = f"sqlite:///{folder}/export.db"
-    client = MlflowClient(uri)
-    exp = client.create_experiment("p8", artifact_location=(folder / "art").as_uri())
-    example = np.zeros((4, *shape), np.float32)
-
-    def once() -> None:
-        run = client.create_run(exp)
-        log_model(model, example, uri, run.info.run_id)
-
-    return median_seconds(once, repeats=2, warmup=1)
-
-
 def run() -> tuple[str, list[tuple[str, str, str]], dict[str, Any]]:
-    """The tiny preset against a running Prefect server and with the temporary one."""
-    result: dict[str, Any] = {"load_average_1min": [os.getloadavg()[0]]}
-    with tempfile.TemporaryDirectory() as tmp:
-        folder, workdir = Path(tmp), Path(tmp) / "work"
-        db = f"sqlite+aiosqlite:///{folder}/prefect.db"
-        with prefect_server(folder) as api:
-            env = service_env(PREFECT_API_URL=api)
-            _trainflow(workdir, env)  # builds the dataset and the MLflow store
-            result["running_server"] = _trainflow(workdir, env)
-        # The temporary server on the database the running one created (as on a second run);
-        # the same PREFECT_HOME, so the same result storage serves preprocessing's cache.
-        env = service_env(PREFECT_API_DATABASE_CONNECTION_URL=db)
-        env.pop("PREFECT_API_URL", None)
-        result["temporary_server"] = _trainflow(workdir, env)
-        result["alone_s"] = {
-            "imports of the flow process": round(_import_seconds(), 2),
-            "dask cluster start and stop": round(_dask_seconds(), 2),
-            "model export (log_model)": round(_export_seconds(folder), 2),
+    """ROUNDS interleaved rounds of the tiny preset in each mode; medians per mode."""
+    runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
+    with tempfile.TemporaryDirectory(prefix="bench-p8-") as tmp:
+        root = Path(tmp)
+        database = migrated_prefect_db(root / "prefect-template.db")
+        with running_prefect_server(root / "server") as api:
+            for i in range(ROUNDS):
+                for j, mode in enumerate(MODES):
+                    url = api if mode == "running server" else None
+                    runs[mode].append(tiny_run(root / f"round{i}-{j}", url, database))
+                    r = runs[mode][-1]
+                    print(f"  round {i + 1}/{ROUNDS} {mode}: exit {r['exit_s']} s, "
+                          f"{r['cpu_s']} CPU s", flush=True)  # fmt: skip
+    medians = {
+        mode: {
+            "exit_s": median([r["exit_s"] for r in rs]),
+            "cpu_s": median([r["cpu_s"] for r in rs]),
         }
-    result["load_average_1min"].append(os.getloadavg()[0])
-    return "P8 fixed costs of `trainflow run --preset tiny`", _rows(result), result
+        for mode, rs in runs.items()
+    }
+    result = {"runs": runs, "medians": medians, "goals_s": MODES}
+    return "P8 `trainflow run --preset tiny`, command to exit, cold", _rows(result), result
 
 
 def _rows(result: dict[str, Any]) -> list[tuple[str, str, str]]:
     rows = []
-    for key, goal in (("running_server", "<= 10 s"), ("temporary_server", "<= 20 s")):
-        r = result[key]
-        rows.append((f"command to summary, {key.replace('_', ' ')}", f"{r['wall_s']:.1f} s", goal))
-        rows += [(f"  {k}", f"{v:.2f} s", "") for k, v in r["phases_s"].items() if v]
-        rows.append(("  dask INFO lines in the log", str(r["dask_info_lines"]), "0"))
-    rows += [(f"alone: {k}", f"{v:.2f} s", "") for k, v in result["alone_s"].items()]
-    load = "/".join(f"{v:.1f}" for v in result["load_average_1min"])
-    rows.append(("machine load, 1-min average at start/end", load, "2 cores: noisy above 2"))
+    for mode, goal in MODES.items():
+        m = result["medians"][mode]
+        rows.append((f"{mode}: command to exit (CPU s)", f"{m['exit_s']} s ({m['cpu_s']})",
+                     f"<= {goal:.0f} s"))  # fmt: skip
+        first = result["runs"][mode][0]
+        rows += [(f"  round 1: {k}", f"{v:.2f} s", "") for k, v in first["phases_s"].items() if v]
+        rows.append(("  round 1: dask INFO lines in the log", str(first["dask_info_lines"]), "0"))
     return rows

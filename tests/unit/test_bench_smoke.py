@@ -1,5 +1,7 @@
 """The benchmark code runs (tiny sizes, CPU): it must not rot between benchmark runs."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -29,21 +31,108 @@ def test_lightning_trains_in_the_precision_trainflow_picks() -> None:
     assert set(PRECISION.values()) == {"bf16-mixed", "16-mixed", "32-true"}
 
 
-def test_a_command_is_accounted_with_the_cpu_of_its_children() -> None:
+def test_a_command_is_timed_to_its_event_and_exit_with_its_childrens_cpu() -> None:
     import os
     import sys
 
-    from bench.first_result import CPUACCT, run_accounted
+    from bench.timed import TEST_ACCURACY, timed_command
 
     busy = (
         "import subprocess, sys; print('begun', flush=True); "
-        "subprocess.run([sys.executable, '-c', 'sum(range(3*10**7))']); print('done')"
+        "subprocess.run([sys.executable, '-c', 'sum(range(3*10**7))']); "
+        "print('[rank0] test accuracy 0.9640 (first result)', flush=True); print('done')"
     )
-    out, wall, cpu, begun = run_accounted([sys.executable, "-c", busy], os.environ, mark="begun")
-    assert out.returncode == 0 and out.stdout == "begun\ndone\n"
-    assert begun is not None and 0 < begun < wall  # the time of the marked line, as it came
-    if os.access(CPUACCT, os.W_OK):
-        assert cpu is not None and cpu > 0.2  # the grandchild's ~0.5 s of summing counted
+    out = timed_command([sys.executable, "-c", busy], os.environ, TEST_ACCURACY)
+    assert out.returncode == 0 and [x.strip() for x in out.lines][::2] == ["begun", "done"]
+    assert out.event == "0.9640"  # the first group: the accuracy itself
+    assert out.event_s is not None and 0 < out.event_s <= out.exit_s
+    assert out.cpu_s > 0.2  # the grandchild's summing is counted (reaped by its parent)
+
+
+def test_a_command_past_its_time_is_killed_with_what_it_started() -> None:
+    import os
+    import sys
+
+    from bench.timed import timed_command
+
+    sleeper = "import subprocess, sys; subprocess.run(['sleep', '60'])"
+    out = timed_command([sys.executable, "-c", sleeper], os.environ, timeout_s=1)
+    assert out.returncode < 0 and out.event is None and out.exit_s < 30
+
+
+def test_a_measured_command_never_inherits_a_server_or_a_command_service(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from bench.timed import LEFT_OUT, command_env, fresh_prefect_home
+
+    for name in LEFT_OUT:
+        monkeypatch.setenv(name, "from the caller")
+    database = tmp_path / "template.db"
+    database.write_bytes(b"db")
+    home = fresh_prefect_home(tmp_path / "run", database)
+    env = command_env(home, PREFECT_API_URL="http://127.0.0.1:1/api")
+    assert not set(LEFT_OUT) - {"PREFECT_API_URL"} & set(env)
+    assert env["PREFECT_API_URL"] == "http://127.0.0.1:1/api"  # only where asked
+    assert env["PREFECT_HOME"] == str(home) and (home / "prefect.db").read_bytes() == b"db"
+
+
+def test_the_lightning_script_splits_and_schedules_as_trainflow_does() -> None:
+    import numpy as np
+
+    from bench.p7_lightning import cosine, samples_digest, split_members
+    from trainflow.tasks.preprocess.config import PreprocessConfig
+    from trainflow.tasks.preprocess.run import split_indices
+    from trainflow.tasks.train.loop import cosine_lr
+
+    labels = np.random.default_rng(3).integers(0, 10, 997)
+    cfg = PreprocessConfig(source="mnist", seed=7, val_fraction=0.15, test_fraction=0.1)
+    theirs = split_indices(labels, cfg)
+    ours = split_members(labels, seed=7, val=0.15, test=0.1)
+    for name in ("train", "val", "test"):
+        assert np.array_equal(np.sort(theirs[name]), ours[name])
+    assert all(abs(cosine(s, 256) * 5e-3 - cosine_lr(s, 256, 5e-3)) < 1e-12 for s in range(300))
+    x = np.arange(12, dtype=np.uint8).reshape(4, 3)
+    y = np.array([0, 1, 0, 1])
+    assert samples_digest(x, y) == samples_digest(x[::-1], y[::-1])
+    assert samples_digest(x, y) != samples_digest(x, y[::-1])
+
+
+def test_p7t_reports_medians_ratios_and_a_differing_test_set() -> None:
+    from bench.p7t import GOALS, SIDES, rows, summarise
+
+    def one(t: float | None, digest: str = "d") -> dict[str, object]:
+        return {
+            "to_test_accuracy_s": t,
+            "exit_s": 2 * (t or 9),
+            "cpu_s": 1.0,
+            "test_digest": digest,
+        }
+
+    runs = {side: [one(10.0), one(12.0), one(11.0)] for side in SIDES}
+    runs["trainflow running server"] = [one(5.0), one(6.0), one(7.0)]
+    runs["trainflow temporary server"] = [one(9.0), one(None), one(9.0, "other")]
+    result = summarise(runs)
+    assert result["medians"]["lightning"]["to_test_accuracy_s"] == 11.0
+    ratios = result["ratios_to_lightning"]
+    assert ratios["trainflow running server"]["to_test_accuracy_s"] == round(6 / 11, 2)
+    assert ratios["trainflow temporary server"]["to_test_accuracy_s"] is None  # one missed
+    assert result["same_test_set"] is False
+    assert len(rows(result)) == len(SIDES) + 3 * len(GOALS) + 1
+
+
+def test_a_saved_result_names_its_command_load_and_cpu(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import json
+
+    import bench.common as common
+
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    path = common.save("p0", {"x": 1}, command="python -m bench p0", load_at_start=(1.0, 2, 3))
+    entry = json.loads(path.read_text())["p0"]
+    assert entry["x"] == 1 and entry["command"] == "python -m bench p0"
+    assert entry["load_average_at_start"] == [1.0, 2, 3] and len(entry["load_average_at_end"]) == 3
+    assert isinstance(entry["cpu"]["native_bf16"], bool) and entry["cpu"]["cores"] >= 1
 
 
 def test_a_generic_cpu_name_gets_its_family_and_model(monkeypatch: pytest.MonkeyPatch) -> None:
