@@ -13,8 +13,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NoReturn, TypeVar
 
+from trainflow.errors import DEBUG_ENV, ConfigError, JobError, TrainflowError, debug_enabled
 from trainflow.flows.config import PRESETS, PipelineConfig, build_config
-from trainflow.tasks.errors import DEBUG_ENV, ConfigError, JobError, TrainflowError, debug_enabled
 from trainflow.tasks.limits import open_files_advice, too_many_open_files
 
 T = TypeVar("T")
