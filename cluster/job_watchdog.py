@@ -2,7 +2,7 @@
 
 The flow process that submitted a job cancels it when it is interrupted (Ctrl-C, a Prefect
 cancel, an error). Killed outright (SIGKILL, the OOM killer, a runner that gives up on a flow
-process that does not end on SIGTERM) it can do nothing, and the job trained on until
+process that does not end on SIGTERM) it can do nothing, and the job would train on until
 ``trainflow cleanup`` or the next pipeline run found its record (cluster.registry). This
 watchdog closes that gap: registry.record runs ``python -m trainflow.cluster.job_watchdog`` in
 a session of its own (a terminal's Ctrl-C, a runner's process-group kill do not reach it). It

@@ -1,11 +1,9 @@
 """JPEG decode and resize on the GPU of a dask-cuda worker, PIL for what it cannot read.
 
 Library: torchvision.io.decode_jpeg on CUDA (nvJPEG), in batches, plus torch's antialiased
-bilinear resize. Chosen over nvImageCodec because it is the one measured (the issue's H100
-figures: 20,662 img/s in batches of 256 with a GPU resize, 2.4x PIL on all 16 cores), it keeps
-the pixels in torch/CUDA memory that CuPy takes without a copy (DLPack), and its resize
-(antialias=True) is written to follow PIL's BILINEAR. nvImageCodec (hardware JPEG decoders)
-was not measured; it would slot in behind `_decode_batch`. Installed by the `gpu` extra only:
+bilinear resize. It keeps the pixels in torch/CUDA memory that CuPy takes without a copy
+(DLPack), and its resize (antialias=True) is written to follow PIL's BILINEAR. nvImageCodec
+(hardware JPEG decoders) would slot in behind `_decode_batch`. Installed by the `gpu` extra only:
 PyPI's torchvision does not import beside the CPU torch wheel of the CPU machines.
 
 Falls back to FolderImages.decode_cpu, file by file, for PNGs, for JPEGs nvJPEG rejects
