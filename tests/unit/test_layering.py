@@ -2,9 +2,10 @@
 
 trainflow's root modules (errors, config_base) are what every layer uses, so they import
 nothing from the layers; cluster/ (where work runs) knows nothing of tasks/ (the stage work);
-and among flows/, tasks/, cluster/ and the root modules no import chain leads back to where it
-started. Imports are read from the source (ast), at the top of a module, inside functions and
-under TYPE_CHECKING alike: a deferred import still ties two modules together.
+only flows/ imports flows/; and among flows/, tasks/, cluster/ and the root modules no import
+chain leads back to where it started. Imports are read from the source (ast), at the top of a
+module, inside functions and under TYPE_CHECKING alike: a deferred import still ties two
+modules together.
 """
 
 import ast
@@ -121,6 +122,18 @@ def test_cluster_imports_nothing_from_tasks() -> None:
         if target.startswith("trainflow.tasks")
     ]
     assert not climbing, "cluster/ imports from tasks/:\n" + "\n".join(climbing)
+
+
+def test_only_flows_import_flows() -> None:
+    graph = import_graph()
+    climbing = [
+        _where(graph, module, target)
+        for module, edges in graph.items()
+        if not module.startswith("trainflow.flows")
+        for target in edges
+        if target.startswith("trainflow.flows")
+    ]
+    assert not climbing, "tasks/, cluster/ or the root import flows/:\n" + "\n".join(climbing)
 
 
 def test_the_package_root_imports_no_layer() -> None:
