@@ -28,8 +28,10 @@ def test_the_stage_docstring_maps_its_modules(stage: str) -> None:
     listed = mapped(folder)
     present = sorted(p.stem for p in folder.glob("*.py") if p.stem != "__init__")
     assert len(listed) == len(set(listed)), f"{stage}: a module listed twice: {listed}"
-    assert sorted(set(listed) - {"__init__"}) == present, (
-        f"{stage}/__init__.py maps {sorted(listed)}; the folder holds {present}"
+    unmapped = sorted(set(present) - set(listed))
+    stale = sorted(set(listed) - set(present) - {"__init__"})
+    assert not unmapped and not stale, (
+        f"{stage}/__init__.py's map lacks {unmapped} and names {stale}, which are not there"
     )
 
 
