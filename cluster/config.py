@@ -4,7 +4,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from trainflow.tasks.base import StrictModel
+from trainflow.config_base import StrictModel
 
 # sbatch options trainflow sets itself from the fields above (or submitit needs): an
 # sbatch_extra entry for one of them would silently contradict the validated request.

@@ -22,7 +22,7 @@ import numpy as np
 
 from trainflow.cluster.config import DaskConfig
 from trainflow.cluster.dask_quiet import register_quiet_heartbeat
-from trainflow.tasks.errors import ConfigError
+from trainflow.errors import ConfigError
 
 Backend = Literal["numpy", "cupy"]
 

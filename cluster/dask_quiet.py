@@ -14,7 +14,7 @@ from typing import Any
 from distributed import Client
 from distributed.diagnostics.plugin import WorkerPlugin
 
-from trainflow.tasks.errors import debug_enabled
+from trainflow.errors import debug_enabled
 
 _HEARTBEAT_LOST = "Failed to communicate with scheduler during heartbeat"
 

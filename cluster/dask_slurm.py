@@ -29,7 +29,7 @@ from trainflow.cluster import registry
 from trainflow.cluster.config import DaskConfig
 from trainflow.cluster.dask_slurm_checks import check_dask_workers, worker_mem_mb
 from trainflow.compat import import_slurm_cluster
-from trainflow.tasks.errors import ConfigError, JobError
+from trainflow.errors import ConfigError, JobError
 
 Backend = Literal["numpy", "cupy"]
 log = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ import math
 
 from trainflow.cluster.config import DaskConfig
 from trainflow.cluster.slurm_checks import Node, Partition, read_nodes, read_partitions
-from trainflow.tasks.errors import ConfigError
+from trainflow.errors import ConfigError
 
 
 def check_dask_workers(cfg: DaskConfig) -> None:

@@ -23,7 +23,7 @@ import distributed
 from trainflow.cluster.config import DaskConfig
 from trainflow.cluster.dask_slurm import DEATH_TIMEOUT_S, Backend, scheduler_host
 from trainflow.cluster.dask_slurm_checks import worker_mem_mb
-from trainflow.tasks.errors import ConfigError, JobError
+from trainflow.errors import ConfigError, JobError
 
 log = logging.getLogger(__name__)
 STOP_WAIT_S = 30

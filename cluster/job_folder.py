@@ -22,7 +22,7 @@ from pathlib import Path
 
 from submitit.core.utils import JobPaths
 
-from trainflow.tasks.errors import JobError
+from trainflow.errors import JobError
 
 _PRIVATE_UMASK = 0o077
 _umask_lock = threading.Lock()

@@ -2,10 +2,10 @@
 
 The flow process that submitted a job cancels it when it is interrupted (Ctrl-C, a Prefect
 cancel, an error). Killed outright (SIGKILL, the OOM killer, a runner that gives up on a flow
-process that does not end on SIGTERM) it can do nothing, and the job trained on until
+process that does not end on SIGTERM) it can do nothing, and the job would train on until
 ``trainflow cleanup`` or the next pipeline run found its record (cluster.registry). This
-watchdog closes that gap: `start` runs ``python -m trainflow.cluster.job_watchdog`` in a
-session of its own (a terminal's Ctrl-C, a runner's process-group kill do not reach it). It
+watchdog closes that gap: registry.record runs ``python -m trainflow.cluster.job_watchdog`` in
+a session of its own (a terminal's Ctrl-C, a runner's process-group kill do not reach it). It
 waits for the watcher to end (a pidfd where Linux has one, else a poll) and:
 
 - the job's record gone (the watcher finished with the job and forgot it): exits;
@@ -21,10 +21,11 @@ killed with its watcher.
 
 import os
 import select
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+from trainflow.cluster import registry
 
 POLL_S = 0.5
 """How often the record is checked (and, without a pidfd, the watcher's liveness)."""
@@ -32,28 +33,9 @@ CANCEL_TRIES = 5
 """scancel attempts (2 s apart) before the record is left for `trainflow cleanup`."""
 
 
-def start(record: Path, owner_pid: int) -> int:
-    """Start the watchdog of the job recorded in `record`; its pid."""
-    import trainflow
-
-    root = Path(trainflow.__file__).resolve().parents[1]  # where `import trainflow` finds it
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH", "")) if p)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "trainflow.cluster.job_watchdog", str(record), str(owner_pid)],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        env=env,
-        start_new_session=True,
-    )
-    return proc.pid
-
-
 def _wait_for_exit(pid: int, record: Path) -> str:
     """Block until `pid` has ended ("ended"), `record` is gone ("forgotten") or the cancel was
     handed over in it ("handed over")."""
-    from trainflow.cluster.registry import pid_alive
-
     try:
         pidfd: int | None = os.pidfd_open(pid)
     except (AttributeError, OSError):  # no pidfd (old kernel), or the watcher already gone
@@ -73,7 +55,7 @@ def _wait_for_exit(pid: int, record: Path) -> str:
                 ready, _, _ = select.select([pidfd], [], [], POLL_S)
                 if ready:
                     return "ended"
-            elif not pid_alive(pid):
+            elif not registry.pid_alive(pid):
                 return "ended"
             else:
                 time.sleep(POLL_S)
@@ -83,9 +65,7 @@ def _wait_for_exit(pid: int, record: Path) -> str:
 
 
 def _handed_over(record: Path) -> bool:
-    from trainflow.cluster.registry import read
-
-    job = read(record)
+    job = registry.read(record)
     return job is not None and bool(job.cancel_requested)
 
 
@@ -106,8 +86,6 @@ def _note(line: str, log: Path) -> None:
 
 def main(argv: list[str]) -> int:
     """Watch the watcher of the job recorded at argv[0] (pid argv[1])."""
-    from trainflow.cluster import registry
-
     record, owner = Path(argv[0]), int(argv[1])
     if _wait_for_exit(owner, record) == "forgotten":
         return 0

@@ -36,7 +36,7 @@ from trainflow.cluster.lost_ranks import (
 )
 from trainflow.cluster.node_events import node_failed
 from trainflow.cluster.srun_executor import AllocationJob, step_state
-from trainflow.tasks.errors import JobError
+from trainflow.errors import JobError
 
 
 class LogTail:

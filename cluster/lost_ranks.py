@@ -20,7 +20,7 @@ from submitit.core.utils import pickle_load
 
 from trainflow.cluster.accounting import sacct_records
 from trainflow.cluster.node_events import expand_nodes, node_events
-from trainflow.tasks.errors import JobError
+from trainflow.errors import JobError
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
@@ -56,18 +57,34 @@ def record(
 ) -> ActiveJob:
     """Write the record of a just-submitted job (atomically) and start its watchdog, which
     runs `then` after cancelling the job of a dead watcher."""
-    from trainflow.cluster.job_watchdog import start
-
     job = ActiveJob(
         job_id, executor, str(folder), os.getpid(), socket.gethostname(), time.time(), 0, then or []
     )
     path = record_path(workdir, job_id)
     path.parent.mkdir(parents=True, exist_ok=True)
     _write(path, job)  # before the watchdog starts: it watches this file
-    job = replace(job, watchdog_pid=start(path, job.owner_pid))
+    job = replace(job, watchdog_pid=_start_watchdog(path, job.owner_pid))
     _write(path, job)
     _held[job_id] = path
     return job
+
+
+def _start_watchdog(record: Path, owner_pid: int) -> int:
+    """Start the watchdog (cluster.job_watchdog, a process of its own session) of the job
+    recorded in `record`; its pid."""
+    import trainflow
+
+    root = Path(trainflow.__file__).resolve().parents[1]  # where `import trainflow` finds it
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH", "")) if p)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trainflow.cluster.job_watchdog", str(record), str(owner_pid)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        env=env,
+        start_new_session=True,
+    )
+    return proc.pid
 
 
 @contextlib.contextmanager

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from trainflow.cluster.config import ClusterConfig
 from trainflow.cluster.dev.slurm import slurm_conf
-from trainflow.tasks.errors import ConfigError
+from trainflow.errors import ConfigError
 
 _NO_CLUSTER_FIX = (
     f"start a dev cluster with `trainflow cluster up` and export SLURM_CONF={slurm_conf()}, "

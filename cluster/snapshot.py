@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from trainflow.cluster.job_folder import prepare_job_folder, private_umask
-from trainflow.tasks.errors import ConfigError
+from trainflow.errors import ConfigError
 
 MAX_SNAPSHOT_BYTES = 64 * 2**20
 """Largest snapshot accepted (code, not data: keep data out of the code's folder)."""

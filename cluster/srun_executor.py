@@ -32,7 +32,7 @@ from submitit.core import core, utils
 
 from trainflow.cluster.config import ClusterConfig
 from trainflow.cluster.node_events import expand_nodes
-from trainflow.tasks.errors import ConfigError
+from trainflow.errors import ConfigError
 
 STEP_PREFIX = "trainflow-train-"
 CANCEL_WAIT_S = 30

@@ -10,8 +10,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
+from trainflow.errors import DEBUG_ENV, ConfigError, JobError, TrainflowError, debug_enabled
 from trainflow.flows.config import PRESETS, PipelineConfig, build_config
-from trainflow.tasks.errors import DEBUG_ENV, ConfigError, JobError, TrainflowError, debug_enabled
 from trainflow.tasks.limits import open_files_advice, too_many_open_files
 
 _DEBUG_HELP = "show tracebacks of errors (also: TRAINFLOW_DEBUG=1)"

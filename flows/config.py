@@ -15,8 +15,8 @@ from typing import Any
 from pydantic import Field, ValidationError
 
 from trainflow.cluster.config import ClusterConfig
-from trainflow.tasks.base import StrictModel
-from trainflow.tasks.errors import ConfigError
+from trainflow.config_base import StrictModel
+from trainflow.errors import ConfigError
 from trainflow.tasks.evaluate.config import EvaluateConfig
 from trainflow.tasks.preprocess.config import PreprocessConfig
 from trainflow.tasks.tracking.config import TrackingConfig

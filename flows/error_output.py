@@ -14,7 +14,7 @@ import logging
 import re
 
 from trainflow.cluster import forwarded
-from trainflow.tasks.errors import TrainflowError, debug_enabled
+from trainflow.errors import TrainflowError, debug_enabled
 
 _KEY_CHARS = 48  # enough of a message to recognise its echoes, short of any quoting
 

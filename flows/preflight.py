@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING
 
 from trainflow.cluster.dask_slurm_checks import check_dask_workers
 from trainflow.cluster.slurm_checks import check_cluster
+from trainflow.errors import ConfigError
 from trainflow.flows.config import PipelineConfig
 from trainflow.tasks.diskspace import require_space
-from trainflow.tasks.errors import ConfigError
 from trainflow.tasks.preprocess.preflight import preflight_source, probe_spec
 from trainflow.tasks.preprocess.size import preprocess_need
 from trainflow.tasks.train.config import TrainConfig

@@ -8,6 +8,7 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 
+from trainflow.errors import JobError
 from trainflow.flows.config import PipelineConfig, build_sweep, config_hash, flatten
 from trainflow.flows.error_output import quiet_user_errors
 from trainflow.flows.pipeline import (
@@ -20,7 +21,6 @@ from trainflow.flows.pipeline import (
     train_spec,
 )
 from trainflow.flows.preflight import preflight, user_modules
-from trainflow.tasks.errors import JobError
 from trainflow.tasks.objectives import make_objective
 from trainflow.tasks.preprocess.ref import DatasetRef, dataset_spec
 from trainflow.tasks.tracking.lineage import log_dataset_input

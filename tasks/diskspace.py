@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from trainflow.tasks.errors import TrainflowError
+from trainflow.errors import TrainflowError
 
 _FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
 # How the same error reads once it is text (a remote rank's traceback) or SQLite's wording.

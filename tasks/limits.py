@@ -9,7 +9,7 @@ runs beside it, the error names the limit instead of blaming the data.
 import errno
 import resource
 
-from trainflow.tasks.errors import TrainflowError
+from trainflow.errors import TrainflowError
 
 _TEXT = "Too many open files"
 

@@ -16,7 +16,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
-from trainflow.tasks.errors import ConfigError
+from trainflow.errors import ConfigError
 
 
 class PluginError(ConfigError):

@@ -4,7 +4,7 @@ import re
 
 from pydantic import Field, field_validator, model_validator
 
-from trainflow.tasks.base import StrictModel
+from trainflow.config_base import StrictModel
 
 # Stricter than MLflow (which also allows spaces and most punctuation): these names travel in
 # shell commands and in `models:/<name>@<alias>` URIs unquoted.

@@ -12,7 +12,7 @@ from mlflow.tracking import MlflowClient
 from pydantic import BaseModel, ConfigDict
 
 from trainflow.cluster.snapshot import code_path
-from trainflow.tasks.errors import ConfigError, DataError
+from trainflow.errors import ConfigError, DataError
 from trainflow.tasks.evaluate.config import EvaluateConfig
 from trainflow.tasks.evaluate.predict import test_batches
 from trainflow.tasks.evaluate.registry import RegistryResult, register_and_promote

@@ -7,6 +7,15 @@ registers under the entry-point group `trainflow.objectives`. It is built as
 training, validation and test batches (as sums, so ranks add them with one all_reduce), the
 evaluate stage's artifacts, which metric picks the best checkpoint and the champion, in which
 direction, and a check of the data against the objective, run at preflight.
+
+Takes a `DataSpec` (tasks.spec: what the data looks like); hands the train stage its loss and
+metric sums and the evaluate stage its report.
+
+Modules:
+    __init__        the Objective protocol, its registry (make_objective) and helpers.
+    classification  one class per sample: cross-entropy, accuracy, a confusion matrix.
+    regression      float targets of any shape: MSE or L1; MAE, RMSE and R² per output.
+    sequence        an integer class per position: token accuracy and perplexity.
 """
 
 from collections.abc import Iterable

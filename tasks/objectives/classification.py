@@ -6,7 +6,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from trainflow.tasks.errors import DataError
+from trainflow.errors import DataError
 from trainflow.tasks.evaluate import metrics as class_metrics
 from trainflow.tasks.objectives import Report
 from trainflow.tasks.spec import DataSpec

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from trainflow.tasks.errors import DataError
+from trainflow.errors import DataError
 from trainflow.tasks.objectives import Report
 from trainflow.tasks.plugins import PluginError
 from trainflow.tasks.spec import DataSpec

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from trainflow.tasks.errors import DataError
+from trainflow.errors import DataError
 from trainflow.tasks.hashing import sha256_file
 
 

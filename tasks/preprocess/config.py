@@ -5,7 +5,7 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
-from trainflow.tasks.base import StrictModel
+from trainflow.config_base import StrictModel
 
 BUILTIN_SOURCES = ("mnist", "folder", "npz", "synthetic")
 

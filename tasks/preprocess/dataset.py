@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from trainflow.tasks.errors import DataError, TrainflowError
+from trainflow.errors import DataError, TrainflowError
 from trainflow.tasks.hashing import sha256_file
 from trainflow.tasks.limits import TooManyOpenFilesError, open_files_advice, too_many_open_files
 from trainflow.tasks.preprocess.ref import DatasetRef, Normalisation

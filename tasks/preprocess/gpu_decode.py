@@ -1,11 +1,9 @@
 """JPEG decode and resize on the GPU of a dask-cuda worker, PIL for what it cannot read.
 
 Library: torchvision.io.decode_jpeg on CUDA (nvJPEG), in batches, plus torch's antialiased
-bilinear resize. Chosen over nvImageCodec because it is the one measured (the issue's H100
-figures: 20,662 img/s in batches of 256 with a GPU resize, 2.4x PIL on all 16 cores), it keeps
-the pixels in torch/CUDA memory that CuPy takes without a copy (DLPack), and its resize
-(antialias=True) is written to follow PIL's BILINEAR. nvImageCodec (hardware JPEG decoders)
-was not measured; it would slot in behind `_decode_batch`. Installed by the `gpu` extra only:
+bilinear resize. It keeps the pixels in torch/CUDA memory that CuPy takes without a copy
+(DLPack), and its resize (antialias=True) is written to follow PIL's BILINEAR. nvImageCodec
+(hardware JPEG decoders) would slot in behind `_decode_batch`. Installed by the `gpu` extra only:
 PyPI's torchvision does not import beside the CPU torch wheel of the CPU machines.
 
 Falls back to FolderImages.decode_cpu, file by file, for PNGs, for JPEGs nvJPEG rejects
@@ -16,19 +14,46 @@ corrupt files then raise the CPU path's DataError naming the file.
 import logging
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from trainflow.tasks.preprocess.sources import _check_same_size
+import numpy as np
 
-if TYPE_CHECKING:
-    from trainflow.tasks.preprocess.worker_sources import FolderImages
+from trainflow.tasks.preprocess.image_files import check_same_size
 
 log = logging.getLogger(__name__)
 
 JPEG_SUFFIXES = (".jpg", ".jpeg")
 
 
-def decode_files_gpu(names: list[str], images: "FolderImages", xp: ModuleType) -> Any:
+class Pictures(Protocol):
+    """The images being decoded, as the decoder needs them (worker_sources.FolderImages)."""
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        """Every file of the dataset, the first one the size reference."""
+        ...
+
+    @property
+    def channels(self) -> int:
+        """1 or 3."""
+        ...
+
+    @property
+    def size(self) -> tuple[int, int]:
+        """(H, W) of every decoded image."""
+        ...
+
+    @property
+    def resize(self) -> bool:
+        """True: images of another size are resized to `size`; False: they are an error."""
+        ...
+
+    def decode_cpu(self, name: str) -> np.ndarray:
+        """One file as (C, H, W) uint8 on the CPU: what the GPU decoder cannot read."""
+        ...
+
+
+def decode_files_gpu(names: list[str], images: Pictures, xp: ModuleType) -> Any:
     """(len(names), C, H, W) uint8 CuPy array of the files, decoded on the current GPU."""
     import torch
 
@@ -71,7 +96,7 @@ def _decode_batch(files: list[str], channels: int, device: Any) -> list[Any]:
     return result
 
 
-def _fit(picture: Any, name: str, images: "FolderImages") -> Any:
+def _fit(picture: Any, name: str, images: Pictures) -> Any:
     """The decoded picture at the dataset's size: resized (image_size set) or checked."""
     import torch
 
@@ -79,7 +104,7 @@ def _fit(picture: Any, name: str, images: "FolderImages") -> Any:
     if (height, width) == images.size:
         return picture
     if not images.resize:
-        _check_same_size(Path(name), (height, width), (Path(images.files[0]), images.size))
+        check_same_size(Path(name), (height, width), (Path(images.files[0]), images.size))
     resized = torch.nn.functional.interpolate(
         picture[None].float(), size=images.size, mode="bilinear", antialias=True
     )

@@ -4,7 +4,7 @@ from abc import ABC, abstractmethod
 
 
 class FourDimImages(ABC):
-    """Base of the lazy image sources (sources.LazyImages): `ndim` and `len()` follow from
+    """Base of the lazy image sources (raw.LazyImages): `ndim` and `len()` follow from
     the `shape` property a subclass defines, so numpy-style callers treat them like arrays."""
 
     @property

@@ -1,11 +1,22 @@
-"""Reading one .npz file of the npz source: images, labels and optional class names, checked."""
+"""The npz source's files: which a path holds, and one read (images, labels, optional class
+names), checked."""
 
 import zipfile
 from pathlib import Path
 
 import numpy as np
 
-from trainflow.tasks.errors import DataError
+from trainflow.errors import DataError
+
+
+def npz_files(path: Path) -> list[Path]:
+    """The .npz file itself, or the sorted .npz files of a folder."""
+    if path.is_file():
+        return [path]
+    files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix.lower() == ".npz")
+    if not files:
+        raise DataError(f"no .npz files in folder {str(path)!r} (source='npz')")
+    return files
 
 
 def read_npz(file: Path, want_classes: bool) -> tuple[np.ndarray, np.ndarray, list[str] | None]:
@@ -24,7 +35,7 @@ def read_npz(file: Path, want_classes: bool) -> tuple[np.ndarray, np.ndarray, li
     except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
         raise DataError(f"cannot read npz file {str(file)!r} (corrupt?): {exc}") from exc
     images = _npz_images(file, arrays["images"])
-    labels = _npz_labels(file, arrays["labels"], len(images))
+    labels = npz_labels(file, arrays["labels"], len(images))
     classes = arrays.get("classes") if want_classes else None
     return images, labels, None if classes is None else [str(c) for c in classes.ravel()]
 
@@ -58,8 +69,8 @@ def _npz_images(file: Path, images: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(images)
 
 
-def _npz_labels(file: Path, labels: np.ndarray, count: int) -> np.ndarray:
-    """int64 labels, one per image, none negative."""
+def npz_labels(file: Path, labels: np.ndarray, count: int) -> np.ndarray:
+    """int64 labels, one per image, none negative; DataError naming the file otherwise."""
     if labels.ndim != 1:
         raise DataError(f"{str(file)!r}: 'labels' has shape {labels.shape}; expected (N,)")
     if not np.issubdtype(labels.dtype, np.integer):

@@ -23,11 +23,12 @@ from typing import Any
 import distributed
 import numpy as np
 
-from trainflow.tasks.errors import DataError
+from trainflow.errors import DataError
+from trainflow.tasks.preprocess.guarded import run_guarded
 from trainflow.tasks.preprocess.image_array import FourDimImages
 from trainflow.tasks.preprocess.npz import read_npz
 from trainflow.tasks.preprocess.preflight import read_npz_header
-from trainflow.tasks.preprocess.worker_sources import NpzPart, run_guarded
+from trainflow.tasks.preprocess.worker_sources import NpzPart
 from trainflow.tasks.preprocess.writer import Shard
 
 Gather = Callable[[distributed.Client, list[list[Any]]], list[list[Any]]]

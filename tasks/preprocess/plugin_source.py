@@ -21,11 +21,11 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from trainflow.errors import DataError
 from trainflow.tasks import plugins
-from trainflow.tasks.errors import DataError
 from trainflow.tasks.preprocess.config import PreprocessConfig
-from trainflow.tasks.preprocess.sources import RawSource
-from trainflow.tasks.preprocess.worker_sources import run_guarded
+from trainflow.tasks.preprocess.guarded import run_guarded
+from trainflow.tasks.preprocess.raw import RawSource
 
 if TYPE_CHECKING:  # preflight imports this module: no dask client there (~1 s of imports)
     import distributed

@@ -20,21 +20,16 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from trainflow.tasks.errors import DataError
+from trainflow.errors import DataError
 from trainflow.tasks.preprocess.config import PreprocessConfig
 from trainflow.tasks.preprocess.dataset import normalisation_of
-from trainflow.tasks.preprocess.npz import _npz_labels
+from trainflow.tasks.preprocess.image_files import check_same_size, class_dirs, class_images
+from trainflow.tasks.preprocess.npz import npz_files, npz_labels
 from trainflow.tasks.preprocess.plugin_source import (
     classes_of,
     list_parts,
     open_source,
     read_arrays,
-)
-from trainflow.tasks.preprocess.sources import (
-    _check_same_size,
-    _class_dirs,
-    _class_images,
-    _npz_files,
 )
 from trainflow.tasks.preprocess.worker_sources import check_headers, list_folder, probe_headers
 from trainflow.tasks.spec import DataSpec
@@ -61,7 +56,7 @@ def preflight_source(cfg: PreprocessConfig) -> None:
     if cfg.source == "folder":
         _check_folder(_required_path(cfg), cfg.image_size)
     elif cfg.source == "npz":
-        _check_npz_files(_required_path(cfg))
+        _checknpz_files(_required_path(cfg))
 
 
 def probe_spec(cfg: PreprocessConfig, objective: str = "classification") -> DataSpec:
@@ -84,7 +79,7 @@ def _image_facts(cfg: PreprocessConfig) -> tuple[tuple[int, ...], int]:
         listing = list_folder(path)
         channels, size = check_headers(listing.files, probe_headers(listing.files), cfg.image_size)
         return (channels, *size), len(listing.classes)
-    headers = [read_npz_header(f, want_classes=i == 0) for i, f in enumerate(_npz_files(path))]
+    headers = [read_npz_header(f, want_classes=i == 0) for i, f in enumerate(npz_files(path))]
     names = headers[0].names
     return headers[0].shape, len(names) if names else max(int(h.labels.max()) for h in headers) + 1
 
@@ -119,16 +114,16 @@ def _required_path(cfg: PreprocessConfig) -> Path:
 
 def _check_folder(root: Path, image_size: tuple[int, int] | None) -> None:
     """Class folders with images whose headers say they are images of one size."""
-    classes = _class_dirs(root)
+    classes = class_dirs(root)
     first: tuple[Path, tuple[int, ...]] | None = None
     count = 0
     for class_dir in classes:
-        files = _class_images(class_dir)
+        files = class_images(class_dir)
         for file in files:
             size = _image_size(file)
             first = first or (file, size)
             if image_size is None:
-                _check_same_size(file, size, first)
+                check_same_size(file, size, first)
         count += len(files)
     _check_count(count, str(root))  # in the stage's order: counts, then classes
     _check_classes([c.name for c in classes], str(root))
@@ -151,9 +146,9 @@ def _image_size(file: Path) -> tuple[int, int]:
 # --- npz ------------------------------------------------------------------------------------
 
 
-def _check_npz_files(path: Path) -> None:
+def _checknpz_files(path: Path) -> None:
     """Every .npz file: an archive of numeric 'images' and integer 'labels' that agree."""
-    files = _npz_files(path)
+    files = npz_files(path)
     first_shape: tuple[Path, tuple[int, ...]] | None = None
     classes: list[str] | None = None
     counts = np.zeros(0, np.int64)
@@ -218,7 +213,7 @@ def read_npz_header(file: Path, want_classes: bool) -> NpzHeader:
     except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
         raise DataError(f"cannot read npz file {str(file)!r} (corrupt?): {exc}") from exc
     shape = _images_shape(file, images)
-    return NpzHeader(images, shape, _npz_labels(file, labels, images.shape[0]), names)
+    return NpzHeader(images, shape, npz_labels(file, labels, images.shape[0]), names)
 
 
 def _check_zip_magic(file: Path) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 import distributed
 import numpy as np
 
-from trainflow.tasks.errors import DataError
+from trainflow.errors import DataError
 from trainflow.tasks.preprocess.config import PreprocessConfig
 from trainflow.tasks.preprocess.dataset import (
     FORMAT_VERSION,
@@ -24,6 +24,8 @@ from trainflow.tasks.preprocess.dataset import (
     normalisation_of,
     read_manifest,
 )
+from trainflow.tasks.preprocess.guarded import Failure, run_guarded
+from trainflow.tasks.preprocess.npz import npz_files
 from trainflow.tasks.preprocess.npz_staging import (
     NpzFiles,
     check_float_values,
@@ -31,18 +33,17 @@ from trainflow.tasks.preprocess.npz_staging import (
     stage_in_shard_order,
 )
 from trainflow.tasks.preprocess.plugin_source import plan_plugin
+from trainflow.tasks.preprocess.raw import RawSource
 from trainflow.tasks.preprocess.ref import DatasetRef
-from trainflow.tasks.preprocess.sources import RawSource, _npz_files, load_source
+from trainflow.tasks.preprocess.sources import load_source
 from trainflow.tasks.preprocess.validate import is_class_labels, validate_raw
 from trainflow.tasks.preprocess.worker_sources import (
     PROBE_FILES,
-    Failure,
     FolderImages,
     check_headers,
     check_parts,
     list_folder,
     probe_headers,
-    run_guarded,
 )
 from trainflow.tasks.preprocess.writer import ImageRows, Moments, Shard, stage, write_shards
 
@@ -127,7 +128,7 @@ def plan_source(cfg: PreprocessConfig, client: distributed.Client, scratch: Path
         return RawSource(images, listing.labels, listing.classes)
     if cfg.source == "npz":
         assert cfg.path is not None
-        files = [str(f) for f in _npz_files(cfg.path)]
+        files = [str(f) for f in npz_files(cfg.path)]
         futures = [
             client.submit(run_guarded, probe_npz, f, i, pure=False) for i, f in enumerate(files)
         ]

@@ -7,86 +7,25 @@ import functools
 import hashlib
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
-from typing import Any, Protocol
 
 import numpy as np
-from PIL import Image
 
-from trainflow.tasks.errors import DataError
+from trainflow.errors import DataError
 from trainflow.tasks.preprocess.config import PreprocessConfig
-from trainflow.tasks.preprocess.npz import read_npz
+from trainflow.tasks.preprocess.image_files import (
+    check_same_size,
+    class_dirs,
+    class_images,
+    image_files,
+    read_image,
+)
+from trainflow.tasks.preprocess.npz import npz_files, read_npz
+from trainflow.tasks.preprocess.raw import RawData, RawSource
 from trainflow.tasks.preprocess.synthetic import GENERATOR_VERSION, SyntheticImages
 
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
-_GRAY_MODES = ("1", "L", "LA", "I", "I;16", "F")
 # Bumped when a loader's output changes for the same input, so old caches stop matching.
 _FINGERPRINT_VERSION = "trainflow-raw-v1"
-
-
-@dataclass(frozen=True)
-class RawData:
-    """Raw samples of one source, before splitting and normalisation."""
-
-    images: np.ndarray
-    """(N, C, H, W), uint8 or float32."""
-    labels: np.ndarray
-    """(N,) int64, each in range(len(classes))."""
-    classes: list[str]
-    """Class names; label i is classes[i]."""
-    num_classes: int | None = None
-    """Vocabulary size of per-position integer targets (None: len(classes) or float)."""
-
-
-class LazyImages(Protocol):
-    """(N, C, H, W) images that stay on disk (or are generated) until a worker takes rows."""
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        """(N, C, H, W)."""
-        ...
-
-    @property
-    def ndim(self) -> int:
-        """Always 4."""
-        ...
-
-    def __len__(self) -> int:
-        """N."""
-        ...
-
-    @property
-    def dtype(self) -> np.dtype:
-        """uint8 or float32."""
-        ...
-
-    def take(self, rows: np.ndarray, xp: ModuleType = np) -> Any:
-        """A new array of module xp holding those rows."""
-        ...
-
-    def first_nonfinite(self) -> int | None:
-        """Index of the first sample holding NaN/inf, None when all are finite."""
-        ...
-
-
-@dataclass(frozen=True)
-class RawSource:
-    """Raw samples as the preprocess stage reads them: lazy except for in-memory sources.
-
-    Built-in sources give images and class labels; source plug-ins any sample shape and
-    targets (tasks.preprocess.plugin_source)."""
-
-    images: "np.ndarray | LazyImages"
-    """Inputs (N, ...): (N, C, H, W) uint8 or float32 images, (N, F) float32 features or
-    (N, T) int64 token ids; in memory, on disk or generated on demand."""
-    labels: np.ndarray
-    """Targets (N, ...): int64 classes (N,), int64 ids per position (N, T), float32 values."""
-    classes: list[str]
-    """Class names; label i is classes[i] (empty for float targets or unnamed ids)."""
-    num_classes: int | None = None
-    """Classes or vocabulary size (None: len(classes); float targets: None)."""
 
 
 def load_source(cfg: PreprocessConfig) -> RawSource:
@@ -128,7 +67,7 @@ def fingerprint(cfg: PreprocessConfig) -> str:
         digest.update(json.dumps(params).encode())
     else:
         root = _required_path(cfg)
-        files = _image_files(root) if cfg.source == "folder" else _npz_files(root)
+        files = image_files(root) if cfg.source == "folder" else npz_files(root)
         for file in files:
             _hash_file(digest, file, file.relative_to(root if root.is_dir() else root.parent))
     return digest.hexdigest()
@@ -171,90 +110,23 @@ def _mnist_arrays() -> tuple[np.ndarray, np.ndarray]:
     return images, labels
 
 
-def _class_dirs(root: Path) -> list[Path]:
-    if not root.is_dir():
-        raise DataError(f"preprocess.path {str(root)!r} is not a folder (source='folder')")
-    dirs = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
-    if not dirs:
-        raise DataError(
-            f"no class folders in {str(root)!r}: source='folder' expects one sub-folder "
-            "per class holding .png/.jpg/.jpeg images"
-        )
-    return dirs
-
-
-def _class_images(class_dir: Path) -> list[Path]:
-    """The class's image files, sorted; DataError when it holds none (an empty class)."""
-    files = sorted(
-        p for p in class_dir.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES
-    )
-    if not files:
-        raise DataError(
-            f"class folder {str(class_dir)!r} holds no .png/.jpg/.jpeg images: "
-            "add images or remove the folder"
-        )
-    return files
-
-
-def _image_files(root: Path) -> list[Path]:
-    """Every image the folder loader reads, in load order."""
-    return [f for d in _class_dirs(root) for f in _class_images(d)]
-
-
 def _load_folder(cfg: PreprocessConfig) -> RawData:
     """One sub-folder per class (sorted names are the classes), PNG/JPEG images inside."""
     root = _required_path(cfg)
     arrays: list[np.ndarray] = []
     labels: list[int] = []
     first: tuple[Path, tuple[int, ...]] | None = None
-    classes = _class_dirs(root)
+    classes = class_dirs(root)
     for label, class_dir in enumerate(classes):
-        files = _class_images(class_dir)
+        files = class_images(class_dir)
         for file in files:
-            array = _read_image(file, cfg.image_size)
+            array = read_image(file, cfg.image_size)
             first = first or (file, array.shape[:2])
-            _check_same_size(file, array.shape[:2], first)
+            check_same_size(file, array.shape[:2], first)
             arrays.append(array)
             labels.append(label)
     images = _stack_channels_first(arrays)
     return RawData(images, np.asarray(labels, np.int64), [d.name for d in classes])
-
-
-def _read_image(file: Path, size: tuple[int, int] | None) -> np.ndarray:
-    """(H, W) for grayscale or (H, W, 3) for colour, uint8; alpha channels are dropped."""
-    if file.stat().st_size == 0:
-        raise DataError(f"image file {str(file)!r} is empty (0 bytes): remove or replace it")
-    try:
-        with Image.open(file) as img:
-            img.load()
-            array = _to_array(img, size)
-    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
-        raise DataError(
-            f"cannot read image {str(file)!r} (corrupt or not an image): {exc}"
-        ) from exc
-    return array
-
-
-def _to_array(img: Image.Image, size: tuple[int, int] | None) -> np.ndarray:
-    """Grayscale modes become L, everything else (palette, CMYK, alpha...) RGB."""
-    if img.mode == "P" and "transparency" in img.info:
-        img = img.convert("RGBA")
-    img = img.convert("L" if img.mode in _GRAY_MODES else "RGB")
-    if size is not None:
-        img = img.resize((size[1], size[0]), Image.Resampling.BILINEAR)
-    return np.asarray(img, dtype=np.uint8)
-
-
-def _check_same_size(
-    file: Path, size: tuple[int, ...], first: tuple[Path, tuple[int, ...]]
-) -> None:
-    if size != first[1]:
-        (h, w), (h0, w0) = size, first[1]
-        raise DataError(
-            f"image {str(file)!r} is {h}x{w} (HxW) but {str(first[0])!r} is {h0}x{w0}: "
-            f"all images must share one size, or set preprocess.image_size=[{h0},{w0}] "
-            "to resize them"
-        )
 
 
 def _stack_channels_first(arrays: list[np.ndarray]) -> np.ndarray:
@@ -265,19 +137,9 @@ def _stack_channels_first(arrays: list[np.ndarray]) -> np.ndarray:
     return np.stack(arrays)[:, None]
 
 
-def _npz_files(path: Path) -> list[Path]:
-    """The .npz file itself, or the sorted .npz files of a folder."""
-    if path.is_file():
-        return [path]
-    files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix.lower() == ".npz")
-    if not files:
-        raise DataError(f"no .npz files in folder {str(path)!r} (source='npz')")
-    return files
-
-
 def _load_npz(cfg: PreprocessConfig) -> RawData:
     """'images' (N,H,W), (N,C,H,W) or (N,H,W,C) and integer 'labels' (N,) per file."""
-    files = _npz_files(_required_path(cfg))
+    files = npz_files(_required_path(cfg))
     images: list[np.ndarray] = []
     labels: list[np.ndarray] = []
     names: list[str] | None = None

@@ -12,8 +12,8 @@ from prefect import get_run_logger, task
 from prefect.context import TaskRunContext
 
 from trainflow.cluster.config import DaskConfig
+from trainflow.errors import DataError
 from trainflow.tasks.diskspace import disk_stage
-from trainflow.tasks.errors import DataError
 from trainflow.tasks.preprocess.config import PreprocessConfig
 from trainflow.tasks.preprocess.dataset import dataset_dir, read_manifest
 from trainflow.tasks.preprocess.ref import DatasetRef

@@ -2,8 +2,8 @@
 
 import numpy as np
 
-from trainflow.tasks.errors import DataError
-from trainflow.tasks.preprocess.sources import RawData, RawSource
+from trainflow.errors import DataError
+from trainflow.tasks.preprocess.raw import RawData, RawSource
 
 MIN_SAMPLES = 10
 _CHECK_ROWS = 4096  # rows per finiteness check: bounded temporaries at any data size

@@ -11,54 +11,30 @@ read by a worker, a group of files at a time, so no step holds the whole dataset
 - npz: workers read each file's headers and labels, then each file is read once by one worker
   and its rows written in shard order to scratch files (tasks.preprocess.npz_staging).
 
-Bad input raises DataError naming the file on the worker; `run_guarded` turns it into a value,
-so the client reports it once (tasks.preprocess.gather) instead of a traceback per task.
+Bad input raises DataError naming the file on the worker; the client runs these functions
+through tasks.preprocess.guarded, so it reports the error once instead of a traceback per task.
 """
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 from PIL import Image
 
-from trainflow.tasks.errors import DataError
-from trainflow.tasks.limits import open_files_advice, too_many_open_files
+from trainflow.errors import DataError
 from trainflow.tasks.preprocess.image_array import FourDimImages
-from trainflow.tasks.preprocess.sources import (
-    _GRAY_MODES,
-    _check_same_size,
-    _class_dirs,
-    _class_images,
-    _read_image,
+from trainflow.tasks.preprocess.image_files import (
+    GRAY_MODES,
+    check_same_size,
+    class_dirs,
+    class_images,
+    read_image,
 )
-
-T = TypeVar("T")
 
 PROBE_FILES = 512
 """Image headers read per probe task (~1 ms each: a task of about half a second)."""
-
-
-@dataclass(frozen=True)
-class Failure:
-    """A DataError raised on a worker, carried back as a value (no worker-side traceback)."""
-
-    message: str
-
-
-def run_guarded(fn: Callable[..., T], *args: Any) -> "T | Failure":
-    """fn(*args), or a Failure holding the message of the DataError it raised (or of the
-    worker's open-files limit, reached: its advice is the limit, not the data)."""
-    try:
-        return fn(*args)
-    except DataError as exc:
-        return Failure(str(exc))
-    except OSError as exc:
-        if not too_many_open_files(exc):
-            raise
-        return Failure(f"preprocess (a dask worker): {open_files_advice()}")
 
 
 # --- folder -----------------------------------------------------------------------------------
@@ -80,9 +56,9 @@ def list_folder(root: Path) -> FolderListing:
     """The class folders and image files under root; DataError for a missing or empty class."""
     files: list[str] = []
     labels: list[int] = []
-    classes = _class_dirs(root)
+    classes = class_dirs(root)
     for label, class_dir in enumerate(classes):
-        images = _class_images(class_dir)
+        images = class_images(class_dir)
         files.extend(str(f) for f in images)
         labels.extend([label] * len(images))
     return FolderListing(files, np.asarray(labels, np.int64), [d.name for d in classes])
@@ -97,7 +73,7 @@ def probe_headers(files: list[str]) -> list[tuple[bool, int, int]]:
             raise DataError(f"image file {name!r} is empty (0 bytes): remove or replace it")
         try:
             with Image.open(file) as img:
-                colour = img.mode not in _GRAY_MODES
+                colour = img.mode not in GRAY_MODES
                 width, height = img.size
         except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
             raise DataError(f"cannot read image {name!r} (corrupt or not an image): {exc}") from exc
@@ -117,7 +93,7 @@ def check_headers(
         return channels, size
     first = (Path(files[0]), headers[0][1:])
     for name, (_colour, h, w) in zip(files, headers, strict=True):
-        _check_same_size(Path(name), (h, w), first)
+        check_same_size(Path(name), (h, w), first)
     return channels, (headers[0][1], headers[0][2])
 
 
@@ -163,9 +139,9 @@ class FolderImages(FourDimImages):
 
     def decode_cpu(self, name: str) -> np.ndarray:
         """One file as (C, H, W) uint8 with PIL: the reference path (and the GPU fallback)."""
-        array = _read_image(Path(name), self.size if self.resize else None)
+        array = read_image(Path(name), self.size if self.resize else None)
         if array.shape[:2] != self.size:
-            _check_same_size(Path(name), array.shape[:2], (Path(self.files[0]), self.size))
+            check_same_size(Path(name), array.shape[:2], (Path(self.files[0]), self.size))
         if array.ndim == 2:
             return np.broadcast_to(array, (self.channels, *array.shape))
         return array.transpose(2, 0, 1)

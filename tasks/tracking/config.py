@@ -5,7 +5,7 @@ from pathlib import Path
 
 from pydantic import Field
 
-from trainflow.tasks.base import StrictModel
+from trainflow.config_base import StrictModel
 
 
 class TrackingConfig(StrictModel):

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from trainflow.tasks.errors import TrainflowError
+from trainflow.errors import TrainflowError
 from trainflow.tasks.tracking.journal import decode_points, journal_dir, read_records
 
 POLL_S = 1.0

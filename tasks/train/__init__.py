@@ -1,4 +1,38 @@
-"""The train stage."""
+"""The train stage: a dataset in, checkpoints and a trained model out.
+
+Takes a `TrainJobSpec` (the `TrainConfig`, the `DatasetRef`, the MLflow run id, the output
+folder) and an executor from cluster/; hands on a `CheckpointRef`: the best checkpoint's file,
+its hash, step and metrics. The job is a plain submitit payload: it knows nothing of Slurm or
+Prefect, logs only from rank 0 and resumes from its latest checkpoint by itself.
+
+Modules:
+    config             TrainConfig: model, optimisation, precision, checkpointing, strategy.
+    ref                CheckpointRef, the stage's output.
+    task               the Prefect @tasks: submit (one job or an array), forward logs, wait.
+    job                TrainingJob, the callable submitit runs once per rank.
+    sweep              a sweep's job array and the choice of its best element.
+    early_signal       a requeue signal that arrives while a rank starts is held, not fatal.
+    distributed        process group set-up and tear-down (gloo | nccl), DDP.
+    rendezvous         ranks meet on a store rank 0 starts on a free port.
+    sharding           train.strategy=fsdp: FSDP2 fully_shard per sharding unit.
+    sharded_init       fsdp: rank 0 builds the model, the others receive their shards.
+    precision          bf16 / fp16 with GradScaler / fp32, chosen per device.
+    native_bf16        whether a device computes bf16 natively.
+    models             the built-in networks and their factories.
+    model_plugins      the model factory seam: build_model, check_model on the meta device.
+    data               batches as index slices of a split, in memory or streamed.
+    streaming          a split streamed from its shards, each rank reading its own batches.
+    prefetch           host batches copied to the GPU one step ahead.
+    normalise          raw shard values to float32 at batch time.
+    loop               the train and evaluation epochs: optimiser, schedule, metric sums.
+    throughput         samples/s, step time, FLOPs and MFU per rank and per job.
+    recorder           rank 0's per-epoch record written off the training path.
+    checkpoint         atomic full-state checkpoints, resume look-up, best model.
+    sharded_checkpoint DCP checkpoints of fsdp runs, resharded on load.
+    progress           what a checkpoint holds of the run's progress and identity.
+    first_result       the test split through the best weights as the job ends.
+    log_lines          the lines a job prints: where it trains, per-epoch progress.
+"""
 
 from trainflow.tasks.train.early_signal import hold_early_preemption
 

@@ -4,7 +4,7 @@ from typing import Any, Literal, Self
 
 from pydantic import Field, field_validator, model_validator
 
-from trainflow.tasks.base import StrictModel
+from trainflow.config_base import StrictModel
 
 
 class TrainConfig(StrictModel):

@@ -19,7 +19,7 @@ from typing import Literal, Protocol
 import numpy as np
 import torch
 
-from trainflow.tasks.errors import ConfigError
+from trainflow.errors import ConfigError
 from trainflow.tasks.preprocess.dataset import load_manifest, load_raw_split, read_manifest
 from trainflow.tasks.train.normalise import Normaliser, normaliser_of
 from trainflow.tasks.train.prefetch import Batch, Prefetcher

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from trainflow.tasks.errors import ConfigError
+from trainflow.errors import ConfigError
 from trainflow.tasks.train.early_signal import in_submitit_task
 from trainflow.tasks.train.rendezvous import Layout, export_env, meet, submitit_layout
 

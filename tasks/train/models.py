@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainflow.tasks.errors import ConfigError
+from trainflow.errors import ConfigError
 from trainflow.tasks.spec import DataSpec
 from trainflow.tasks.train.config import TrainConfig
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from trainflow.tasks.errors import ConfigError
+from trainflow.errors import ConfigError
 from trainflow.tasks.train.native_bf16 import native_bf16, this_cpu
 
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainflow.tasks.errors import ConfigError
+from trainflow.errors import ConfigError
 from trainflow.tasks.hashing import sha256_file
 from trainflow.tasks.preprocess.ref import DatasetRef
 from trainflow.tasks.tracking.handed import handed_through

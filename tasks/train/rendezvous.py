@@ -31,7 +31,7 @@ from pathlib import Path
 import submitit
 import torch.distributed as dist
 
-from trainflow.tasks.errors import TrainflowError
+from trainflow.errors import TrainflowError
 
 NONCE_KEY = "trainflow/rendezvous-nonce"
 POLL_S = 0.2

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainflow.tasks.errors import ConfigError, DataError
+from trainflow.errors import ConfigError, DataError
 from trainflow.tasks.train.checkpoint import (
     KEEP,
     Resumable,

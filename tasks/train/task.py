@@ -17,8 +17,8 @@ from trainflow.cluster.jobs import wait_for_job, wait_for_jobs
 from trainflow.cluster.lost_ranks import RankLostError
 from trainflow.cluster.restarts import run_with_restarts
 from trainflow.cluster.slurm_checks import check_cluster
+from trainflow.errors import JobError
 from trainflow.tasks.diskspace import disk_stage, require_space
-from trainflow.tasks.errors import JobError
 from trainflow.tasks.tracking import orphaned_runs
 from trainflow.tasks.tracking.lost_ranks import record_lost_ranks
 from trainflow.tasks.tracking.progress import EpochProgress

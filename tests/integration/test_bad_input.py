@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from mlflow.tracking import MlflowClient
 
+from trainflow.errors import DataError
 from trainflow.flows.pipeline import pipeline
-from trainflow.tasks.errors import DataError
 
 pytestmark = pytest.mark.integration
 

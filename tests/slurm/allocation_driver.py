@@ -27,7 +27,7 @@ from trainflow.cluster.config import ClusterConfig
 from trainflow.cluster.executor import make_executor
 from trainflow.cluster.jobs import wait_for_job
 from trainflow.cluster.srun_executor import STEP_PREFIX, AllocationJob, step_ids
-from trainflow.tasks.errors import JobError
+from trainflow.errors import JobError
 from trainflow.tasks.preprocess.ref import DatasetRef
 from trainflow.tasks.train import task as train_task
 from trainflow.tasks.train.config import TrainConfig

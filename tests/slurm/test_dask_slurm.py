@@ -30,7 +30,7 @@ from trainflow.cluster import registry
 from trainflow.cluster.config import DaskConfig
 from trainflow.cluster.dask import dask_client
 from trainflow.cluster.slurm_checks import read_nodes
-from trainflow.tasks.errors import ConfigError, JobError
+from trainflow.errors import ConfigError, JobError
 from trainflow.tasks.preprocess.config import PreprocessConfig
 from trainflow.tasks.preprocess.run import run_preprocess
 from trainflow.tasks.preprocess.sources import fingerprint

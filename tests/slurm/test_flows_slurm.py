@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
+from trainflow.errors import ConfigError, JobError
 from trainflow.flows.pipeline import pipeline
 from trainflow.flows.sweep import sweep
-from trainflow.tasks.errors import ConfigError, JobError
 
 
 def test_sweep_is_one_slurm_job_array_spread_over_both_nodes(tmp_path: Path) -> None:

@@ -28,7 +28,7 @@ from trainflow.cluster.config import ClusterConfig
 from trainflow.cluster.executor import make_executor
 from trainflow.cluster.jobs import wait_for_job
 from trainflow.cluster.lost_ranks import RankLostError
-from trainflow.tasks.errors import JobError
+from trainflow.errors import JobError
 from trainflow.tasks.preprocess.ref import DatasetRef
 from trainflow.tasks.train.config import TrainConfig
 from trainflow.tasks.train.job import TrainingJob, TrainJobSpec

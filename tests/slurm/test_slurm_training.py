@@ -31,7 +31,7 @@ from trainflow.cluster.slurm_checks import (
     read_nodes,
     read_partitions,
 )
-from trainflow.tasks.errors import ConfigError, JobError
+from trainflow.errors import ConfigError, JobError
 from trainflow.tasks.preprocess.ref import DatasetRef
 from trainflow.tasks.tracking.relay import relaying
 from trainflow.tasks.tracking.slurm_logs import record_job_accounting

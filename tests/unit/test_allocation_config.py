@@ -12,9 +12,9 @@ from trainflow.cluster.executor import make_executor
 from trainflow.cluster.restarts import can_exclude
 from trainflow.cluster.slurm_checks import check_cluster
 from trainflow.cluster.srun_executor import STEP_PREFIX, AllocationExecutor, cpus_per_node
+from trainflow.errors import ConfigError
 from trainflow.flows.config import PipelineConfig
 from trainflow.flows.preflight import preflight
-from trainflow.tasks.errors import ConfigError
 
 OUTSIDE = r"^cluster.executor=allocation .* runs in none \(no SLURM_JOB_ID\): run it in an "
 

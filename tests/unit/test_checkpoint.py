@@ -12,7 +12,7 @@ from mlflow.tracking import MlflowClient
 from torch import nn
 
 from tests.unit.datasets import write_dataset
-from trainflow.tasks.errors import ConfigError, DataError
+from trainflow.errors import ConfigError, DataError
 from trainflow.tasks.hashing import sha256_file
 from trainflow.tasks.preprocess.ref import DatasetRef
 from trainflow.tasks.tracking.relay import Relay

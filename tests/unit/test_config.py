@@ -2,6 +2,7 @@
 
 import pytest
 
+from trainflow.errors import ConfigError
 from trainflow.flows.config import (
     GPU_BATCH,
     PRESETS,
@@ -14,7 +15,6 @@ from trainflow.flows.config import (
     parse_override,
     scaled_lr,
 )
-from trainflow.tasks.errors import ConfigError
 
 
 @pytest.mark.parametrize("preset", list(PRESETS))

@@ -22,7 +22,7 @@ from trainflow.cluster.dask import (
     workers_line,
 )
 from trainflow.cluster.dask_snapshot import register_snapshot
-from trainflow.tasks.errors import ConfigError
+from trainflow.errors import ConfigError
 from trainflow.tasks.preprocess.config import PreprocessConfig
 from trainflow.tasks.preprocess.size import array_bytes, dataset_bytes
 

@@ -13,7 +13,7 @@ from trainflow.cluster.dask_slurm_checks import check_workers_against
 from trainflow.cluster.dask_srun import srun_argv
 from trainflow.cluster.slurm_checks import Node, Partition
 from trainflow.compat import import_slurm_cluster
-from trainflow.tasks.errors import ConfigError
+from trainflow.errors import ConfigError
 
 _PARTS = [
     Partition("cpu", True, 2, None, 60, None, None),

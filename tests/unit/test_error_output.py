@@ -9,8 +9,8 @@ import pytest
 
 from trainflow.cluster import jobs
 from trainflow.cluster.jobs import LogTail
+from trainflow.errors import DataError, JobError
 from trainflow.flows.error_output import RankTracebacks, UserErrorEcho, quiet_user_errors
-from trainflow.tasks.errors import DataError, JobError
 
 
 @pytest.fixture
@@ -78,7 +78,7 @@ _RANK_LOG = "\n".join(
         "[rank0@n2] epoch 1/2 loss 0.5",
         "[rank1] Traceback (most recent call last):",
         '[rank1]   File "/x/job.py", line 3, in __call__',
-        "[rank1] trainflow.tasks.errors.DataError: cannot read shard '/d/train-00001.x.npy'",
+        "[rank1] trainflow.errors.DataError: cannot read shard '/d/train-00001.x.npy'",
         "[rank1] rank_guard: a line after the traceback",
         "[rank0] [rank0]: Traceback (most recent call last):",
         '[rank0] [rank0]:   File "/x/loop.py", line 3, in step',
@@ -133,7 +133,7 @@ def test_a_traceback_stays_off_the_console_when_the_other_stream_interleaves(
         f.write(f"{error_line}\n")
     with err.open("a") as f:
         f.write('    g()\n  File "b.py", line 2, in g\n')
-        f.write("trainflow.tasks.errors.ConfigError: no GPU\n")
+        f.write("trainflow.errors.ConfigError: no GPU\n")
     jobs._forward(tails, logger.info, final=True)
     assert stream.getvalue().splitlines() == [
         "[rank0] submitit INFO (2026-11-27 06:39:26,096) - Starting",

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from trainflow.tasks.errors import DataError
+from trainflow.errors import DataError
 from trainflow.tasks.evaluate import metrics
 from trainflow.tasks.evaluate.predict import confusion_streamed
 from trainflow.tasks.hashing import sha256_file

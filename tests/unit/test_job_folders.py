@@ -24,7 +24,7 @@ import submitit
 from trainflow.cluster.config import ClusterConfig
 from trainflow.cluster.executor import make_executor
 from trainflow.cluster.jobs import wait_for_job
-from trainflow.tasks.errors import JobError
+from trainflow.errors import JobError
 
 PEER = "trainflow-peer"
 

@@ -24,7 +24,7 @@ from trainflow.cluster.config import ClusterConfig
 from trainflow.cluster.executor import make_executor
 from trainflow.cluster.jobs import wait_for_job
 from trainflow.cluster.lost_ranks import RankLostError, raised_line
-from trainflow.tasks.errors import JobError
+from trainflow.errors import JobError
 from trainflow.tasks.train.config import TrainConfig
 from trainflow.tasks.train.distributed import distributed
 from trainflow.tasks.train.job import TrainingJob, TrainJobSpec
@@ -134,7 +134,7 @@ The above exception was the direct cause of the following exception:
 Traceback (most recent call last):
   File "/x/job.py", line 3, in __call__
     raise DataError(msg) from exc
-trainflow.tasks.errors.DataError: cannot read shard '/d/train-00001.x.npy': too many
+trainflow.errors.DataError: cannot read shard '/d/train-00001.x.npy': too many
 """
     assert raised_line(chained) == "DataError: cannot read shard '/d/train-00001.x.npy': too many"
     assert raised_line(chained + "files open\n") == (

@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 from tests.unit.test_preprocess_sources import _folder, _npz
+from trainflow.errors import ConfigError
 from trainflow.flows.config import build_sweep
 from trainflow.flows.preflight import preflight
-from trainflow.tasks.errors import ConfigError
 from trainflow.tasks.plugins import PluginError
 from trainflow.tasks.preprocess.config import PreprocessConfig
 from trainflow.tasks.preprocess.preflight import probe_spec

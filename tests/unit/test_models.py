@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from trainflow.tasks.errors import ConfigError
+from trainflow.errors import ConfigError
 from trainflow.tasks.spec import image_classification
 from trainflow.tasks.train.config import TrainConfig
 from trainflow.tasks.train.model_plugins import build_model

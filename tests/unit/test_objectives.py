@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
+from trainflow.errors import DataError
 from trainflow.flows.config import build_config
 from trainflow.flows.preflight import preflight
-from trainflow.tasks.errors import DataError
 from trainflow.tasks.objectives import Objective, check_data, is_better, make_objective
 from trainflow.tasks.plugins import PluginError
 from trainflow.tasks.spec import DataSpec

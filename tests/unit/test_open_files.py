@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from tests.unit.datasets import write_dataset
-from trainflow.tasks.errors import DataError
+from trainflow.errors import DataError
 from trainflow.tasks.limits import TooManyOpenFilesError
 from trainflow.tasks.preprocess.dataset import load_raw_split, read_npy_into, shard_error
 from trainflow.tasks.train.streaming import OPEN_SHARDS, ShardRows
@@ -81,7 +81,7 @@ import resource, sys
 from pathlib import Path
 import numpy as np
 from trainflow.tasks.preprocess.dataset import read_npy_into
-from trainflow.tasks.preprocess.worker_sources import run_guarded
+from trainflow.tasks.preprocess.guarded import run_guarded
 resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
 held = []
 try:

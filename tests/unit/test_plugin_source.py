@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from trainflow.cluster.dask import Backend
-from trainflow.tasks.errors import DataError
+from trainflow.errors import DataError
 from trainflow.tasks.plugins import PluginError
 from trainflow.tasks.preprocess.config import PreprocessConfig
 from trainflow.tasks.preprocess.dataset import load_manifest, load_raw_split, load_split

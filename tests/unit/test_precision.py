@@ -5,7 +5,7 @@ import torch
 
 import trainflow.tasks.train.native_bf16 as native_bf16
 import trainflow.tasks.train.precision as precision
-from trainflow.tasks.errors import ConfigError
+from trainflow.errors import ConfigError
 from trainflow.tasks.train.native_bf16 import cpu_bf16, cuda_bf16, parse_cpuinfo, this_cpu
 from trainflow.tasks.train.precision import PrecisionPolicy, resolve_precision
 

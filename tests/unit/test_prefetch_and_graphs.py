@@ -9,7 +9,7 @@ import torch
 from pydantic import ValidationError
 
 from tests.unit.datasets import write_dataset, write_rgb_dataset
-from trainflow.tasks.errors import ConfigError
+from trainflow.errors import ConfigError
 from trainflow.tasks.preprocess.ref import DatasetRef
 from trainflow.tasks.spec import image_classification
 from trainflow.tasks.train.checkpoint import latest_checkpoint, load_state

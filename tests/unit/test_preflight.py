@@ -15,8 +15,8 @@ import pytest
 
 from tests.unit.test_preprocess_sources import _folder, _npz, _save_image
 from trainflow.cluster.slurm_checks import unreachable_hint
+from trainflow.errors import ConfigError, DataError
 from trainflow.flows.preflight import check_workdir
-from trainflow.tasks.errors import ConfigError, DataError
 from trainflow.tasks.preprocess.config import PreprocessConfig
 from trainflow.tasks.preprocess.preflight import preflight_source
 from trainflow.tasks.preprocess.sources import load_raw

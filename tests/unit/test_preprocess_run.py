@@ -7,7 +7,7 @@ import distributed
 import numpy as np
 import pytest
 
-from trainflow.tasks.errors import DataError
+from trainflow.errors import DataError
 from trainflow.tasks.preprocess import run as run_module
 from trainflow.tasks.preprocess.config import PreprocessConfig
 from trainflow.tasks.preprocess.dataset import dataset_dir, load_split, read_manifest

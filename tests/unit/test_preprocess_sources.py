@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from trainflow.tasks.errors import DataError
+from trainflow.errors import DataError
 from trainflow.tasks.preprocess.config import PreprocessConfig
-from trainflow.tasks.preprocess.sources import RawData, fingerprint, load_raw
+from trainflow.tasks.preprocess.raw import RawData
+from trainflow.tasks.preprocess.sources import fingerprint, load_raw
 from trainflow.tasks.preprocess.validate import validate_raw
 
 

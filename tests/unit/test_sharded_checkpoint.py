@@ -20,7 +20,7 @@ from tests.unit.datasets import write_dataset
 from trainflow.cluster.config import ClusterConfig
 from trainflow.cluster.executor import make_executor
 from trainflow.cluster.jobs import wait_for_job
-from trainflow.tasks.errors import ConfigError
+from trainflow.errors import ConfigError
 from trainflow.tasks.preprocess.ref import DatasetRef
 from trainflow.tasks.spec import DataSpec
 from trainflow.tasks.train.config import TrainConfig

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from tests.unit import fsdp_ranks
-from trainflow.tasks.errors import ConfigError
+from trainflow.errors import ConfigError
 from trainflow.tasks.train.config import TrainConfig
 from trainflow.tasks.train.sharding import checkpoint_activations, default_units, sharding_units
 

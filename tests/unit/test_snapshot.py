@@ -13,7 +13,7 @@ from distributed import Client, LocalCluster
 from trainflow.cluster import snapshot
 from trainflow.cluster.dask_snapshot import register_snapshot
 from trainflow.cluster.snapshot import code_path, plan_snapshot, snapshot_for_jobs, take_snapshot
-from trainflow.tasks.errors import ConfigError
+from trainflow.errors import ConfigError
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # dask workers need not import it
 

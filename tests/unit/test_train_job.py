@@ -24,7 +24,7 @@ from tests.unit.datasets import write_dataset
 from trainflow.cluster.config import ClusterConfig
 from trainflow.cluster.executor import make_executor
 from trainflow.cluster.jobs import wait_for_job
-from trainflow.tasks.errors import ConfigError, JobError
+from trainflow.errors import ConfigError, JobError
 from trainflow.tasks.hashing import sha256_file
 from trainflow.tasks.objectives import make_objective
 from trainflow.tasks.preprocess.ref import DatasetRef, dataset_spec

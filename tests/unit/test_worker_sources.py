@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from trainflow.tasks.errors import DataError
+from trainflow.errors import DataError
 from trainflow.tasks.preprocess.config import PreprocessConfig
 from trainflow.tasks.preprocess.dataset import (
     FORMAT_VERSION,
