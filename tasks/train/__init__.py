@@ -20,6 +20,7 @@ Modules:
     native_bf16        whether a device computes bf16 natively.
     models             the built-in networks and their factories.
     model_plugins      the model factory seam: build_model, check_model on the meta device.
+    model_report       what the meta-device check learnt about a model (handed to the flow).
     data               batches as index slices of a split, in memory or streamed.
     streaming          a split streamed from its shards, each rank reading its own batches.
     prefetch           host batches copied to the GPU one step ahead.

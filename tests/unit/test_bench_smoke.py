@@ -9,6 +9,7 @@ from bench.common import median_seconds, slug, table
 from bench.p6_gpu import matmul_peak, model_rate
 
 
+@pytest.mark.services
 def test_gpu_benchmark_code_runs_on_cpu_at_tiny_size() -> None:
     cpu = torch.device("cpu")
     assert matmul_peak(cpu, 64, torch.float32, repeats=2) > 0

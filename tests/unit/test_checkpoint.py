@@ -132,6 +132,7 @@ def test_a_finished_job_run_again_trains_nothing_and_returns_the_same_best(
     assert first == again
 
 
+@pytest.mark.services
 def test_a_resumed_job_logs_every_epoch_to_mlflow_exactly_once(
     dataset: DatasetRef, tmp_path: Path
 ) -> None:

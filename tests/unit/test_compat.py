@@ -3,6 +3,7 @@ changes under it (a new version, or the replaced code no longer doing what the e
 
 import inspect
 
+import pytest
 import submitit
 from submitit.slurm.slurm import SlurmJobEnvironment
 
@@ -51,6 +52,7 @@ def test_dask_jobqueue_is_a_version_whose_import_still_sets_a_sigint_handler() -
     assert top_level, "dask_jobqueue.runner no longer sets SIGINT at import: drop the shield"
 
 
+@pytest.mark.services
 def test_the_shielded_import_leaves_sigint_as_it_was() -> None:
     import subprocess
     import sys

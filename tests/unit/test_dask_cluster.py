@@ -40,6 +40,7 @@ def _gpu_usable() -> bool:
 no_gpu = pytest.mark.skipif(_gpu_usable(), reason="a GPU is usable here")
 
 
+@pytest.mark.services
 def test_cpu_cluster_runs_work_and_closes() -> None:
     before = dict(os.environ)
     with dask_client(DaskConfig(backend="cpu", n_workers=2)) as (client, backend):
@@ -111,6 +112,7 @@ def test_two_threads_clusters_at_once_start_without_a_warning() -> None:
             assert workers_line(a) == workers_line(b) == "2 threads in this process"
 
 
+@pytest.mark.services
 def test_a_large_dataset_gets_worker_processes() -> None:
     cfg = DaskConfig(backend="cpu", n_workers=2)
     with dask_client(cfg, dataset_bytes=THREADS_BELOW) as (client, _):
@@ -125,6 +127,7 @@ def test_threads_are_refused_for_workers_elsewhere() -> None:
         DaskConfig(local_workers="threads", executor="slurm")
 
 
+@pytest.mark.services
 def test_cluster_closes_when_the_body_fails() -> None:
     cfg = DaskConfig(backend="cpu", n_workers=1)
     with pytest.raises(RuntimeError, match="boom"), dask_client(cfg) as (client, _):
@@ -134,6 +137,7 @@ def test_cluster_closes_when_the_body_fails() -> None:
     assert cluster is not None and cluster.status.name == "closed"
 
 
+@pytest.mark.services
 @no_gpu
 def test_auto_falls_back_to_cpu_without_gpu() -> None:
     with dask_client(DaskConfig(backend="auto", n_workers=1)) as (client, backend):
@@ -148,6 +152,7 @@ def test_gpu_backend_without_gpu_is_a_config_error() -> None:
         pass
 
 
+@pytest.mark.services
 def test_existing_scheduler_is_used_and_left_running() -> None:
     with distributed.LocalCluster(
         n_workers=1, processes=True, host="127.0.0.1", dashboard_address=":0"
@@ -181,6 +186,7 @@ def prefect_like_logging(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCapt
     caplog.set_level(logging.DEBUG)
 
 
+@pytest.mark.services
 @pytest.mark.usefixtures("prefect_like_logging")
 def test_no_dask_info_lines_reach_the_log(caplog: pytest.LogCaptureFixture) -> None:
     with dask_client(DaskConfig(backend="cpu", n_workers=1)) as (client, _):
@@ -189,6 +195,7 @@ def test_no_dask_info_lines_reach_the_log(caplog: pytest.LogCaptureFixture) -> N
     assert logging.getLogger("distributed").level == logging.INFO  # restored after
 
 
+@pytest.mark.services
 @pytest.mark.usefixtures("prefect_like_logging")
 def test_no_dask_info_lines_with_an_existing_scheduler(caplog: pytest.LogCaptureFixture) -> None:
     with distributed.LocalCluster(
@@ -219,6 +226,7 @@ def _heartbeat_lost(dask_worker: object) -> None:
     logging.getLogger("distributed.worker").warning("another worker warning")
 
 
+@pytest.mark.services
 @pytest.mark.parametrize("debug", [False, True])
 def test_a_lost_heartbeat_shows_its_traceback_only_with_debug(
     debug: bool, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch

@@ -51,6 +51,7 @@ def test_a_full_disk_at_the_tracking_store_is_one_line(small_disk: Path) -> None
     assert "about 2.0 MiB needed" in message and "\n" not in message
 
 
+@pytest.mark.services
 def test_a_full_disk_in_a_training_rank_is_one_line(small_disk: Path, tmp_path: Path) -> None:
     dataset = write_dataset(tmp_path / "ds")
     spec = TrainJobSpec(
@@ -140,6 +141,7 @@ print(PipelineRuns(TrackingConfig(), Path(sys.argv[1]), "p").parent_id)
 """
 
 
+@pytest.mark.services
 def test_three_starts_at_once_on_a_new_working_folder_all_get_their_runs(tmp_path: Path) -> None:
     workdir, go = tmp_path / "wd", tmp_path / "go"
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}

@@ -8,6 +8,7 @@ import submitit
 from tests.unit.early_signal_payload import Job
 
 
+@pytest.mark.services
 def test_a_signal_while_the_job_still_imports_requeues_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -65,6 +65,7 @@ def _in_memory(model: torch.nn.Module, ref: DatasetRef, batch: int) -> tuple[np.
     return metrics.confusion_matrix(y, np.concatenate(preds), len(ref.classes)), x[:4]
 
 
+@pytest.mark.services
 @pytest.mark.parametrize("dtype", ["uint8", "float32"])
 def test_streamed_evaluation_gives_the_in_memory_metrics(tmp_path: Path, dtype: str) -> None:
     ref = _write_dataset(tmp_path / "d", dtype)

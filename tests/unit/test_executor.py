@@ -5,6 +5,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 _SUBMITTER = textwrap.dedent(
     """
     import signal, sys, time
@@ -28,6 +30,7 @@ _SUBMITTER = textwrap.dedent(
 )
 
 
+@pytest.mark.services
 def test_a_local_job_obeys_cancel_even_if_the_submitter_ignored_sigint(tmp_path: Path) -> None:
     out = subprocess.run(
         [sys.executable, "-c", _SUBMITTER, str(tmp_path)],

@@ -60,6 +60,7 @@ def test_channels_last_auto_is_off_on_cpu_for_convolutions_narrower_than_8_chann
     assert use_channels_last("on", CPU, narrowest=4)  # asked for explicitly: as asked
 
 
+@pytest.mark.services
 @pytest.mark.timeout(120)
 def test_a_width_4_resnet_trains_on_cpu_with_the_auto_memory_format() -> None:
     # With NHWC this spins for minutes in oneDNN's 1x1 conv backward (torch 2.13.0+cpu).
@@ -78,6 +79,7 @@ def test_place_model_sets_the_memory_format_of_conv_weights(setting: str, expect
     assert model.conv2.weight.is_contiguous(memory_format=NHWC) is expected
 
 
+@pytest.mark.services
 def test_a_compiled_model_keeps_plain_state_dict_keys_and_outputs() -> None:
     torch.manual_seed(0)
     eager = build_model(TrainConfig(), image_classification((1, 12, 12), 4))
@@ -175,6 +177,7 @@ if sys.argv[2] == "fail":
         ("slurm", "caller", "fail", 1, True),  # e.g. pytest inside a Slurm allocation
     ],
 )
+@pytest.mark.services
 def test_rank_processes_skip_the_interpreter_teardown_but_keep_output_and_exit_code(
     cluster: str, process: str, outcome: str, code: int, teardown: bool
 ) -> None:

@@ -7,6 +7,8 @@ reaches them."""
 import subprocess
 import sys
 
+import pytest
+
 _HEAVY = ("torch", "mlflow", "distributed")
 _CODE = f"""
 import sys
@@ -15,6 +17,7 @@ print(sorted(m for m in {_HEAVY!r} if m in sys.modules))
 """
 
 
+@pytest.mark.services
 def test_loading_the_flow_leaves_torch_mlflow_and_dask_to_the_stages() -> None:
     out = subprocess.run(
         [sys.executable, "-c", _CODE], capture_output=True, text=True, timeout=120, check=True

@@ -119,6 +119,7 @@ def _local(folder: Path) -> submitit.Executor:
     return make_executor(ClusterConfig(executor="local", ranks_per_node=1), folder)
 
 
+@pytest.mark.services
 def test_a_peer_in_the_group_can_neither_read_nor_replace_job_pickles_under_umask_002(
     peer: pwd.struct_passwd, project: Path, umask_002: None
 ) -> None:
@@ -171,6 +172,7 @@ def test_the_flow_refuses_results_from_a_folder_or_pickle_others_can_write(
     assert wait_for_job(job, print) == 42
 
 
+@pytest.mark.services
 def test_pickles_or_folders_of_another_user_are_refused(
     peer: pwd.struct_passwd, tmp_path: Path
 ) -> None:

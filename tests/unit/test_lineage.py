@@ -25,6 +25,7 @@ def _ref(tmp_path: Path) -> DatasetRef:
     )
 
 
+@pytest.mark.services
 def test_dataset_input_shows_digest_source_schema_and_profile(tmp_path: Path) -> None:
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     exp = client.create_experiment("e", artifact_location=(tmp_path / "a").as_uri())

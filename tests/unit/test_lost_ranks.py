@@ -65,6 +65,7 @@ def _rank_record(job: submitit.Job[Any], task: int) -> dict[str, object]:
     return data
 
 
+@pytest.mark.services
 def test_a_killed_rank_is_named_with_its_signal_node_and_log(tmp_path: Path) -> None:
     job = _submit(tmp_path, fail_rank=None)
     lines: list[str] = []
@@ -103,6 +104,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.services
 def test_a_rank_that_raises_is_named_with_what_it_raised_node_and_log(tmp_path: Path) -> None:
     # The raising rank ends 3 s after its peer (whose all-reduce lost it): the cause still leads.
     job = _submit(tmp_path, fail_rank=1, linger_s=3.0)
@@ -151,6 +153,7 @@ def _peer_timeout() -> float:
     return peer_timeout().total_seconds()
 
 
+@pytest.mark.services
 def test_each_rank_gets_the_configured_peer_timeout(tmp_path: Path) -> None:
     cfg = ClusterConfig(ranks_per_node=1, timeout_min=5, peer_timeout_s=17)
     job = make_executor(cfg, tmp_path / "jobs").submit(_peer_timeout)
@@ -166,6 +169,7 @@ def _return_then_hang() -> int:
     return 42
 
 
+@pytest.mark.services
 def test_a_rank_stuck_after_writing_its_result_is_ended_by_its_guard(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -180,6 +184,7 @@ def test_a_rank_stuck_after_writing_its_result_is_ended_by_its_guard(
     assert "has not exited (stuck in teardown): killing it" in job.paths.stderr.read_text()
 
 
+@pytest.mark.services
 def test_a_result_left_by_an_earlier_attempt_does_not_end_a_requeued_rank(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -198,6 +203,7 @@ def test_a_result_left_by_an_earlier_attempt_does_not_end_a_requeued_rank(
     assert rank_guard._wait(child, stale, started) == (0, False, None)
 
 
+@pytest.mark.services
 def test_a_killed_fsdp_rank_ends_the_job_in_seconds_named(tmp_path: Path) -> None:
     # FSDP's collectives (all-gathers in forward and backward, reduce-scatters, the sharded
     # checkpoint's) see the lost peer as a closed connection, as DDP's all-reduce does.
@@ -235,6 +241,7 @@ def _die_or_hang() -> int:
     return 0
 
 
+@pytest.mark.services
 @pytest.mark.timeout(120)
 def test_a_survivor_that_would_wait_forever_is_ended_by_its_guard_after_a_peer_is_lost(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch

@@ -117,6 +117,7 @@ def _run_args(raw: Path, work: Path) -> list[str]:
     return [sys.executable, "-m", "trainflow.flows.cli", "run", *flags]
 
 
+@pytest.mark.services
 def test_whole_pipeline_on_data_3x_the_memory_limit(
     limited_group: Path, folder: Path, prefect_api: str
 ) -> None:

@@ -6,6 +6,7 @@ import signal
 from pathlib import Path
 
 import psutil
+import pytest
 from mlflow.tracking import MlflowClient
 
 from tests.services import mlflow_server
@@ -19,6 +20,7 @@ def _server_processes(folder: Path) -> list[psutil.Process]:
     ]
 
 
+@pytest.mark.services
 def test_the_server_serves_runs_and_artifacts_and_its_group_stops_on_sigterm(
     tmp_path: Path,
 ) -> None:

@@ -18,6 +18,7 @@ from trainflow.tasks.train.config import TrainConfig
 from trainflow.tasks.train.model_plugins import build_model
 
 
+@pytest.mark.services
 @pytest.mark.parametrize("before", [None, "sqlite:///elsewhere.db"])
 def test_log_model_restores_the_tracking_uri_and_its_variable(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, before: str | None
@@ -72,6 +73,7 @@ def log_reference_cnn(folder: Path) -> tuple[str, str, torch.nn.Module, np.ndarr
     return uri, model_uri, model, example
 
 
+@pytest.mark.services
 def test_logged_model_loads_predicts_and_moves_to_any_device(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -60,6 +60,7 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Store]:
         yield Store(uri, (folder / "art").as_uri())
 
 
+@pytest.mark.services
 def test_first_version_becomes_champion_with_tags(store: Store) -> None:
     run_id, uri = store.evaluated(0.8)
     res = register_and_promote(store.client, uri, "first", run_id, METRIC, 0.8, TAGS)
@@ -80,6 +81,7 @@ def test_first_version_becomes_champion_with_tags(store: Store) -> None:
     assert '"version": "1"' in logged.tags["mlflow.modelVersions"]
 
 
+@pytest.mark.services
 def test_better_version_moves_the_alias(store: Store) -> None:
     store.register("better", 0.80)
     res = store.register("better", 0.85)
@@ -111,6 +113,7 @@ def test_a_tie_keeps_the_champion(store: Store) -> None:
     assert store.alias("tie") == "3"
 
 
+@pytest.mark.services
 def test_champion_without_metric_tag_is_compared_by_its_run_metric(store: Store) -> None:
     # As registered by an older trainflow: no metric tag on the version, metric on its run.
     run_id, uri = store.evaluated(0.9)
@@ -136,6 +139,7 @@ def test_champion_with_no_metric_anywhere_is_left_in_place(store: Store) -> None
     assert store.alias("manual") == "1"
 
 
+@pytest.mark.services
 def test_champion_is_read_again_right_before_the_move(store: Store) -> None:
     # Pipeline A reads the champion (v1, 0.80) and decides 0.85 wins; meanwhile pipeline B
     # registers 0.90 and takes the alias. A's re-check must see B's version and stand down.
@@ -154,6 +158,7 @@ def test_champion_is_read_again_right_before_the_move(store: Store) -> None:
     assert store.alias("race") == "3"
 
 
+@pytest.mark.services
 def test_alias_name_is_configurable(store: Store) -> None:
     run_id, uri = store.evaluated(0.5)
     res = register_and_promote(store.client, uri, "aliased", run_id, METRIC, 0.5, TAGS, "best")
@@ -161,6 +166,7 @@ def test_alias_name_is_configurable(store: Store) -> None:
     assert str(store.client.get_model_version_by_alias("aliased", "best").version) == "1"
 
 
+@pytest.mark.services
 def test_the_same_through_an_mlflow_tracking_server(tmp_path: Path) -> None:
     # A real `mlflow server` (REST, artifacts proxied): versions come back as text there.
     with mlflow_server(tmp_path, env={"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}) as url:

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
@@ -56,6 +57,7 @@ def _inputs(spec: DataSpec, rows: int) -> np.ndarray:
     return rng.random((rows, *spec.sample_shape), dtype=np.float32)
 
 
+@pytest.mark.services
 def test_the_logged_models_predict_the_same_in_a_python_without_trainflow(
     tmp_path: Path,
 ) -> None:

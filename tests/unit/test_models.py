@@ -55,6 +55,7 @@ def test_basic_block_projects_the_shortcut_only_when_shapes_change() -> None:
     assert BasicBlock(8, 16, 2)(torch.randn(2, 8, 6, 6)).shape == (2, 16, 3, 3)
 
 
+@pytest.mark.services
 def test_resnet_trains() -> None:
     torch.manual_seed(0)
     net = ResNet(1, 2, width=4)

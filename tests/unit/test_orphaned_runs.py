@@ -8,6 +8,7 @@ from mlflow.tracking import MlflowClient
 from trainflow.tasks.tracking import orphaned_runs
 
 
+@pytest.mark.services
 def test_the_run_and_its_parent_are_marked_killed_where_still_running(tmp_path: Path) -> None:
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     client = MlflowClient(uri)

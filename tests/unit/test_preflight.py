@@ -274,6 +274,7 @@ def test_the_command_refuses_bad_data_or_a_bad_model_before_it_starts_any_proces
     assert "prefect-temporary-server" not in {t.name for t in threading.enumerate()}
 
 
+@pytest.mark.services
 @pytest.mark.parametrize("debug", [False, True])
 def test_a_model_refused_by_the_command_is_one_line_and_leaves_no_process(
     tmp_path: Path, debug: bool

@@ -63,6 +63,7 @@ def test_split_keeps_at_least_one_test_sample() -> None:
     assert (len(splits["train"]), len(splits["val"]), len(splits["test"])) == (9, 0, 1)
 
 
+@pytest.mark.services
 def test_stats_shards_and_round_trip(tmp_path: Path, dask_cpu: Cluster) -> None:
     cfg = _synthetic()
     ref = _run(cfg, tmp_path, dask_cpu)

@@ -60,6 +60,7 @@ def _npz_error(file: Path) -> str:
 # --- mnist ------------------------------------------------------------------------------
 
 
+@pytest.mark.services
 def test_mnist_is_the_bundled_subset() -> None:
     raw = load_raw(PreprocessConfig(source="mnist"))
     assert raw.images.shape == (5000, 1, 28, 28) and raw.images.dtype == np.uint8

@@ -10,6 +10,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
 from trainflow.cluster import registry
 
 
@@ -102,6 +104,7 @@ def test_the_watchdog_cancels_the_job_of_a_killed_watcher(tmp_path: Path) -> Non
     assert _wait_until(lambda: (tmp_path / "then-ran").exists())  # the record's follow-up
 
 
+@pytest.mark.services
 def test_cleanup_cancels_the_job_of_a_watcher_killed_with_its_watchdog(tmp_path: Path) -> None:
     controller = _killed_watcher(tmp_path, kill_watchdog=True)
     time.sleep(1.0)

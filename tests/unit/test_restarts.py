@@ -62,6 +62,7 @@ def _killer(job_dir: Path, times: int) -> tuple[Callable[[str], None], list[int]
     return on_line, killed
 
 
+@pytest.mark.services
 def test_a_lost_rank_restarts_from_the_checkpoint_in_the_same_run_to_the_same_weights(
     dataset: DatasetRef, tmp_path: Path
 ) -> None:
@@ -94,6 +95,7 @@ def test_a_lost_rank_restarts_from_the_checkpoint_in_the_same_run_to_the_same_we
     assert steps == set(range(1, EPOCHS + 1))  # one run, continued, every epoch in it
 
 
+@pytest.mark.services
 def test_with_no_restart_left_the_lost_rank_fails_the_job(
     dataset: DatasetRef, tmp_path: Path
 ) -> None:

@@ -119,6 +119,7 @@ def _assert_same_state(a: Any, b: Any) -> None:
         assert a == b
 
 
+@pytest.mark.services
 def test_two_fsdp_ranks_write_a_shard_each_keep_two_and_resume_on_one_rank(
     tmp_path: Path,
 ) -> None:
@@ -189,6 +190,7 @@ def test_a_resumed_fsdp_job_ends_exactly_where_an_uninterrupted_one_does(
     _assert_same_state(straight["whole"], resumed["whole"])
 
 
+@pytest.mark.services
 @pytest.mark.timeout(180)
 def test_two_fsdp_ranks_requeued_mid_run_end_exactly_where_an_uninterrupted_run_does(
     dataset: DatasetRef, tmp_path: Path

@@ -61,6 +61,7 @@ def _assert_sharded(local: list[dict[str, int]], world: int, sharded: bool) -> N
                 assert rank[key] == full, (key, rank)
 
 
+@pytest.mark.services
 def test_fsdp_on_2_ranks_matches_ddp_and_one_process_in_fp32_and_bf16(
     one_process: dict[str, dict[str, Any]], tmp_path: Path
 ) -> None:
@@ -83,6 +84,7 @@ def test_fsdp_on_2_ranks_matches_ddp_and_one_process_in_fp32_and_bf16(
     assert len(draws) == 1, draws
 
 
+@pytest.mark.services
 def test_fsdp_on_4_ranks_averages_gradients_and_holds_a_quarter_per_rank(
     one_process: dict[str, dict[str, Any]], tmp_path: Path
 ) -> None:

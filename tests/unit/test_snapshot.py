@@ -121,6 +121,7 @@ def _value() -> str:
     return str(my_models.VALUE)
 
 
+@pytest.mark.services
 def test_dask_workers_import_the_snapshot_first(project: Path, tmp_path: Path) -> None:
     code = snapshot_for_jobs(["my_models"], tmp_path / "jobs")
     assert code is not None

@@ -138,6 +138,7 @@ def _peak_rss(path: Path, placement: str) -> int:
     return int(done.stdout.split()[-1])
 
 
+@pytest.mark.services
 def test_a_ranks_peak_memory_does_not_grow_with_the_dataset(tmp_path: Path) -> None:
     shape = (3, 32, 32)  # 3 KiB a sample: 1x = 36 MiB, 4x = 144 MiB of uint8 train shards
     small = write_uint8_dataset(tmp_path / "x1", 12_000, shard_size=4096, shape=shape)

@@ -29,6 +29,7 @@ def test_job_gpus_come_from_slurm_first() -> None:
     assert job_gpus({}) is None
 
 
+@pytest.mark.services
 def test_sampler_journals_under_the_node_name_while_the_block_runs_and_relays(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -63,6 +64,7 @@ def test_sampler_journals_under_the_node_name_while_the_block_runs_and_relays(
         assert none is None
 
 
+@pytest.mark.services
 def test_a_rank_imports_samples_and_logs_without_mlflow(tmp_path: Path) -> None:
     code = (
         "import sys; from pathlib import Path\n"

@@ -41,6 +41,7 @@ def test_mlflow_tracking_uri_variable_is_used_unless_the_config_sets_one(
     assert resolve_tracking_uri(TrackingConfig(tracking_uri="http://x:1"), tmp_path) == "http://x:1"
 
 
+@pytest.mark.services
 def test_parent_and_children_finish(tmp_path: Path) -> None:
     runs = _runs(tmp_path)
     with runs.parent({"a": "1"}) as parent, runs.stage("preprocess", {"b": "2"}) as child:
@@ -54,6 +55,7 @@ def test_parent_and_children_finish(tmp_path: Path) -> None:
     assert "git_commit" in p.data.tags
 
 
+@pytest.mark.services
 def test_error_marks_failed_and_interrupt_marks_killed(tmp_path: Path) -> None:
     runs = _runs(tmp_path)
     with pytest.raises(ValueError), runs.parent({}) as parent, runs.stage("train", {}) as child:
@@ -67,6 +69,7 @@ def test_error_marks_failed_and_interrupt_marks_killed(tmp_path: Path) -> None:
     assert client.get_run(parent2).info.status == "KILLED"
 
 
+@pytest.mark.services
 def test_more_than_100_params_are_batched(tmp_path: Path) -> None:
     runs = _runs(tmp_path)
     params = {f"p{i:03d}": str(i) for i in range(250)}
@@ -75,6 +78,7 @@ def test_more_than_100_params_are_batched(tmp_path: Path) -> None:
     assert len(MlflowClient(runs.tracking_uri).get_run(parent).data.params) == 250
 
 
+@pytest.mark.services
 def test_the_logger_journals_at_each_flush_and_the_relay_sends_it(tmp_path: Path) -> None:
     runs = _runs(tmp_path)
     out = tmp_path / "out"

@@ -81,6 +81,7 @@ def _epoch_done(spec: TrainJobSpec, epoch: int) -> bool:
     return path is not None and int("".join(filter(str.isdigit, path.name)) or 0) >= epoch
 
 
+@pytest.mark.services
 def test_a_server_stopped_mid_training_and_started_again_gets_every_point_once(
     dataset: DatasetRef, tmp_path: Path
 ) -> None:
@@ -111,6 +112,7 @@ def test_a_server_stopped_mid_training_and_started_again_gets_every_point_once(
     assert sum(_BACK in line for line in lines) <= 1, lines
 
 
+@pytest.mark.services
 def test_a_server_that_never_comes_back_lets_training_finish_and_ends_with_a_clear_error(
     dataset: DatasetRef, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -149,6 +151,7 @@ def test_a_server_that_never_comes_back_lets_training_finish_and_ends_with_a_cle
     assert capsys.readouterr().err.count("is unreachable") == 2
 
 
+@pytest.mark.services
 def test_points_an_earlier_flow_could_not_send_are_sent_by_the_next_with_the_new_ones(
     tmp_path: Path, sqlite_store: str
 ) -> None:

@@ -85,6 +85,7 @@ class FailingRank1(TrainingJob):
         return super()._run_epoch(trainer, train, val, progress)
 
 
+@pytest.mark.services
 def test_two_ranks_train_and_rank0_returns_the_best_checkpoint(
     dataset: DatasetRef, tmp_path: Path
 ) -> None:
@@ -134,6 +135,7 @@ def _test_metrics(dataset: DatasetRef, weights: dict[str, torch.Tensor]) -> dict
     }
 
 
+@pytest.mark.services
 @pytest.mark.parametrize("job_class", [TrainingJob, FirstEpochIsBest])
 def test_the_job_tests_the_best_weights_as_training_ends(
     dataset: DatasetRef, tmp_path: Path, job_class: type[TrainingJob]
@@ -163,6 +165,7 @@ def test_the_job_tests_the_best_weights_as_training_ends(
         )
 
 
+@pytest.mark.services
 def test_a_failing_rank_fails_the_job_fast_with_its_traceback(
     dataset: DatasetRef, tmp_path: Path
 ) -> None:
@@ -177,6 +180,7 @@ def test_a_failing_rank_fails_the_job_fast_with_its_traceback(
     assert "_run_epoch" in failure.value.detail  # the remote traceback, beside the error line
 
 
+@pytest.mark.services
 def test_a_preempted_job_requeues_and_resumes_from_its_checkpoint(
     dataset: DatasetRef, tmp_path: Path
 ) -> None:
@@ -208,6 +212,7 @@ def _print_and_sleep() -> None:
     time.sleep(120)
 
 
+@pytest.mark.services
 def test_interrupting_the_watcher_cancels_the_job(tmp_path: Path) -> None:
     job = _local(tmp_path).submit(_print_and_sleep)
     ranks: list[psutil.Process] = []
