@@ -42,6 +42,40 @@ def test_config_error_exits_2_before_any_work(tmp_path: Path) -> None:
     assert not any(tmp_path.iterdir())  # nothing was created
 
 
+_COUNTED_MODEL = """
+import math
+import os
+
+import torch
+from torch import nn
+
+
+def counted(spec):
+    if torch.get_default_device().type == "meta":  # the preflight check's build
+        with open(os.environ["TF_TEST_CHECKS"], "a") as out:
+            out.write("checked\\n")
+    return nn.Sequential(nn.Flatten(), nn.Linear(math.prod(spec.sample_shape), spec.num_classes))
+"""
+
+
+def test_the_command_checks_the_users_model_once_and_the_flow_runs_that_config(
+    tmp_path: Path,
+) -> None:
+    """The command builds the config and checks the model (on the meta device) once, before
+    Prefect starts, and hands both to the flow: no second build of the config, no second check."""
+    (tmp_path / "tf_counted.py").write_text(_COUNTED_MODEL)
+    checks = tmp_path / "checks.txt"
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), "TF_TEST_CHECKS": str(checks)}
+    argv = _trainflow(
+        "run", "--preset", "tiny", "--set", f"workdir={tmp_path / 'work'}",
+        "--set", "train.model=tf_counted:counted", "--set", "train.epochs=1",
+    )  # fmt: skip
+    out = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert out.stdout.startswith("model tf_counted:counted:"), out.stdout[:500]
+    assert checks.read_text().splitlines() == ["checked"]
+
+
 def _wait_for_line(proc: subprocess.Popen[str], needle: str, limit_s: float) -> list[str]:
     lines: list[str] = []
     deadline = time.monotonic() + limit_s
