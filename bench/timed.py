@@ -24,9 +24,9 @@ TEST_ACCURACY = re.compile(r"test accuracy (\d+\.\d+)")
 `test accuracy 0.9800 (...)` once training ends; the Lightning script prints
 `test accuracy 0.9780` after its test pass."""
 
-LEFT_OUT = ("TRAINFLOW_WARM_SOCKET", "PREFECT_API_URL", "MLFLOW_TRACKING_URI", "PREFECT_PROFILE")
-"""Variables of the caller's environment a measured command never inherits: a command service
-to route through, a Prefect server or tracking store other than the one the benchmark chose."""
+LEFT_OUT = ("PREFECT_API_URL", "MLFLOW_TRACKING_URI", "PREFECT_PROFILE")
+"""Variables of the caller's environment a measured command never inherits: a Prefect server,
+profile or tracking store other than the one the benchmark chose."""
 
 
 @dataclass
