@@ -191,7 +191,7 @@ def _sweep(args: argparse.Namespace) -> int:
     from trainflow.flows.sweep import checked_sweep
 
     try:
-        summary = checked_sweep(base, elements, model)
+        summary = checked_sweep(base, elements, model, args.preset, args.overrides, grid)
     except KeyboardInterrupt:
         print("trainflow: interrupted; the training jobs were cancelled", file=sys.stderr)
         return 130
@@ -239,7 +239,7 @@ def _run(args: argparse.Namespace) -> int:
     from trainflow.flows.pipeline import checked_pipeline
 
     try:
-        summary = checked_pipeline(cfg, model)
+        summary = checked_pipeline(cfg, model, args.preset, args.overrides)
     except KeyboardInterrupt:
         print("trainflow: interrupted; the training job was cancelled", file=sys.stderr)
         return 130

@@ -77,9 +77,16 @@ def pipeline(
 
 
 @flow(name="trainflow-pipeline")
-def checked_pipeline(cfg: PipelineConfig, model: ModelReport) -> PipelineSummary:
+def checked_pipeline(
+    cfg: PipelineConfig,
+    model: ModelReport,
+    preset: str = "demo",
+    overrides: list[str] | None = None,
+) -> PipelineSummary:
     """Run the whole pipeline for a config the caller built and checked (flows.preflight):
-    what `trainflow run` runs, having refused a bad config before Prefect started."""
+    what `trainflow run` runs, having refused a bad config before Prefect started. `preset`
+    and `overrides` are what the command was given: the flow run's parameters show them beside
+    the config they resolved to; the run uses `cfg`."""
     quiet_user_errors()
     return run_pipeline(cfg, model)
 

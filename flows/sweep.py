@@ -60,8 +60,12 @@ def checked_sweep(
     base: PipelineConfig,
     elements: list[tuple[dict[str, Any], PipelineConfig]],
     model: ModelReport,
+    preset: str = "demo",
+    overrides: list[str] | None = None,
+    grid: dict[str, list[Any]] | None = None,
 ) -> SweepSummary:
-    """The sweep of configs the caller built and checked (`trainflow sweep`)."""
+    """The sweep of configs the caller built and checked (`trainflow sweep`); `preset`,
+    `overrides` and `grid`, what the command was given, are shown with the flow run."""
     quiet_user_errors()
     return run_sweep(base, elements, model)
 

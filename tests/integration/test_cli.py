@@ -177,11 +177,13 @@ def test_ui_serves_the_runs_and_artifacts_of_the_pipeline_store(tmp_path: Path) 
         assert {"path": "plots", "is_dir": True} in listing["files"]
         served = _get_bytes(f"{url}/get-artifact?path=plots/dot.png&run_uuid={runs.parent_id}")
         assert served == png
-        # No job runner, no extra workers, no uvicorn child: MLflow's server in the command's
-        # own process (tasks.tracking.mlflow_server).
+        # The command became MLflow's own `mlflow ui` (same pid), with one uvicorn worker and
+        # no job runner (tasks.tracking.mlflow_server).
         ps = subprocess.run(["ps", "-o", "pid=,args=", "-s", str(proc.pid)], capture_output=True)
-        procs = ps.stdout.decode().splitlines()
-        assert len(procs) == 1 and int(procs[0].split()[0]) == proc.pid, procs
+        procs = {int(line.split()[0]): line for line in ps.stdout.decode().splitlines()}
+        assert " -m mlflow ui " in procs[proc.pid], procs
+        others = [line for pid, line in procs.items() if pid != proc.pid]
+        assert len(others) == 1 and " -m uvicorn " in others[0], procs
     assert list(cwd.iterdir()) == []  # nothing written where the command was started
 
 

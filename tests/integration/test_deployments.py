@@ -219,7 +219,7 @@ def test_deployment_run_completes_and_logs_to_the_stack_mlflow(
     """Last in the file: it ends with `stack.sh down`."""
     pids = {p.pid for p in stack.processes()}
     again = stack.sh("up")  # idempotent: nothing new starts
-    assert again.count("already running") == 4 and {p.pid for p in stack.processes()} == pids
+    assert again.count("already running") == 3 and {p.pid for p in stack.processes()} == pids
     assert "deployed trainflow-pipeline/nightly" in stack.deployed
 
     work = tmp_path / "work"
