@@ -28,6 +28,7 @@ from submitit.local.debug import DebugJob
 from trainflow.cluster import forwarded, registry
 from trainflow.cluster.job_folder import check_private
 from trainflow.cluster.lost_ranks import (
+    RankHungError,
     RankLostError,
     failure_message,
     node_failure,
@@ -269,6 +270,8 @@ def _outcome(job: submitit.Job[Any], node_failed: set[str]) -> Any:
         return node_failure(job, ends)
     lost = sorted((e for e in ends if e.lost), key=lambda e: e.ended or float("inf"))
     if failure and lost and not _cancelled(job):
+        if lost[0].hung is not None:
+            return RankHungError(message, lost, detail=detail)
         return RankLostError(message, lost, detail=detail)
     if failure and any(end.outcome == "error" for end in ends):
         return JobError(message, detail)

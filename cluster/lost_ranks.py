@@ -46,6 +46,9 @@ class RankEnd:
     ended_for_peer: int | None = None
     """The peer whose end made this rank's guard end it (cluster.rank_guard), if so: a
     survivor, neither lost nor the cause."""
+    hung: dict[str, Any] | None = None
+    """What its guard recorded when it ended it as hung (cluster.rank_guard.HangWatch): phase,
+    step, silent_s, allowed_s, frame; None when it was not."""
 
     @property
     def failed(self) -> bool:
@@ -73,6 +76,14 @@ class RankEnd:
             return f"{where} raised {self.raised}"
         if self.ended_for_peer is not None:
             return f"{where} was ended by its guard after rank {self.ended_for_peer} ended"
+        if self.hung is not None:
+            hung = self.hung
+            frame = f"; stuck at {hung['frame']}" if hung.get("frame") else ""
+            return (
+                f"{where} hung in phase {hung.get('phase')} for {float(hung['silent_s']):.0f} s "
+                f"(no progress since step {hung.get('step')}{frame}): its stacks are in "
+                f"{self.log}"
+            )
         if self.returncode is None:
             return f"{where} vanished without an exit status (its node or its parent died)"
         if self.returncode < 0:
@@ -81,6 +92,10 @@ class RankEnd:
             oom = ": an OOM kill (the kernel's memory.events counted one)" if self.oom_kill else ""
             return f"{where} was killed by signal {sig} ({name}){oom}"
         return f"{where} exited with code {self.returncode} without a result"
+
+    def told(self) -> str:
+        """how(), with its log named (a hung rank's how() names it already)."""
+        return self.how() if self.hung is not None else f"{self.how()}, log: {self.log}"
 
 
 class RankLostError(JobError):
@@ -99,6 +114,11 @@ class RankLostError(JobError):
         """The lost ranks, the first lost first."""
         self.nodes = sorted(nodes if nodes is not None else {e.node for e in self.lost if e.node})
         """The nodes lost (a restart avoids them): given, or those of the lost ranks."""
+
+
+class RankHungError(RankLostError):
+    """A job ended because a rank made no progress for longer than its phase allows (its guard
+    ended it, cluster.rank_guard): restarted like a lost rank."""
 
 
 def raised_line(trace: str | None) -> str:
@@ -145,6 +165,7 @@ def rank_ends(job: submitit.Job[Any]) -> list[RankEnd]:
         node = exited.get("node") or started.get("node")
         code = exited.get("returncode")
         for_peer = exited.get("ended_for_peer")
+        hung = exited.get("hung")
         ends.append(
             RankEnd(
                 k,
@@ -156,6 +177,7 @@ def rank_ends(job: submitit.Job[Any]) -> list[RankEnd]:
                 ended,
                 paths.stderr,
                 for_peer if isinstance(for_peer, int) else None,
+                hung if isinstance(hung, dict) and "silent_s" in hung else None,
             )
         )
     return ends
@@ -200,7 +222,7 @@ def failure_message(job: submitit.Job[Any], ends: list[RankEnd]) -> tuple[str, s
     if lost:
         first = lost[0]
         message = f"job {job.job_id} lost rank {first.task} (node {first.node or '?'}): "
-        message += "; ".join(f"{e.how()}, log: {e.log}" for e in lost)
+        message += "; ".join(e.told() for e in lost)
         if raised:
             message += (
                 f"; then rank(s) {[e.task for e in raised]} failed (detail: their collectives "

@@ -13,6 +13,13 @@ cgroup counter says so). Then it ends the same way its child did, so srun and th
 controller see what they saw before. cluster.lost_ranks turns these files into the message.
 It also hands the rank its collective timeout (cluster.peer_timeout_s) in the environment.
 
+A rank that stops making progress: the training job beats into ``<job id>_<task>_beat``
+(cluster.heartbeat) and the guard reads it every second. Silent past its phase's allowance
+(train.hang_timeout_s, hang_first_step_s), the rank is hung: the guard has it dump the stacks of
+all its threads (SIGUSR1, faulthandler) into ``<job id>_<task>_stacks.txt``, copies them into
+the rank's log, kills the rank and records `hung` (phase, step, seconds silent, the frame it is
+stuck in) in its exit record; cluster.lost_ranks names it, and its peers end as after a loss.
+
 A peer's end: while its rank runs, the guard reads the job's other exit records every second.
 When a peer has ended without success (a signal, a non-zero code: lost, or it raised) and this
 rank is still running PEER_GRACE_S later, the guard ends it (SIGKILL) and records
@@ -38,6 +45,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from trainflow.cluster.heartbeat import (
+    BEAT_ENV,
+    STACK_SIGNAL,
+    STACKS_ENV,
+    Beat,
+    decode,
+    position,
+    read_beat,
+    stuck_frame,
+)
 from trainflow.cluster.prctl import die_with_parent
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGCONT)
@@ -134,6 +151,135 @@ def ended_peer(folder: Path, job_id: str, task: int, since: float) -> dict[str, 
     return None
 
 
+DUMP_WAIT_S = 2.0
+"""How long the guard waits for a hung rank's stacks before it kills the rank."""
+
+
+class HangWatch:
+    """Judges a rank's heartbeat (cluster.heartbeat) once a poll, and ends a hung rank.
+
+    Silence is measured on this guard's clock from the last time the file's bytes changed.
+    A rank silent past its allowance is hung, unless a peer of this attempt is behind it (fewer
+    steps, or an earlier phase of the same step: cluster.heartbeat.position; at the same
+    position, silent longer): this rank is then most likely waiting for that peer in a
+    collective, and the peer's guard acts first. Past twice its allowance this rank is ended
+    anyway."""
+
+    def __init__(self, folder: Path, job_id: str, task: int, since: float) -> None:
+        self.folder, self.job_id, self.task, self.since = folder, job_id, task, since
+        self.beat_path = folder / f"{job_id}_{task}_beat"
+        self.stacks = folder / f"{job_id}_{task}_stacks.txt"
+        for stale in (self.beat_path, self.stacks):  # an earlier attempt's (a Slurm requeue)
+            stale.unlink(missing_ok=True)
+        self._raw = b""
+        self._changed = time.monotonic()
+        self._deferred = False
+        self.record: dict[str, Any] | None = None
+        """What the guard recorded of a hung rank it ended; None while none."""
+
+    def env(self) -> dict[str, str]:
+        """The variables that tell the rank where to beat and to dump its stacks."""
+        return {BEAT_ENV: str(self.beat_path), STACKS_ENV: str(self.stacks)}
+
+    def hung(self) -> tuple[Beat, float] | None:
+        """(its last beat, seconds silent) when the rank is hung, else None."""
+        try:
+            raw = self.beat_path.read_bytes()
+        except OSError:
+            return None
+        now = time.monotonic()
+        if raw != self._raw:
+            self._raw, self._changed, self._deferred = raw, now, False
+            return None
+        beat = decode(raw)
+        silent = now - self._changed
+        if beat is None or silent <= beat.allowed_s:
+            return None
+        peer = self._older_peer(beat)
+        if peer is not None and silent <= 2 * beat.allowed_s:
+            if not self._deferred:
+                self._deferred = True
+                print(
+                    f"rank_guard: no progress for {silent:.0f} s in phase {beat.phase}, but rank "
+                    f"{peer} is behind it: leaving it to that rank's guard",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            return None
+        return beat, silent
+
+    def _older_peer(self, beat: Beat) -> int | None:
+        """A peer of this attempt, still running, that is behind this rank (its last `beat`)."""
+        pattern = re.compile(rf"{re.escape(self.job_id)}_(\d+)_beat")
+        for path in self.folder.glob(f"{self.job_id}_*_beat"):
+            match = pattern.fullmatch(path.name)
+            if not match or int(match[1]) == self.task:
+                continue
+            other = read_beat(path)
+            if other is None or other.at < self.since:
+                continue
+            behind = position(other) < position(beat)
+            if not (behind or (position(other) == position(beat) and other.at < beat.at)):
+                continue
+            try:
+                ended = json.loads(
+                    (self.folder / f"{self.job_id}_{match[1]}_exit.json").read_text()
+                )
+                if float(ended.get("ended", 0)) >= self.since:
+                    continue
+            except (OSError, ValueError, AttributeError):
+                pass
+            return int(match[1])
+        return None
+
+    def end(self, child: "subprocess.Popen[bytes]", beat: Beat, silent: float) -> int:
+        """Dump the hung rank's stacks into its log, kill it, record why; its exit code."""
+        print(
+            f"rank_guard: this rank made no progress for {silent:.0f} s in phase {beat.phase} "
+            f"(step {beat.step}; {beat.allowed_s:.0f} s allowed): dumping its stacks, then "
+            "ending it",
+            file=sys.stderr,
+            flush=True,
+        )
+        try:
+            child.send_signal(STACK_SIGNAL)
+            child.send_signal(signal.SIGCONT)  # a stopped rank dumps once it runs again
+        except OSError:
+            pass
+        dump = self._dump()
+        print(
+            "rank_guard: stacks of the hung rank (all threads, most recent call first):\n"
+            + (dump.rstrip() or "(none written)"),
+            file=sys.stderr,
+            flush=True,
+        )
+        child.kill()
+        returncode = child.wait()
+        self.record = {
+            "phase": beat.phase,
+            "step": beat.step,
+            "silent_s": round(silent, 1),
+            "allowed_s": beat.allowed_s,
+            "frame": stuck_frame(dump),
+        }
+        return returncode
+
+    def _dump(self) -> str:
+        """The stacks the rank wrote, once the file stops growing (at most DUMP_WAIT_S)."""
+        deadline = time.monotonic() + DUMP_WAIT_S
+        last = ""
+        while time.monotonic() < deadline:
+            time.sleep(0.2)
+            try:
+                text = self.stacks.read_text(errors="replace")
+            except OSError:
+                continue
+            if text and text == last:
+                break
+            last = text
+        return last
+
+
 def _outcome(result: Path) -> str | None:
     """'success' or 'error' once submitit has written the rank's result, else None."""
     try:
@@ -159,6 +305,7 @@ def _wait(
     result: Path,
     since: float,
     peer: "Callable[[], dict[str, Any] | None]" = lambda: None,
+    watch: HangWatch | None = None,
 ) -> tuple[int, bool, int | None]:
     """The child's exit code, whether it had to be killed after delivering its result (a
     result file older than `since`, the rank's start, is an earlier attempt's), and the task
@@ -167,7 +314,10 @@ def _wait(
     A rank whose result is written but which does not exit within HUNG_AFTER_RESULT_S is stuck
     in teardown (e.g. a process group destructor deadlocked on the GIL): its work is done,
     so it is killed and counted as exiting the way its result says (0 success, 1 error),
-    instead of holding the whole job (the local controller and srun wait for every rank)."""
+    instead of holding the whole job (the local controller and srun wait for every rank).
+
+    A rank `watch` finds hung (no progress for longer than its phase allows) has its stacks
+    dumped and is killed; `watch.record` then says so."""
     written_at: float | None = None
     peer_seen: tuple[float, dict[str, Any]] | None = None
     while True:
@@ -193,6 +343,9 @@ def _wait(
             return child.wait(), False, int(peer_seen[1].get("task", -1))
         if written_at is None:
             written_at = time.monotonic() if _written_since(result, since) else None
+            stuck = watch.hung() if watch is not None and written_at is None else None
+            if stuck is not None and watch is not None:
+                return watch.end(child, *stuck), False, None
             continue
         if time.monotonic() - written_at < HUNG_AFTER_RESULT_S:
             continue
@@ -227,8 +380,9 @@ def main(command: list[str], peer_timeout_s: str) -> None:
     node = node_name()
     before = oom_kills()
     # The variable tasks.train.distributed.peer_timeout() reads (not imported: torch is heavy).
-    env = {**os.environ, "TRAINFLOW_PEER_TIMEOUT_S": peer_timeout_s}
     started = time.time()
+    watch = HangWatch(folder, job_id, task, started)
+    env = {**os.environ, "TRAINFLOW_PEER_TIMEOUT_S": peer_timeout_s, **watch.env()}
     child = _start(command, env)
     _pass_on(child)
     where = {
@@ -244,6 +398,7 @@ def main(command: list[str], peer_timeout_s: str) -> None:
         folder / f"{job_id}_{task}_result.pkl",
         started,
         lambda: ended_peer(folder, job_id, task, started),
+        watch,
     )
     after = oom_kills()
     ended = {
@@ -256,6 +411,7 @@ def main(command: list[str], peer_timeout_s: str) -> None:
         "ended": time.time(),
         "hung_after_result": hung,
         "ended_for_peer": for_peer,
+        "hung": watch.record,
     }
     _write_json(folder / f"{job_id}_{task}_exit.json", where | ended)
     end_like(returncode)

@@ -4,7 +4,8 @@ cluster.rank_guard starts for each rank.
 It is submitit's own `python -m submitit.core._submit <folder>` (the same job environment,
 signals, result pickle) with one step first: rank 0's requeue (SIGUSR2 before a limit) goes
 through cluster.requeue, which keeps `scontrol requeue` alive through the SIGTERM Slurm sends
-the job's processes for it.
+the job's processes for it. And before that, SIGUSR1 makes the rank dump the stacks of all its
+threads (cluster.heartbeat), which the guard of a hung rank asks for.
 """
 
 import sys
@@ -15,8 +16,9 @@ def main() -> None:
         sys.exit("usage: python -m trainflow.cluster.rank_main <submitit folder>")
     from submitit.core.submission import submitit_main
 
-    from trainflow.cluster import requeue
+    from trainflow.cluster import heartbeat, requeue
 
+    heartbeat.install_stack_dump()  # first: a rank hung anywhere later can show its stacks
     requeue.install()
     submitit_main()  # reads the folder from sys.argv, as `-m submitit.core._submit` does
 

@@ -62,7 +62,7 @@ def run_with_restarts(
             on_loss(err, attempt)
             headline = str(err).splitlines()[0]
             if attempt == cfg.max_restarts:
-                raise RankLostError(
+                raise type(err)(
                     f"{err}; no restart left (cluster.max_restarts={cfg.max_restarts})",
                     err.lost,
                     err.nodes,

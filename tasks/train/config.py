@@ -95,6 +95,16 @@ class TrainConfig(StrictModel):
     fit in one or two buckets at any cap from 1 MiB (DDP's first bucket is always 1 MiB), and
     2 gloo ranks on CPU showed no difference between 1, 5, 25 and 100 beyond the noise. Tune
     it for wide resnets on GPUs (width 256: 169 MiB of gradients, 7 buckets at 25)."""
+    hang_timeout_s: float = Field(300.0, ge=0.0, le=86_400.0)
+    """Seconds a rank may make no progress (no step, no evaluation batch) before it is declared
+    hung: its guard dumps its stacks into its log, ends it, and the job restarts from its last
+    checkpoint as after a lost rank (cluster.max_restarts). A checkpoint save may take the
+    larger of this and 4 times the longest save so far. 0: no hang detection. At least 2 (the
+    guard looks once a second)."""
+    hang_first_step_s: float = Field(1800.0, ge=0.0, le=86_400.0)
+    """Seconds a rank may make no progress while it starts (model, data, resume) and the first
+    time through each phase (the first step: compilation; the first evaluation; the first
+    checkpoint save). The larger of this and hang_timeout_s applies."""
 
     @field_validator("model_args")
     @classmethod
@@ -129,6 +139,15 @@ class TrainConfig(StrictModel):
             raise ValueError(
                 "train.strategy=fsdp does not support precision=fp16 (loss scaling of sharded "
                 "gradients): set train.precision=bf16, auto or fp32"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _hang_timeout_is_off_or_seconds(self) -> Self:
+        if 0 < self.hang_timeout_s < 2:
+            raise ValueError(
+                f"train.hang_timeout_s={self.hang_timeout_s} is shorter than the 1 s between the "
+                "guard's looks: set it to 2 or more, or to 0 to turn hang detection off"
             )
         return self
 

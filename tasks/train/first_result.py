@@ -65,6 +65,7 @@ def first_result(
         ctx,
         trainer.objective,
         trainer.cuda_graphs,
+        trainer.heartbeat,
     )
     tested = {f"test_{k}": v for k, v in metrics.items()}
     if ctx.is_main:

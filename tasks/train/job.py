@@ -14,6 +14,7 @@ import submitit
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from trainflow.cluster.heartbeat import NO_HEARTBEAT, Heartbeat
 from trainflow.cluster.snapshot import code_first
 from trainflow.errors import ConfigError
 from trainflow.tasks.objectives import Objective, is_better, make_objective
@@ -122,6 +123,10 @@ class TrainingJob(submitit.helpers.Checkpointable):
         """Set up, resume if a checkpoint exists, train the remaining epochs, clean up."""
         deliver_held_signal()  # a requeue signal that came during start-up: requeue now
         spec, cfg = self.spec, self.spec.train
+        # Progress for this rank's guard (cluster.rank_guard): a rank silent for longer than
+        # its phase allows is declared hung, its stacks dumped, and the job restarted.
+        self._heartbeat = heartbeat = Heartbeat.from_env(cfg.hang_timeout_s, cfg.hang_first_step_s)
+        heartbeat.beat("start-up", 0)
         code_first(spec.code)  # the user's code as submitted, not as the files hold it now
         torch.set_num_threads(spec.cpus_per_task)
         run_out = spec.out_dir if spec.tracking_uri and spec.run_id else None  # a run to log
@@ -138,7 +143,9 @@ class TrainingJob(submitit.helpers.Checkpointable):
             model = build_on_rank(lambda: build_model(cfg, self.data_spec), cfg.strategy, dist)
             narrowest = narrowest_conv(model)
             nhwc = use_channels_last(cfg.channels_last, dist.device, narrowest, cfg.strategy)
+            heartbeat.beat("start-up")
             train, val = self._load("train", dist, nhwc), self._load("val", dist, nhwc)
+            heartbeat.beat("start-up")
             if dist.is_main:
                 announce(cfg, dist, policy, nhwc, train, journal)
             self._flops = NO_FLOPS
@@ -155,11 +162,14 @@ class TrainingJob(submitit.helpers.Checkpointable):
             logger = recorder.closing(make_logger(journal, spec.out_dir))
             relog(progress, logger, self.spec.out_dir)
             self._train(trainer, train, val, progress, logger, recorder)
+            heartbeat.beat("checkpoint")
             recorder.wait()  # the last epoch's line, best.pt and checkpoint are written
             del train, val
             path, out = spec.dataset.path, spec.out_dir
+            heartbeat.beat("evaluation")
             tested = first_result(trainer, cfg, path, out, progress, nhwc, logger)
             result = finish_run(out, progress, tested) if dist.is_main else None
+            heartbeat.beat("shut-down")
         if not (cfg.compile or cfg.cuda_graphs):  # compiled runs keep the teardown that
             exit_fast_at_shutdown(trainer)  # stops inductor's compile workers
         return result
@@ -208,6 +218,7 @@ class TrainingJob(submitit.helpers.Checkpointable):
             peak_lr=cfg.lr,
             total_steps=cfg.epochs * steps,
             cuda_graphs=uses_cuda_graphs(cfg, dist.device),
+            heartbeat=getattr(self, "_heartbeat", NO_HEARTBEAT),
         )
 
     def _resume(self, trainer: Trainer) -> Progress:
@@ -260,6 +271,7 @@ class TrainingJob(submitit.helpers.Checkpointable):
         try:
             while progress.epoch < cfg.epochs:
                 metrics = self._run_epoch(trainer, train, val, progress)
+                trainer.heartbeat.beat("checkpoint", progress.step)
                 if saver is not None:
                     self._record_sharded(trainer, progress, metrics, logger, recorder, saver)
                 elif trainer.dist.is_main:
@@ -300,6 +312,7 @@ class TrainingJob(submitit.helpers.Checkpointable):
             dist,
             trainer.objective,
             trainer.cuda_graphs,
+            trainer.heartbeat,
         )
         metrics |= {f"val_{k}": v for k, v in val_metrics.items()}
         metrics["epoch_time_s"] = time.perf_counter() - started

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from trainflow.cluster.heartbeat import NO_HEARTBEAT, Heartbeat
 from trainflow.tasks.objectives import Objective
 from trainflow.tasks.train.checkpoint import unwrap
 from trainflow.tasks.train.config import TrainConfig
@@ -50,6 +51,8 @@ class Trainer:
     cuda_graphs: bool = False
     """The model replays CUDA graphs (compiled with mode="reduce-overhead"): each step then
     tells torch a new iteration begins, so the graphs' outputs of the last one may be reused."""
+    heartbeat: Heartbeat = NO_HEARTBEAT
+    """Told of every batch fetched and step started (cluster.heartbeat): off by default."""
 
 
 def make_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
@@ -99,6 +102,7 @@ def _train_step(trainer: Trainer, x: torch.Tensor, y: torch.Tensor, lr: float) -
         output = trainer.model(x)
         loss = trainer.objective.loss(output, y)
     trainer.optimizer.zero_grad(set_to_none=True)
+    trainer.heartbeat.beat("backward")
     trainer.scaler.scale(loss).backward()
     trainer.scaler.step(trainer.optimizer)
     trainer.scaler.update()
@@ -124,7 +128,15 @@ def train_epoch(
     sums = torch.zeros(objective.sums_size + 1, dtype=torch.float64, device=device)
     lr = cosine_lr(step, trainer.total_steps, trainer.peak_lr)
     start = time.perf_counter()
-    for x, y in data.batches(batches, device):
+    beat = trainer.heartbeat.beat
+    fetched = iter(data.batches(batches, device))
+    while True:
+        beat("data", step)
+        try:
+            x, y = next(fetched)
+        except StopIteration:
+            break
+        beat("step", step)
         lr = cosine_lr(step, trainer.total_steps, trainer.peak_lr)
         sums[:-1] += _train_step(trainer, x, y, lr)
         sums[-1] += y.shape[0]
@@ -147,13 +159,15 @@ def evaluate_split(
     dist: DistContext,
     objective: Objective,
     cuda_graphs: bool = False,
+    heartbeat: Heartbeat | None = None,
 ) -> dict[str, float]:
     """The objective's metrics of `model` on all of `data`, each rank taking a share.
 
     Runs the unwrapped module: ranks may hold different batch counts here, and a DDP forward
     would wait for its peers. A sharded (FSDP) model has no unwrapped module, and each of its
     forward passes gathers weights from every rank: ranks with fewer batches run one-sample
-    padding passes, not counted, until all ranks have run as many.
+    padding passes, not counted, until all ranks have run as many. `heartbeat` is told of
+    every batch done.
     """
     sharded = is_sharded(model)
     net = model if sharded else unwrap(model)
@@ -163,6 +177,8 @@ def evaluate_split(
     counted = len(batches)
     if sharded:
         batches += _padding(batches, data, dist)
+    beat = heartbeat.beat if heartbeat is not None else lambda phase: None
+    beat("evaluation")
     for index, (x, y) in enumerate(data.batches(batches, dist.device)):
         if cuda_graphs:
             torch.compiler.cudagraph_mark_step_begin()
@@ -170,6 +186,7 @@ def evaluate_split(
             output = net(x)
         if index < counted:
             sums += objective.sums(output, y)
+        beat("evaluation")
     return objective.metrics(all_reduce_sum(sums, dist).tolist())
 
 

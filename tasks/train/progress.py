@@ -19,10 +19,13 @@ from trainflow.tasks.train.ref import CheckpointRef
 NOT_LOGGED = ("epoch", "step")
 # A run may resume with more epochs, on another device, precision or speed setting (memory
 # format, compilation, data placement, DDP buckets, FSDP's resharding and activation
-# checkpointing); nothing else may change. Not cuda_graphs: it drops each epoch's last partial
-# batch, so it changes which batches a run takes. Not strategy: the checkpoints' layouts differ.
+# checkpointing) or hang allowances; nothing else may change. Not cuda_graphs: it drops each
+# epoch's last partial batch, so it changes which batches a run takes. Not strategy: the
+# checkpoints' layouts differ.
 MAY_CHANGE_ON_RESUME = {
     "epochs",
+    "hang_timeout_s",
+    "hang_first_step_s",
     "log_every_epochs",
     "device",
     "precision",

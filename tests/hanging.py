@@ -1,0 +1,52 @@
+"""A training job whose chosen rank stops making progress in the forward pass of a chosen step,
+once: the first attempt hangs there (a user's code that never returns), the restarted one
+trains through.
+
+The hang is a forward pre-hook on the model (not part of its weights), so the restarted job's
+weights equal an uninterrupted run's."""
+
+import sys
+import time
+from pathlib import Path
+
+import cloudpickle
+import torch
+
+from trainflow.tasks.train.distributed import DistContext
+from trainflow.tasks.train.job import TrainingJob, TrainJobSpec
+from trainflow.tasks.train.loop import Trainer
+from trainflow.tasks.train.precision import PrecisionPolicy
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+def never_returns(marker: Path) -> None:
+    """Where the hung rank is stuck."""
+    marker.touch()
+    while True:
+        time.sleep(0.05)
+
+
+class HangingJob(TrainingJob):
+    """Rank `rank` hangs at training forward pass number `at_step` of its first attempt (the
+    one that finds no `marker` file)."""
+
+    def __init__(self, spec: TrainJobSpec, rank: int, at_step: int, marker: Path) -> None:
+        super().__init__(spec)
+        self.rank, self.at_step, self.marker = rank, at_step, marker
+
+    def _trainer(
+        self, built: torch.nn.Module, dist: DistContext, policy: PrecisionPolicy, n_train: int
+    ) -> Trainer:
+        trainer = super()._trainer(built, dist, policy, n_train)
+        if dist.rank == self.rank and not self.marker.exists():
+            forwards = [0]
+
+            def hook(module: torch.nn.Module, args: object) -> None:
+                if module.training:
+                    forwards[0] += 1
+                    if forwards[0] == self.at_step:
+                        never_returns(self.marker)
+
+            built.register_forward_pre_hook(hook)
+        return trainer

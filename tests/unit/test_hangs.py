@@ -1,0 +1,184 @@
+"""A rank that stops making progress is declared hung by its guard, named with the phase and
+the frame it is stuck in, its stacks in its log, and the job restarts from its checkpoint.
+
+Real local jobs (submitit's local executor, each rank under cluster.rank_guard) with
+train.hang_timeout_s=3: tests.hanging.HangingJob makes one rank loop forever in the forward
+pass of a chosen step of its first attempt.
+"""
+
+import json
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import submitit
+import torch
+
+from tests.hanging import HangingJob
+from tests.unit.datasets import write_dataset
+from trainflow.cluster.config import ClusterConfig
+from trainflow.cluster.executor import make_executor
+from trainflow.cluster.heartbeat import Beat, Heartbeat, position, read_beat, stuck_frame
+from trainflow.cluster.jobs import wait_for_job
+from trainflow.cluster.lost_ranks import RankHungError, RankLostError
+from trainflow.cluster.restarts import run_with_restarts
+from trainflow.tasks.preprocess.ref import DatasetRef
+from trainflow.tasks.train.config import TrainConfig
+from trainflow.tasks.train.job import TrainingJob, TrainJobSpec
+from trainflow.tasks.train.ref import CheckpointRef
+
+pytestmark = pytest.mark.timeout(240)
+EPOCHS = 5
+HANG_S = 3.0
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory: pytest.TempPathFactory) -> DatasetRef:
+    return write_dataset(tmp_path_factory.mktemp("data") / "ds")
+
+
+def _spec(dataset: DatasetRef, out: Path) -> TrainJobSpec:
+    train = TrainConfig(
+        epochs=EPOCHS,
+        batch_size=32,
+        device="cpu",
+        precision="fp32",
+        hang_timeout_s=HANG_S,
+        hang_first_step_s=60,
+    )
+    return TrainJobSpec(train=train, dataset=dataset, out_dir=out)
+
+
+def _train(
+    job: TrainingJob, cfg: ClusterConfig, jobs: Path, log: list[str]
+) -> tuple[Any, list[submitit.Job[Any]]]:
+    """Run `job` with restarts (cluster.restarts) on the local executor; (result, the jobs)."""
+    submitted: list[submitit.Job[Any]] = []
+
+    def submit(exclude: list[str], nodes: int) -> submitit.Job[Any]:
+        submitted.append(make_executor(cfg, jobs).submit(job))
+        return submitted[-1]
+
+    def wait(job: submitit.Job[Any]) -> Any:
+        return wait_for_job(job, lambda line: None, poll_s=0.1)
+
+    return run_with_restarts(cfg, submit, wait, log.append), submitted
+
+
+def _exit(job: submitit.Job[Any], task: int) -> dict[str, Any]:
+    data = json.loads((job.paths.folder / f"{job.job_id}_{task}_exit.json").read_text())
+    assert isinstance(data, dict)
+    return data
+
+
+@pytest.mark.services
+def test_a_hung_rank_of_two_is_named_with_its_frame_and_the_job_restarts_to_the_same_weights(
+    dataset: DatasetRef, tmp_path: Path
+) -> None:
+    cfg = ClusterConfig(ranks_per_node=2, timeout_min=10, max_restarts=1)
+    # The same job with hang detection on and no hang: it finishes, nothing is ended.
+    healthy, [plain_job] = _train(
+        TrainingJob(_spec(dataset, tmp_path / "plain")), cfg, tmp_path / "j0", []
+    )
+    assert isinstance(healthy, CheckpointRef)
+    assert all(_exit(plain_job, k)["hung"] is None for k in (0, 1))
+
+    # 4 steps an epoch per rank: forward 10 is the second step of epoch 3.
+    marker = tmp_path / "hung"
+    job = HangingJob(_spec(dataset, tmp_path / "hung-run"), rank=1, at_step=10, marker=marker)
+    log: list[str] = []
+    started = time.monotonic()
+    ref, jobs = _train(job, cfg, tmp_path / "j1", log)
+    assert marker.exists() and len(jobs) == 2 and isinstance(ref, CheckpointRef)
+
+    first = jobs[0]
+    hung = _exit(first, 1)["hung"]
+    assert hung["phase"] == "step" and hung["step"] == 9
+    assert HANG_S <= hung["silent_s"] < HANG_S + 5  # the setting, not a collective's timeout
+    assert hung["frame"].startswith(f"{Path(__file__).parent.parent}/hanging.py:")
+    assert hung["frame"].endswith(" in never_returns")
+    assert _exit(first, 0)["hung"] is None  # the peer waiting for it is not blamed
+    restart = [line for line in log if "restart 1/1 from the last checkpoint" in line]
+    assert len(restart) == 1, log
+    rank1_log = first.task(1).paths.stderr
+    host = socket.gethostname()
+    assert restart[0].startswith(
+        f"job {first.job_id} lost rank 1 (node {host}): rank 1 on node {host} hung in phase step "
+        f"for {hung['silent_s']:.0f} s (no progress since step 9; stuck at {hung['frame']}): its "
+        f"stacks are in {rank1_log}"
+    ), restart[0]
+    text = rank1_log.read_text()
+    assert "rank_guard: stacks of the hung rank (all threads, most recent call first):" in text
+    assert "in never_returns" in text and "in train_epoch" in text
+
+    a = torch.load(ref.path, weights_only=True)["model"]
+    b = torch.load(healthy.path, weights_only=True)["model"]
+    assert all(torch.equal(a[k], b[k]) for k in a), "the restarted run's weights differ"
+    assert time.monotonic() - started < 120
+
+
+@pytest.mark.services
+def test_a_hung_single_rank_is_named_and_fails_with_no_restart_left(
+    dataset: DatasetRef, tmp_path: Path
+) -> None:
+    cfg = ClusterConfig(ranks_per_node=1, timeout_min=10, max_restarts=0)
+    # 8 steps an epoch: forward 20 is in epoch 3.
+    job = HangingJob(_spec(dataset, tmp_path / "run"), rank=0, at_step=20, marker=tmp_path / "m")
+    started = time.monotonic()
+    with pytest.raises(RankHungError) as failure:
+        _train(job, cfg, tmp_path / "j", [])
+    assert time.monotonic() - started < 90
+    assert isinstance(failure.value, RankLostError)  # what cluster.restarts restarts
+    message = str(failure.value)
+    assert "rank 0 on node" in message and "hung in phase step" in message
+    assert "(no progress since step 19; stuck at " in message
+    assert " in never_returns): its stacks are in " in message
+    assert message.endswith("; no restart left (cluster.max_restarts=0)")
+
+
+def test_the_stuck_frame_is_the_main_threads_innermost_own_code() -> None:
+    dump = """Thread 0x00007fb3191fc6c0 (most recent call first):
+  File "/usr/lib/python3.11/threading.py", line 324 in wait
+  File "/x/trainflow/tasks/train/recorder.py", line 40 in _run
+
+Current thread 0x00007fb319e4cb80 (most recent call first):
+  File "/v/lib/python3.11/site-packages/torch/autograd/graph.py", line 825 in _engine_run_backward
+  File "/v/lib/python3.11/site-packages/torch/_tensor.py", line 626 in backward
+  File "/x/trainflow/tasks/train/loop.py", line 106 in _train_step
+  File "/x/trainflow/tasks/train/loop.py", line 135 in train_epoch
+"""
+    assert stuck_frame(dump) == (
+        "trainflow/tasks/train/loop.py:106 in _train_step "
+        "(in torch/autograd/graph.py:825 in _engine_run_backward)"
+    )
+    user = 'Current thread 0x1 (most recent call first):\n  File "/home/u/m.py", line 3 in f\n'
+    assert stuck_frame(user) == "/home/u/m.py:3 in f"
+    assert stuck_frame("") is None
+
+
+def test_a_heartbeat_carries_the_phase_step_and_allowance(tmp_path: Path) -> None:
+    path = tmp_path / "7_0_beat"
+    beat = Heartbeat(path, timeout_s=5, first_s=50)
+    beat.beat("start-up", 0)
+    first = read_beat(path)
+    assert first is not None and (first.phase, first.step, first.allowed_s) == ("start-up", 0, 50)
+    beat.beat("data", 0)
+    beat.beat("step")
+    step = read_beat(path)
+    assert step is not None and (step.phase, step.step, step.allowed_s) == ("step", 0, 50)
+    beat.beat("data", 1)  # the first step is done: the shorter allowance from now on
+    later = read_beat(path)
+    assert later is not None and later.allowed_s == 5 and later.count == 4
+    # The position a guard compares: an epoch's evaluation and checkpoint come after its steps.
+    at = [Beat(1, 0.0, s, p, 1.0) for s, p in [(4, "backward"), (5, "evaluation"), (5, "data")]]
+    assert sorted(at, key=position) == at
+    Heartbeat(tmp_path / "off", timeout_s=0, first_s=50).beat("data", 0)
+    assert not (tmp_path / "off").exists()
+
+
+def test_a_hang_timeout_under_the_guards_poll_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"hang_timeout_s=1\.0 is shorter than"):
+        TrainConfig(hang_timeout_s=1)
+    assert TrainConfig(hang_timeout_s=0).hang_timeout_s == 0
