@@ -162,8 +162,10 @@ class HangWatch:
     A rank silent past its allowance is hung, unless a peer of this attempt is behind it (fewer
     steps, or an earlier phase of the same step: cluster.heartbeat.position; at the same
     position, silent longer): this rank is then most likely waiting for that peer in a
-    collective, and the peer's guard acts first. Past twice its allowance this rank is ended
-    anyway."""
+    collective, and the peer's guard acts first. While that peer is within its own allowance
+    (e.g. rank 0 saving a checkpoint while the others wait in the next step's all-reduce) this
+    rank waits with it; once the peer is overdue, this rank is ended past twice its allowance
+    if the peer's guard has not acted."""
 
     def __init__(self, folder: Path, job_id: str, task: int, since: float) -> None:
         self.folder, self.job_id, self.task, self.since = folder, job_id, task, since
@@ -195,21 +197,22 @@ class HangWatch:
         silent = now - self._changed
         if beat is None or silent <= beat.allowed_s:
             return None
-        peer = self._older_peer(beat)
-        if peer is not None and silent <= 2 * beat.allowed_s:
+        peer = self._peer_behind(beat)
+        if peer is not None and (peer[1] or silent <= 2 * beat.allowed_s):
             if not self._deferred:
                 self._deferred = True
                 print(
                     f"rank_guard: no progress for {silent:.0f} s in phase {beat.phase}, but rank "
-                    f"{peer} is behind it: leaving it to that rank's guard",
+                    f"{peer[0]} is behind it: leaving it to that rank's guard",
                     file=sys.stderr,
                     flush=True,
                 )
             return None
         return beat, silent
 
-    def _older_peer(self, beat: Beat) -> int | None:
-        """A peer of this attempt, still running, that is behind this rank (its last `beat`)."""
+    def _peer_behind(self, beat: Beat) -> tuple[int, bool] | None:
+        """(task, whether it is still within its own allowance) of a peer of this attempt,
+        still running, that is behind this rank (whose last beat is `beat`); None if none."""
         pattern = re.compile(rf"{re.escape(self.job_id)}_(\d+)_beat")
         for path in self.folder.glob(f"{self.job_id}_*_beat"):
             match = pattern.fullmatch(path.name)
@@ -229,7 +232,7 @@ class HangWatch:
                     continue
             except (OSError, ValueError, AttributeError):
                 pass
-            return int(match[1])
+            return int(match[1]), time.time() - other.at <= other.allowed_s
         return None
 
     def end(self, child: "subprocess.Popen[bytes]", beat: Beat, silent: float) -> int:
@@ -255,6 +258,8 @@ class HangWatch:
         )
         child.kill()
         returncode = child.wait()
+        if returncode != -signal.SIGKILL:  # it ended by itself meanwhile: not hung after all
+            return returncode
         self.record = {
             "phase": beat.phase,
             "step": beat.step,
@@ -265,11 +270,12 @@ class HangWatch:
         return returncode
 
     def _dump(self) -> str:
-        """The stacks the rank wrote, once the file stops growing (at most DUMP_WAIT_S)."""
+        """The stacks the rank wrote, once the file stops growing (at most DUMP_WAIT_S). Read
+        often: a stopped rank runs on once resumed, until it is killed."""
         deadline = time.monotonic() + DUMP_WAIT_S
         last = ""
         while time.monotonic() < deadline:
-            time.sleep(0.2)
+            time.sleep(0.05)
             try:
                 text = self.stacks.read_text(errors="replace")
             except OSError:
@@ -343,7 +349,9 @@ def _wait(
             return child.wait(), False, int(peer_seen[1].get("task", -1))
         if written_at is None:
             written_at = time.monotonic() if _written_since(result, since) else None
-            stuck = watch.hung() if watch is not None and written_at is None else None
+            # Not while a peer's end is about to end this rank: that is the cause, not a hang.
+            judge = watch is not None and written_at is None and peer_seen is None
+            stuck = watch.hung() if judge and watch is not None else None
             if stuck is not None and watch is not None:
                 return watch.end(child, *stuck), False, None
             continue

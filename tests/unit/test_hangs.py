@@ -7,7 +7,10 @@ pass of a chosen step of its first attempt.
 """
 
 import json
+import os
+import signal
 import socket
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -39,9 +42,9 @@ def dataset(tmp_path_factory: pytest.TempPathFactory) -> DatasetRef:
     return write_dataset(tmp_path_factory.mktemp("data") / "ds")
 
 
-def _spec(dataset: DatasetRef, out: Path) -> TrainJobSpec:
+def _spec(dataset: DatasetRef, out: Path, epochs: int = EPOCHS) -> TrainJobSpec:
     train = TrainConfig(
-        epochs=EPOCHS,
+        epochs=epochs,
         batch_size=32,
         device="cpu",
         precision="fp32",
@@ -136,6 +139,49 @@ def test_a_hung_single_rank_is_named_and_fails_with_no_restart_left(
     assert "(no progress since step 19; stuck at " in message
     assert " in never_returns): its stacks are in " in message
     assert message.endswith("; no restart left (cluster.max_restarts=0)")
+
+
+@pytest.mark.services
+def test_a_stopped_rank_is_named_with_its_stacks_and_the_job_restarts(
+    dataset: DatasetRef, tmp_path: Path
+) -> None:
+    """SIGSTOP: the rank neither runs nor dies; its guard resumes it to dump its stacks."""
+    cfg = ClusterConfig(ranks_per_node=1, timeout_min=10, max_restarts=1)
+    # Long enough that the rank, resumed to dump its stacks, cannot finish before its kill.
+    job = TrainingJob(_spec(dataset, tmp_path / "run", epochs=100))
+    submitted: list[submitit.Job[Any]] = []
+    stopped: list[int] = []
+
+    def stop_in_epoch_3(first: submitit.Job[Any]) -> None:
+        """SIGSTOP the rank once its heartbeat says it is past step 16 (8 steps an epoch)."""
+        beat_file = first.paths.folder / f"{first.job_id}_0_beat"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not first.done():
+            beat = read_beat(beat_file)
+            if beat is not None and beat.step >= 17:
+                rank = first.paths.folder / f"{first.job_id}_0_rank.json"
+                stopped.append(int(json.loads(rank.read_text())["pid"]))
+                os.kill(stopped[0], signal.SIGSTOP)
+                return
+            time.sleep(0.005)
+
+    def submit(exclude: list[str], nodes: int) -> submitit.Job[Any]:
+        submitted.append(make_executor(cfg, tmp_path / "j").submit(job))
+        if len(submitted) == 1:
+            threading.Thread(target=stop_in_epoch_3, args=(submitted[0],), daemon=True).start()
+        return submitted[-1]
+
+    log: list[str] = []
+    ref = run_with_restarts(
+        cfg, submit, lambda j: wait_for_job(j, lambda line: None, poll_s=0.1), log.append
+    )
+    assert stopped and len(submitted) == 2 and isinstance(ref, CheckpointRef)
+    hung = _exit(submitted[0], 0)["hung"]
+    assert hung["phase"] in {"data", "step", "backward", "evaluation", "checkpoint"}
+    assert hung["frame"] and HANG_S <= hung["silent_s"] < HANG_S + 5
+    assert f"hung in phase {hung['phase']} for " in log[0] and f"stuck at {hung['frame']}" in log[0]
+    text = submitted[0].task(0).paths.stderr.read_text()
+    assert "stacks of the hung rank" in text and "(most recent call first):" in text
 
 
 def test_the_stuck_frame_is_the_main_threads_innermost_own_code() -> None:
