@@ -211,15 +211,24 @@ def short_path(path: str) -> str:
     return path[at + 1 :] if at >= 0 else path
 
 
+def _main_frames(dump: str) -> list[re.Match[str]]:
+    """The frames of the main thread in a faulthandler dump (listed last), innermost first."""
+    blocks = [b for b in re.split(r"\n\s*\n", dump.strip()) if "(most recent call first)" in b]
+    return [m for m in map(_FRAME.match, blocks[-1].splitlines()) if m] if blocks else []
+
+
+def in_collective(dump: str) -> bool:
+    """Whether the main thread's innermost frame is torch.distributed's (a collective)."""
+    frames = _main_frames(dump)
+    return bool(frames) and "/torch/distributed/" in frames[0]["file"]
+
+
 def stuck_frame(dump: str) -> str | None:
     """The frame a hung rank is stuck in, from a faulthandler dump of all threads: in the main
     thread (faulthandler lists it last), the innermost frame of trainflow's or the user's code
     ('trainflow/tasks/train/loop.py:123 in train_epoch'), followed by the innermost frame when
     that is a library's ('... (in torch/.../distributed_c10d.py:2501 in all_reduce)')."""
-    blocks = [b for b in re.split(r"\n\s*\n", dump.strip()) if "(most recent call first)" in b]
-    if not blocks:
-        return None
-    frames = [m for m in map(_FRAME.match, blocks[-1].splitlines()) if m]
+    frames = _main_frames(dump)
     if not frames:
         return None
 

@@ -51,6 +51,7 @@ from trainflow.cluster.heartbeat import (
     STACKS_ENV,
     Beat,
     decode,
+    in_collective,
     position,
     read_beat,
     stuck_frame,
@@ -155,6 +156,15 @@ DUMP_WAIT_S = 2.0
 """How long the guard waits for a hung rank's stacks before it kills the rank."""
 
 
+def _stopped(pid: int) -> bool:
+    """Whether process `pid` is stopped (SIGSTOP, a debugger)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[:1] in (["T"], ["t"])
+
+
 class HangWatch:
     """Judges a rank's heartbeat (cluster.heartbeat) once a poll, and ends a hung rank.
 
@@ -176,6 +186,7 @@ class HangWatch:
         self._raw = b""
         self._changed = time.monotonic()
         self._deferred = False
+        self._collective: bool | None = None
         self.record: dict[str, Any] | None = None
         """What the guard recorded of a hung rank it ended; None while none."""
 
@@ -183,7 +194,25 @@ class HangWatch:
         """The variables that tell the rank where to beat and to dump its stacks."""
         return {BEAT_ENV: str(self.beat_path), STACKS_ENV: str(self.stacks)}
 
-    def hung(self) -> tuple[Beat, float] | None:
+    def _in_collective(self, child: "subprocess.Popen[bytes]") -> bool:
+        """Whether the rank's main thread waits in torch.distributed (from a dump of its
+        stacks, taken once per silence)."""
+        if self._collective is None:
+            offset = self._stacks_size()
+            try:
+                child.send_signal(STACK_SIGNAL)
+            except OSError:
+                return False
+            self._collective = in_collective(self._dump(offset))
+        return self._collective
+
+    def _stacks_size(self) -> int:
+        try:
+            return self.stacks.stat().st_size
+        except OSError:
+            return 0
+
+    def hung(self, child: "subprocess.Popen[bytes]") -> tuple[Beat, float] | None:
         """(its last beat, seconds silent) when the rank is hung, else None."""
         try:
             raw = self.beat_path.read_bytes()
@@ -192,28 +221,37 @@ class HangWatch:
         now = time.monotonic()
         if raw != self._raw:
             self._raw, self._changed, self._deferred = raw, now, False
+            self._collective = None
             return None
         beat = decode(raw)
         silent = now - self._changed
         if beat is None or silent <= beat.allowed_s:
             return None
         peer = self._peer_behind(beat)
-        if peer is not None and (peer[1] or silent <= 2 * beat.allowed_s):
+        if peer is None:
+            return beat, silent
+        task, within, level = peer
+        # Level with a peer: the one waiting in a collective is not the one stuck.
+        waits = not level or self._in_collective(child)
+        if waits and (within or silent <= 2 * beat.allowed_s):
             if not self._deferred:
                 self._deferred = True
+                where = "waits in a collective level with" if level else "is ahead of"
                 print(
-                    f"rank_guard: no progress for {silent:.0f} s in phase {beat.phase}, but rank "
-                    f"{peer[0]} is behind it: leaving it to that rank's guard",
+                    f"rank_guard: no progress for {silent:.0f} s in phase {beat.phase}, but this "
+                    f"rank {where} rank {task}: leaving it to that rank's guard",
                     file=sys.stderr,
                     flush=True,
                 )
             return None
         return beat, silent
 
-    def _peer_behind(self, beat: Beat) -> tuple[int, bool] | None:
-        """(task, whether it is still within its own allowance) of a peer of this attempt,
-        still running, that is behind this rank (whose last beat is `beat`); None if none."""
+    def _peer_behind(self, beat: Beat) -> tuple[int, bool, bool] | None:
+        """(task, whether it is still within its own allowance, whether it is level with this
+        rank) of a peer of this attempt, still running, that is behind this rank (whose last
+        beat is `beat`), else one level with it; None if none."""
         pattern = re.compile(rf"{re.escape(self.job_id)}_(\d+)_beat")
+        level: tuple[int, bool, bool] | None = None
         for path in self.folder.glob(f"{self.job_id}_*_beat"):
             match = pattern.fullmatch(path.name)
             if not match or int(match[1]) == self.task:
@@ -221,8 +259,7 @@ class HangWatch:
             other = read_beat(path)
             if other is None or other.at < self.since:
                 continue
-            behind = position(other) < position(beat)
-            if not (behind or (position(other) == position(beat) and other.at < beat.at)):
+            if position(other) > position(beat):
                 continue
             try:
                 ended = json.loads(
@@ -232,8 +269,11 @@ class HangWatch:
                     continue
             except (OSError, ValueError, AttributeError):
                 pass
-            return int(match[1]), time.time() - other.at <= other.allowed_s
-        return None
+            within = time.time() - other.at <= other.allowed_s
+            if position(other) < position(beat):
+                return int(match[1]), within, False
+            level = level or (int(match[1]), within, True)
+        return level
 
     def end(self, child: "subprocess.Popen[bytes]", beat: Beat, silent: float) -> int:
         """Dump the hung rank's stacks into its log, kill it, record why; its exit code."""
@@ -244,12 +284,14 @@ class HangWatch:
             file=sys.stderr,
             flush=True,
         )
+        offset = self._stacks_size()
         try:
             child.send_signal(STACK_SIGNAL)
-            child.send_signal(signal.SIGCONT)  # a stopped rank dumps once it runs again
+            if _stopped(child.pid):
+                child.send_signal(signal.SIGCONT)  # a stopped rank dumps once it runs again
         except OSError:
             pass
-        dump = self._dump()
+        dump = self._dump(offset)
         print(
             "rank_guard: stacks of the hung rank (all threads, most recent call first):\n"
             + (dump.rstrip() or "(none written)"),
@@ -269,7 +311,7 @@ class HangWatch:
         }
         return returncode
 
-    def _dump(self) -> str:
+    def _dump(self, offset: int) -> str:
         """The stacks the rank wrote, once the file stops growing (at most DUMP_WAIT_S). Read
         often: a stopped rank runs on once resumed, until it is killed."""
         deadline = time.monotonic() + DUMP_WAIT_S
@@ -277,7 +319,9 @@ class HangWatch:
         while time.monotonic() < deadline:
             time.sleep(0.05)
             try:
-                text = self.stacks.read_text(errors="replace")
+                with self.stacks.open(errors="replace") as file:
+                    file.seek(offset)
+                    text = file.read()
             except OSError:
                 continue
             if text and text == last:
@@ -351,7 +395,7 @@ def _wait(
             written_at = time.monotonic() if _written_since(result, since) else None
             # Not while a peer's end is about to end this rank: that is the cause, not a hang.
             judge = watch is not None and written_at is None and peer_seen is None
-            stuck = watch.hung() if judge and watch is not None else None
+            stuck = watch.hung(child) if judge and watch is not None else None
             if stuck is not None and watch is not None:
                 return watch.end(child, *stuck), False, None
             continue
