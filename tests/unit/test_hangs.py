@@ -42,8 +42,9 @@ def dataset(tmp_path_factory: pytest.TempPathFactory) -> DatasetRef:
     return write_dataset(tmp_path_factory.mktemp("data") / "ds")
 
 
-def _spec(dataset: DatasetRef, out: Path, epochs: int = EPOCHS) -> TrainJobSpec:
+def _spec(dataset: DatasetRef, out: Path, epochs: int = EPOCHS, **train_args: Any) -> TrainJobSpec:
     train = TrainConfig(
+        **train_args,
         epochs=epochs,
         batch_size=32,
         device="cpu",
@@ -120,6 +121,25 @@ def test_a_hung_rank_of_two_is_named_with_its_frame_and_the_job_restarts_to_the_
     b = torch.load(healthy.path, weights_only=True)["model"]
     assert all(torch.equal(a[k], b[k]) for k in a), "the restarted run's weights differ"
     assert time.monotonic() - started < 120
+
+
+@pytest.mark.services
+def test_a_hung_fsdp_rank_is_named_not_the_peer_waiting_in_its_all_gather(
+    dataset: DatasetRef, tmp_path: Path
+) -> None:
+    """Both ranks are silent in the same phase of the same step: rank 0 waits in the forward
+    pass's all-gather (torch.distributed), rank 1 is stuck in the forward pass itself."""
+    cfg = ClusterConfig(ranks_per_node=2, timeout_min=10, max_restarts=1)
+    spec = _spec(dataset, tmp_path / "run", model="mlp", strategy="fsdp")
+    job = HangingJob(spec, rank=1, at_step=10, marker=tmp_path / "m")
+    log: list[str] = []
+    ref, jobs = _train(job, cfg, tmp_path / "j", log)
+    assert len(jobs) == 2 and isinstance(ref, CheckpointRef)
+    hung = _exit(jobs[0], 1)["hung"]
+    assert hung["phase"] == "step" and hung["frame"].endswith(" in never_returns")
+    assert _exit(jobs[0], 0)["hung"] is None
+    assert "waits in a collective level with rank 1" in jobs[0].task(0).paths.stderr.read_text()
+    assert f"lost rank 1 (node {socket.gethostname()})" in log[0]
 
 
 @pytest.mark.services
