@@ -39,6 +39,7 @@ PHASES = ("start-up", "data", "step", "backward", "evaluation", "checkpoint", "s
 """What a rank can be doing; the record keeps the index. data: fetching a batch; step: the
 forward pass and loss; backward: the backward pass with its gradient all-reduce, and the
 optimizer step."""
+_INDEX = {phase: index for index, phase in enumerate(PHASES)}
 _ORDER = {"start-up": 0, "evaluation": 1, "checkpoint": 2, "data": 3, "step": 4, "backward": 5}
 """The order of the phases at one step count: an epoch's evaluation and checkpoint come after
 its last step, before the next epoch's first batch."""
@@ -131,7 +132,7 @@ class Heartbeat:
         mm = self._mm
         if mm is None:
             return
-        index = PHASES.index(phase)
+        index = _INDEX[phase]
         if step is not None:
             self._step = step
         if index != self._phase:
@@ -144,7 +145,7 @@ class Heartbeat:
 
     def _enter(self, index: int) -> None:
         now = time.monotonic()
-        if self._phase == PHASES.index("checkpoint"):
+        if self._phase == _INDEX["checkpoint"]:
             self._longest_checkpoint = max(self._longest_checkpoint, now - self._entered)
             self._warm.add(self._phase)
         if index in self._seen:
