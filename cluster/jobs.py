@@ -268,7 +268,7 @@ def _outcome(job: submitit.Job[Any], node_failed: set[str]) -> Any:
         # Slurm requeued it (JobRequeue): its next attempt must not run beside a restart.
         _cancel_and_wait(job)
         return node_failure(job, ends)
-    lost = sorted((e for e in ends if e.lost), key=lambda e: e.ended or float("inf"))
+    lost = sorted((e for e in ends if e.lost), key=lambda e: (e.since, e.task))
     if failure and lost and not _cancelled(job):
         if lost[0].hung is not None:
             return RankHungError(message, lost, detail=detail)

@@ -48,7 +48,8 @@ class RankEnd:
     survivor, neither lost nor the cause."""
     hung: dict[str, Any] | None = None
     """What its guard recorded when it ended it as hung (cluster.rank_guard.HangWatch): phase,
-    step, silent_s, allowed_s, frame; None when it was not."""
+    step, silent_s, allowed_s, since (its last heartbeat's time), frame; None when it was
+    not."""
 
     @property
     def failed(self) -> bool:
@@ -92,6 +93,14 @@ class RankEnd:
             oom = ": an OOM kill (the kernel's memory.events counted one)" if self.oom_kill else ""
             return f"{where} was killed by signal {sig} ({name}){oom}"
         return f"{where} exited with code {self.returncode} without a result"
+
+    @property
+    def since(self) -> float:
+        """When it stopped: a hung rank's last heartbeat, else its end (inf when unknown): the
+        first lost rank of a job is the one that stopped first."""
+        if self.hung is not None and isinstance(self.hung.get("since"), (int, float)):
+            return float(self.hung["since"])
+        return self.ended or float("inf")
 
     def told(self) -> str:
         """how(), with its log named (a hung rank's how() names it already)."""
@@ -212,7 +221,7 @@ def failure_message(job: submitit.Job[Any], ends: list[RankEnd]) -> tuple[str, s
     failed = [end for end in ends if end.failed]
     if not failed:
         return None
-    lost = sorted((e for e in failed if e.lost), key=lambda e: (e.ended or float("inf"), e.task))
+    lost = sorted((e for e in failed if e.lost), key=lambda e: (e.since, e.task))
     # A rank whose error is its collective losing a peer is collateral: the rank that raised
     # something else is the cause and leads, even when it took longer to exit.
     raised = sorted(

@@ -307,6 +307,7 @@ class HangWatch:
             "step": beat.step,
             "silent_s": round(silent, 1),
             "allowed_s": beat.allowed_s,
+            "since": beat.at,
             "frame": stuck_frame(dump),
         }
         return returncode

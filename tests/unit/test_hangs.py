@@ -248,3 +248,29 @@ def test_a_hang_timeout_under_the_guards_poll_is_refused() -> None:
     with pytest.raises(ValueError, match=r"hang_timeout_s=1\.0 is shorter than"):
         TrainConfig(hang_timeout_s=1)
     assert TrainConfig(hang_timeout_s=0).hang_timeout_s == 0
+
+
+def test_of_two_hung_ranks_the_one_silent_first_leads(tmp_path: Path) -> None:
+    """Both ended as hung (neither seen waiting for the other): the first to stop is named."""
+    from types import SimpleNamespace
+
+    from trainflow.cluster.lost_ranks import RankEnd, failure_message
+
+    def hung(task: int, since: float, ended: float) -> RankEnd:
+        record = {
+            "phase": "step",
+            "step": 9,
+            "silent_s": 3.2,
+            "since": since,
+            "frame": "f.py:1 in f",
+        }
+        log = tmp_path / f"5_{task}_log.err"
+        return RankEnd(task, "vm", -9, False, None, None, ended, log, None, record)
+
+    job: Any = SimpleNamespace(job_id="5", paths=SimpleNamespace(folder=tmp_path))
+    found = failure_message(job, [hung(0, since=100.5, ended=104.0), hung(1, 100.0, 105.0)])
+    assert found is not None
+    assert found[0].startswith(
+        "job 5 lost rank 1 (node vm): rank 1 on node vm hung in phase step for 3 s (no progress "
+        f"since step 9; stuck at f.py:1 in f): its stacks are in {tmp_path}/5_1_log.err; rank 0 "
+    ), found[0]
