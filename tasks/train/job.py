@@ -45,7 +45,7 @@ from trainflow.tasks.train.early_signal import deliver_held_signal
 from trainflow.tasks.train.first_result import first_result
 from trainflow.tasks.train.log_lines import announce, progress_line
 from trainflow.tasks.train.loop import Trainer, evaluate_split, make_optimizer, train_epoch
-from trainflow.tasks.train.model_plugins import build_model
+from trainflow.tasks.train.model_plugins import build_model, resolve_factory
 from trainflow.tasks.train.models import (
     narrowest_conv,
     place_model,
@@ -141,6 +141,8 @@ class TrainingJob(submitit.helpers.Checkpointable):
             random.seed(cfg.seed)
             policy = resolve_precision(cfg.precision, dist.device)
             model = build_on_rank(lambda: build_model(cfg, self.data_spec), cfg.strategy, dist)
+            # Each rank's log names the file its model was imported from (the code snapshot).
+            print(f"model {cfg.model} from {resolve_factory(cfg).file}", flush=True)
             narrowest = narrowest_conv(model)
             nhwc = use_channels_last(cfg.channels_last, dist.device, narrowest, cfg.strategy)
             heartbeat.beat("start-up")

@@ -4,6 +4,7 @@ regression (scikit-learn's bundled diabetes CSV, MLP) and a sequence objective (
 library's source files, a character transformer). Short runs: they prove the path and that
 the model learns."""
 
+import importlib.util
 import re
 import subprocess
 import sys
@@ -67,6 +68,8 @@ class Ran(NamedTuple):
     client: MlflowClient
     parent: Run
     kids: dict[str, Run]
+    dataset: Path
+    """The dataset folder the run wrote (its manifest's folder)."""
 
 
 def run_example(name: str, tmp_path: Path, extra: list[str]) -> Ran:
@@ -96,7 +99,20 @@ def run_example(name: str, tmp_path: Path, extra: list[str]) -> Ran:
             [parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent_id}'"
         )
     }
-    return Ran(out.stdout, client, parent, kids)
+    (manifest,) = (tmp_path / "work").glob("datasets/*/manifest.json")
+    return Ran(out.stdout, client, parent, kids, manifest.parent)
+
+
+def baselines(name: str, dataset: Path) -> dict[str, float]:
+    """The example's own baselines (examples/<name>/<name>_baseline.py) on the splits of the
+    dataset the run wrote: charlm's test perplexities, diabetes' test R²s."""
+    script = EXAMPLES / CASES[name].folder / f"{name}_baseline.py"
+    spec = importlib.util.spec_from_file_location(f"{name}_baseline", script)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    found: dict[str, float] = module.baselines(module.splits_from_dataset(dataset))
+    return found
 
 
 def check_example(name: str, ran: Ran) -> None:
@@ -109,11 +125,11 @@ def check_example(name: str, ran: Ran) -> None:
     assert {"train_loss", "val_loss"} <= set(train.data.metrics)
     version = client.get_model_version_by_alias(f"example-{name}", "champion")
     assert version.run_id == evaluate.info.run_id
-    test = evaluate.data.metrics
-    if name == "diabetes":  # predicting the mean scores R² ~0
-        assert test["test_r2"] > 0.3, test
-    else:  # a uniform guess over the 256 byte values has perplexity 256; the unigram ~23
-        assert test["test_perplexity"] < 30, test
+    test, base = evaluate.data.metrics, baselines(name, ran.dataset)
+    if name == "diabetes":  # R² over the same test rows: higher is a smaller squared error
+        assert test["test_r2"] > base["train mean"] + 0.3, (test, base)
+    else:  # the train split's byte frequencies, scored on the same test windows
+        assert test["test_perplexity"] < base["unigram byte frequencies"], (test, base)
     snapshot = ran.parent.data.tags["code_snapshot_hash"]
     assert train.data.tags["code_snapshot_hash"] == snapshot
     code = {a.path.rsplit("/", 1)[-1] for a in _walk(client, ran.parent.info.run_id, "code")}

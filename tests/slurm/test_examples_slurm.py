@@ -1,12 +1,17 @@
 """The two examples/ projects on the 2-node dev Slurm: one rank on each node, each importing the
 user's model from the run's code snapshot (the job runs `code_first` before it builds the model),
-the same checks as on the local executor (tests/integration/test_examples.py)."""
+the same checks as on the local executor (tests/integration/test_examples.py).
 
+Each rank's log names the file its model factory was imported from; the ranks start in the
+example's folder (the command's working directory), where the same module lies, so a rank
+that skipped the snapshot would name the example's own file."""
+
+import re
 from pathlib import Path
 
 import pytest
 
-from tests.integration.test_examples import CASES, check_example, run_example
+from tests.integration.test_examples import CASES, EXAMPLES, check_example, run_example
 
 TWO_NODES = ["cluster.executor=slurm", "cluster.nodes=2", "cluster.ranks_per_node=1"]
 
@@ -18,3 +23,16 @@ def test_the_example_trains_on_two_slurm_nodes(tmp_path: Path, name: str) -> Non
     train = ran.kids["train"].data.tags
     assert train["slurm_node_list"] == "tfnode[1-2]", train
     assert train["slurm_state"] == "COMPLETED", train
+    (run,) = (tmp_path / "work" / "runs").iterdir()
+    code = (run / "jobs" / "code").resolve()
+    (model,) = (o.removeprefix("train.model=") for o in CASES[name].overrides if "model=" in o)
+    imported = {
+        log.name: re.findall(rf"^model {re.escape(model)} from (\S+)$", log.read_text(), re.M)
+        for log in sorted((run / "jobs").glob("*_log.out"))
+    }
+    assert len(imported) == 2 and all(len(files) == 1 for files in imported.values()), imported
+    for files in imported.values():
+        file = Path(files[0]).resolve()
+        assert file.is_relative_to(code), (file, code)
+        assert not file.is_relative_to(EXAMPLES), file
+        assert file.name == model.split(":")[0] + ".py", file

@@ -8,17 +8,13 @@ back and removes the groups afterwards. The job's ranks are forked inside their 
 (each rank reports its cgroup), so the limit holds them for real: exceeding it would OOM-kill
 a rank and fail the job.
 
-The model: examples/charlm's transformer, width 512, 16 blocks: 50.5M parameters. Measured
-here (VmHWM per rank, 2 nodes x 2 ranks, this test's batch, no limit, 2026-11-25):
-- ddp: 1705 MiB rank 0 (its whole checkpoint copied for writing), 1270-1280 MiB the others.
-  In numbers: 16 bytes a parameter (fp32 weights, gradients, AdamW's two moments) = 771 MiB,
-  plus a rank's baseline of ~340 MiB (torch, gloo, the data: the same job with a 1-block
-  width-64 model) = ~1110 MiB > RANK_LIMIT before one activation or checkpoint copy.
-- fsdp: 875 MiB rank 0 (it builds the whole model and gathers it whole for best.pt), 689 MiB
-  the others (1/4 of the state: 193 MiB; the blocks gathered one at a time).
-- this test with train.strategy=ddp (run once by hand): the limit OOM-kills rank 1 on tfnode1
-  and ranks 2-3 on tfnode2 in the first epoch; the job fails. Under fsdp the node groups peaked
-  at 1708 and 1499 MiB of their 2048 (page cache included). ~40 s.
+The model: examples/charlm's transformer, width 512, 16 blocks: 50.5M parameters; in numbers
+(DESIGN.md "Memory per rank") a DDP rank holds 16 bytes a parameter (fp32 weights, gradients,
+AdamW's two moments) = 771 MiB before torch, gloo, the data, one activation or a checkpoint
+copy. The test measures both sides under the same node groups: the same job with
+train.strategy=ddp first, which must fail with an OOM kill in a group, then under fsdp, which
+must finish with no further OOM kill, each rank's peak RSS (VmHWM) under RANK_LIMIT and each
+group's peak usage (reset after the DDP job) within NODE_LIMIT.
 """
 
 import json
@@ -40,7 +36,8 @@ from trainflow.cluster.config import ClusterConfig
 from trainflow.cluster.dev.slurm import slurm_home
 from trainflow.cluster.executor import make_executor
 from trainflow.cluster.jobs import wait_for_job
-from trainflow.tasks.preprocess.ref import dataset_spec
+from trainflow.errors import JobError
+from trainflow.tasks.preprocess.ref import DatasetRef, dataset_spec
 from trainflow.tasks.train.config import TrainConfig
 from trainflow.tasks.train.job import TrainingJob, TrainJobSpec
 from trainflow.tasks.train.model_plugins import check_model
@@ -52,8 +49,6 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 CHARLM = Path(__file__).resolve().parents[2] / "examples" / "charlm"
 RANK_LIMIT = 1024 << 20
 NODE_LIMIT = 2 * RANK_LIMIT
-RANK_BASELINE = 340 << 20
-"""A rank's peak with a negligible model (measured, see the module docstring)."""
 CONTEXT, VOCAB = 64, 96
 
 
@@ -121,6 +116,23 @@ def _oom_kills(group: Path) -> int:
     return int(fields.get("oom_kill", 0))
 
 
+def _peaks_and_kills(groups: dict[str, Path]) -> tuple[dict[str, int], int]:
+    """Each group's peak usage since its last reset, and the OOM kills in all of them."""
+    peaks = {n: int((g / "memory.max_usage_in_bytes").read_text()) for n, g in groups.items()}
+    return peaks, sum(_oom_kills(g) for g in groups.values())
+
+
+def _submit(train: TrainConfig, dataset: DatasetRef, out: Path, jobs: Path) -> Any:
+    """ReportsMemory on 2 nodes x 2 ranks; the result of rank 0, or the JobError it failed with."""
+    spec = TrainJobSpec(train=train, dataset=dataset, out_dir=out, code=[CHARLM])
+    cluster = ClusterConfig(executor="slurm", nodes=2, ranks_per_node=2, timeout_min=10)
+    job = make_executor(cluster, jobs).submit(ReportsMemory(spec))
+    try:
+        return wait_for_job(job, print)
+    except JobError as err:
+        return err
+
+
 def test_fsdp_trains_a_model_whose_ddp_rank_exceeds_the_per_rank_memory_limit(
     node_groups: dict[str, Path], tmp_path: Path
 ) -> None:
@@ -130,7 +142,7 @@ def test_fsdp_trains_a_model_whose_ddp_rank_exceeds_the_per_rank_memory_limit(
         model="char_transformer:build",
         model_args={"dim": 512, "layers": 16, "heads": 8, "dropout": 0.0},
         objective="sequence",
-        strategy="fsdp",
+        strategy="ddp",
         epochs=1,
         batch_size=4,  # 2 steps an epoch
         precision="fp32",
@@ -141,13 +153,23 @@ def test_fsdp_trains_a_model_whose_ddp_rank_exceeds_the_per_rank_memory_limit(
         params = check_model(train, dataset_spec(dataset, "sequence")).parameters
     finally:
         sys.path.remove(str(CHARLM))
-    assert 16 * params + RANK_BASELINE > RANK_LIMIT  # a DDP rank's state alone: no fit
-    out = tmp_path / "run"
-    spec = TrainJobSpec(train=train, dataset=dataset, out_dir=out, code=[CHARLM])
-    cluster = ClusterConfig(executor="slurm", nodes=2, ranks_per_node=2, timeout_min=10)
-    job = make_executor(cluster, tmp_path / "jobs").submit(ReportsMemory(spec))
+    print(
+        f"{params:,} parameters: {16 * params >> 20} MiB of fp32 state (16 bytes each) per DDP rank"
+    )
 
-    assert isinstance(wait_for_job(job, print), CheckpointRef)
+    # DDP first, under the same limits: it must not fit (a rank OOM-killed, the job failed).
+    ddp = _submit(train, dataset, tmp_path / "ddp", tmp_path / "jobs-ddp")
+    ddp_peaks, ddp_kills = _peaks_and_kills(node_groups)
+    print(f"ddp: {ddp_kills} OOM kill(s), node peaks {[p >> 20 for p in ddp_peaks.values()]} MiB")
+    print(f"ddp: {ddp}")
+    assert isinstance(ddp, JobError), f"a DDP rank of this model fits in the limit: {ddp}"
+    assert ddp_kills > 0, f"the DDP job failed without an OOM kill: {ddp}"
+    for group in node_groups.values():
+        (group / "memory.max_usage_in_bytes").write_text("0")  # FSDP's own peak from here
+
+    out = tmp_path / "run"
+    result = _submit(train.model_copy(update={"strategy": "fsdp"}), dataset, out, tmp_path / "jobs")
+    assert isinstance(result, CheckpointRef), result
     ranks: list[dict[str, Any]] = [
         json.loads((out / f"memory-{r}.json").read_text()) for r in range(world)
     ]
@@ -157,8 +179,8 @@ def test_fsdp_trains_a_model_whose_ddp_rank_exceeds_the_per_rank_memory_limit(
         assert V1 / rank["cgroup"].lstrip("/") == group, rank  # held by its node's limit
         assert rank["vmhwm"] < RANK_LIMIT, rank
     assert sorted(r["node"] for r in ranks) == sorted(2 * list(node_groups))
-    for group in node_groups.values():
-        assert _oom_kills(group) == 0
-        usage = int((group / "memory.max_usage_in_bytes").read_text())
-        print(f"{group.name}: peak usage {usage >> 20} MiB (page cache included)")
+    peaks, kills = _peaks_and_kills(node_groups)
+    assert kills == ddp_kills, "an FSDP rank was OOM-killed"
+    for node, usage in peaks.items():
+        print(f"{node}: fsdp peak usage {usage >> 20} MiB (page cache included)")
         assert usage <= NODE_LIMIT

@@ -1,12 +1,15 @@
 """The precision policy: what auto picks, what is refused, what autocast and the scaler do."""
 
+import re
+from pathlib import Path
+
 import pytest
 import torch
 
 import trainflow.tasks.train.native_bf16 as native_bf16
 import trainflow.tasks.train.precision as precision
 from trainflow.errors import ConfigError
-from trainflow.tasks.train.native_bf16 import cpu_bf16, cuda_bf16, parse_cpuinfo, this_cpu
+from trainflow.tasks.train.native_bf16 import cpu_bf16, cuda_bf16, parse_cpuinfo
 from trainflow.tasks.train.precision import PrecisionPolicy, resolve_precision
 
 CPU = torch.device("cpu")
@@ -90,10 +93,48 @@ def test_auto_on_a_cpu_picks_bf16_only_where_it_is_native(
     assert parse_cpuinfo(cpuinfo).model in policy.reason
 
 
+def _this_cpu_has_native_bf16_flags() -> bool:
+    """Read /proc/cpuinfo here, apart from the code under test: the first processor's x86
+    'flags' or Arm 'Features' line names avx512_bf16, amx_bf16 or (Arm) bf16."""
+    text = Path("/proc/cpuinfo").read_text()
+    line = re.search(r"^(flags|Features)\s*:(.*)$", text, re.MULTILINE)
+    assert line, "no flags line in /proc/cpuinfo"
+    flags = set(line.group(2).split())
+    wanted = {"bf16"} if line.group(1) == "Features" else {"avx512_bf16", "amx_bf16"}
+    return bool(flags & wanted)
+
+
+@pytest.mark.skipif(not Path("/proc/cpuinfo").exists(), reason="no /proc/cpuinfo")
 def test_auto_on_this_cpu_follows_its_flags() -> None:
-    native, why = cpu_bf16(this_cpu())
+    expected = "bf16" if _this_cpu_has_native_bf16_flags() else "fp32"
     policy = resolve_precision("auto", CPU)
-    assert policy.name == ("bf16" if native else "fp32") and policy.reason == f"auto: {why}"
+    assert policy.name == expected, policy.reason
+    assert policy.reason.startswith("auto: ") and ("natively" in policy.reason) == (
+        expected == "bf16"
+    )
+
+
+# What auto must pick on each GPU, written out by hand: bf16 from Ampere (8.0), else fp16.
+GPUS = [
+    ("Tesla V100-SXM2-32GB", (7, 0), "fp16"),
+    ("Tesla T4", (7, 5), "fp16"),
+    ("NVIDIA A100-SXM4-80GB", (8, 0), "bf16"),
+    ("NVIDIA GeForce RTX 4090", (8, 9), "bf16"),
+    ("NVIDIA H100 80GB HBM3", (9, 0), "bf16"),
+]
+
+
+@pytest.mark.parametrize(("name", "capability", "expected"), GPUS)
+def test_auto_on_a_gpu_picks_the_policy_of_its_generation(
+    monkeypatch: pytest.MonkeyPatch, name: str, capability: tuple[int, int], expected: str
+) -> None:
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    policy = resolve_precision("auto", torch.device("cuda", 0))
+    assert policy.name == expected and policy.use_scaler is (expected == "fp16")
+    assert policy.dtype == {"bf16": torch.bfloat16, "fp16": torch.float16}[expected]
+    assert name in policy.reason
 
 
 @pytest.mark.parametrize(
