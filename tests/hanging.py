@@ -5,6 +5,7 @@ trains through.
 The hang is a forward pre-hook on the model (not part of its weights), so the restarted job's
 weights equal an uninterrupted run's."""
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -20,20 +21,28 @@ from trainflow.tasks.train.precision import PrecisionPolicy
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
-def never_returns(marker: Path) -> None:
-    """Where the hung rank is stuck."""
+def never_returns(marker: Path, how: str = "sleep") -> None:
+    """Where the hung rank is stuck: sleeping in a loop, spinning (a busy loop), or blocked in
+    a read that never gets data."""
     marker.touch()
+    if how == "read":
+        readable, _writable = os.pipe()  # its write end stays open: the read waits forever
+        os.read(readable, 1)
+    while how == "spin":
+        pass
     while True:
         time.sleep(0.05)
 
 
 class HangingJob(TrainingJob):
-    """Rank `rank` hangs at training forward pass number `at_step` of its first attempt (the
-    one that finds no `marker` file)."""
+    """Rank `rank` hangs (`how`: never_returns) at training forward pass number `at_step` of
+    its first attempt (the one that finds no `marker` file)."""
 
-    def __init__(self, spec: TrainJobSpec, rank: int, at_step: int, marker: Path) -> None:
+    def __init__(
+        self, spec: TrainJobSpec, rank: int, at_step: int, marker: Path, how: str = "sleep"
+    ) -> None:
         super().__init__(spec)
-        self.rank, self.at_step, self.marker = rank, at_step, marker
+        self.rank, self.at_step, self.marker, self.how = rank, at_step, marker, how
 
     def _trainer(
         self, built: torch.nn.Module, dist: DistContext, policy: PrecisionPolicy, n_train: int
@@ -46,7 +55,7 @@ class HangingJob(TrainingJob):
                 if module.training:
                     forwards[0] += 1
                     if forwards[0] == self.at_step:
-                        never_returns(self.marker)
+                        never_returns(self.marker, self.how)
 
             built.register_forward_pre_hook(hook)
         return trainer

@@ -2,8 +2,9 @@
 the frame it is stuck in, its stacks in its log, and the job restarts from its checkpoint.
 
 Real local jobs (submitit's local executor, each rank under cluster.rank_guard) with
-train.hang_timeout_s=3: tests.hanging.HangingJob makes one rank loop forever in the forward
-pass of a chosen step of its first attempt.
+train.hang_timeout_s=3: tests.hanging.HangingJob makes one rank sleep in a loop, spin or block
+in a read forever in the forward pass of a chosen step of its first attempt; or the test stops
+a rank with SIGSTOP.
 """
 
 import json
@@ -143,12 +144,14 @@ def test_a_hung_fsdp_rank_is_named_not_the_peer_waiting_in_its_all_gather(
 
 
 @pytest.mark.services
+@pytest.mark.parametrize("how", ["sleep", "spin", "read"])
 def test_a_hung_single_rank_is_named_and_fails_with_no_restart_left(
-    dataset: DatasetRef, tmp_path: Path
+    dataset: DatasetRef, tmp_path: Path, how: str
 ) -> None:
     cfg = ClusterConfig(ranks_per_node=1, timeout_min=10, max_restarts=0)
     # 8 steps an epoch: forward 20 is in epoch 3.
-    job = HangingJob(_spec(dataset, tmp_path / "run"), rank=0, at_step=20, marker=tmp_path / "m")
+    spec = _spec(dataset, tmp_path / "run")
+    job = HangingJob(spec, rank=0, at_step=20, marker=tmp_path / "m", how=how)
     started = time.monotonic()
     with pytest.raises(RankHungError) as failure:
         _train(job, cfg, tmp_path / "j", [])
