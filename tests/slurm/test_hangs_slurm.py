@@ -21,8 +21,19 @@ from trainflow.tasks.train.ref import CheckpointRef
 pytestmark = pytest.mark.timeout(300)
 
 
-def test_a_rank_hung_on_the_second_node_is_named_and_the_job_restarts(tmp_path: Path) -> None:
-    train = TrainConfig(epochs=5, batch_size=32, device="cpu", precision="fp32", hang_timeout_s=5)
+@pytest.mark.parametrize("strategy,model", [("ddp", "reference_cnn"), ("fsdp", "mlp")])
+def test_a_rank_hung_on_the_second_node_is_named_and_the_job_restarts(
+    tmp_path: Path, strategy: str, model: str
+) -> None:
+    train = TrainConfig(
+        epochs=5,
+        batch_size=32,
+        device="cpu",
+        precision="fp32",
+        hang_timeout_s=5,
+        strategy=strategy,
+        model=model,
+    )
     spec = TrainJobSpec(train=train, dataset=write_dataset(tmp_path / "ds"), out_dir=tmp_path / "o")
     # 2 ranks of 4 steps an epoch: forward 10 is in epoch 3.
     job = HangingJob(spec, rank=1, at_step=10, marker=tmp_path / "m")
