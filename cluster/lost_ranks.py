@@ -47,7 +47,7 @@ class RankEnd:
     """The peer whose end made this rank's guard end it (cluster.rank_guard), if so: a
     survivor, neither lost nor the cause."""
     hung: dict[str, Any] | None = None
-    """What its guard recorded when it ended it as hung (cluster.rank_guard.HangWatch): phase,
+    """What its guard recorded when it ended it as hung (cluster.hang_watch.HangWatch): phase,
     step, silent_s, allowed_s, since (its last heartbeat's time), frame; None when it was
     not."""
 
