@@ -92,7 +92,8 @@ def timed_command(
     return Timed(
         returncode=proc.returncode,
         exit_s=exit_s,
-        event_s=found[0][0] if found else None,
+        # The line was printed before the exit, though it may be read just after it.
+        event_s=min(found[0][0], exit_s) if found else None,
         event=found[0][1] if found else None,
         cpu_s=usage.ru_utime + usage.ru_stime,
         lines=lines,

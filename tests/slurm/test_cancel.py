@@ -121,10 +121,11 @@ def test_a_killed_flow_process_s_job_is_cancelled_by_its_watchdog(tmp_path: Path
     try:
         job_id = _running_job(tmp_path)
         (record,) = registry.recorded(tmp_path)
+        ranks = _rank_pids(tmp_path, job_id)  # now: the watchdog forgets the record at once
     finally:
         os.killpg(proc.pid, signal.SIGKILL)  # nothing in the flow process can react
         proc.wait()
-    ranks = _rank_pids(tmp_path, job_id)
+    assert ranks, "no rank records: the check below could not fail"
     log = Path(record.folder) / f"{job_id}_watchdog.log"
     said = f"the flow process {proc.pid} that watched slurm job {job_id} ended"
     wait_for(lambda: log.exists() and said in log.read_text(), 20, "the watchdog's cancel")
