@@ -104,7 +104,6 @@ def _this_cpu_has_native_bf16_flags() -> bool:
     return bool(flags & wanted)
 
 
-@pytest.mark.skipif(not Path("/proc/cpuinfo").exists(), reason="no /proc/cpuinfo")
 def test_auto_on_this_cpu_follows_its_flags() -> None:
     expected = "bf16" if _this_cpu_has_native_bf16_flags() else "fp32"
     policy = resolve_precision("auto", CPU)
