@@ -66,10 +66,13 @@ def _alive(pid: int) -> bool:
 def _killed_watcher(tmp_path: Path, kill_watchdog: bool) -> int:
     """Start a watcher of a local job, SIGKILL it (its watchdog first, if asked); the job id
     (its controller's pid)."""
+    # stderr to a file, not a pipe: the job's controller inherits it too, so a pipe's EOF
+    # would wait for the job, not for the watchdog's line.
+    err = tmp_path / "watcher.err"
     watcher = subprocess.Popen(
         [sys.executable, "-c", _WATCHER, str(tmp_path)],
         stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        stderr=err.open("w"),
         text=True,
     )
     assert watcher.stdout is not None
@@ -82,9 +85,9 @@ def _killed_watcher(tmp_path: Path, kill_watchdog: bool) -> int:
         assert _wait_until(lambda: not _alive(job.watchdog_pid))
     watcher.send_signal(signal.SIGKILL)
     watcher.wait()
-    if not kill_watchdog:  # the watchdog's line on the stderr it inherited (EOF: all ended)
-        _, err = watcher.communicate(timeout=60)
-        assert f"the flow process {watcher.pid} that watched local job {controller}" in err
+    if not kill_watchdog:  # the watchdog's line on the stderr it inherited
+        said = f"the flow process {watcher.pid} that watched local job {controller}"
+        assert _wait_until(lambda: said in err.read_text(), 60), err.read_text()
     return controller
 
 
@@ -98,10 +101,16 @@ def test_the_watchdog_cancels_the_job_of_a_killed_watcher(tmp_path: Path) -> Non
     log = tmp_path / "jobs" / f"{controller}_watchdog.log"
     said = "ended without cancelling it (killed?): cancelled it"
     assert _wait_until(lambda: log.exists() and said in log.read_text())  # no cleanup asked
-    assert _wait_until(lambda: not _alive(controller))
-    assert _wait_until(lambda: _ranks_gone(tmp_path))
+    assert _wait_until(lambda: not _alive(controller)), _processes(tmp_path)
+    assert _wait_until(lambda: _ranks_gone(tmp_path)), _processes(tmp_path)
     assert registry.recorded(tmp_path) == []
     assert _wait_until(lambda: (tmp_path / "then-ran").exists())  # the record's follow-up
+
+
+def _processes(tmp_path: Path) -> str:
+    """What a failed wait shows: the processes of the test's job, with their state."""
+    ps = subprocess.run(["ps", "-eo", "pid,ppid,stat,args"], capture_output=True, text=True)
+    return "\n".join(line for line in ps.stdout.splitlines() if str(tmp_path) in line)
 
 
 @pytest.mark.services
