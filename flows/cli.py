@@ -24,27 +24,43 @@ def _parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=_DEBUG_HELP)
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, text in (
-        ("run", "run a whole pipeline: preprocess -> train -> evaluate"),
-        ("config", "print the resolved, validated config as JSON"),
-    ):
-        p = sub.add_parser(name, help=text, parents=[common])
-        p.add_argument("--preset", default="demo", help=f"one of: {', '.join(PRESETS)}")
-        p.add_argument(
-            "--set",
-            dest="overrides",
-            action="append",
-            default=[],
-            metavar="KEY=VALUE",
-            help="dotted override, e.g. --set train.epochs=3 (repeatable)",
-        )
+    config_args = argparse.ArgumentParser(add_help=False)  # how every command builds a config
+    config_args.add_argument(
+        "experiment",
+        nargs="?",
+        help="an experiment file (TOML: the config keys in sections, see docs/experiments.md)",
+    )
+    config_args.add_argument(
+        "--preset",
+        help=f"start from a preset: {', '.join(PRESETS)} (default: the file's, else demo)",
+    )
+    config_args.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="dotted override over the preset and the file, e.g. --set train.epochs=3 (repeatable)",
+    )
+    sub.add_parser(
+        "run",
+        help="run a whole pipeline: preprocess -> train -> evaluate",
+        parents=[common, config_args],
+    )
+    cfg_cmd = sub.add_parser(
+        "config", help="print the resolved, validated config", parents=[common, config_args]
+    )
+    cfg_cmd.add_argument(
+        "--format",
+        choices=["json", "toml"],
+        default="json",
+        help="toml: as an experiment file, a starting point for your own",
+    )
     sw = sub.add_parser(
         "sweep",
         help="train a grid of configs as one job array, evaluate the best",
-        parents=[common],
+        parents=[common, config_args],
     )
-    sw.add_argument("--preset", default="demo", help=f"one of: {', '.join(PRESETS)}")
-    sw.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     sw.add_argument(
         "--grid",
         action="append",
@@ -57,12 +73,16 @@ def _parser() -> argparse.ArgumentParser:
     clu.add_argument("action", choices=["up", "down", "status"])
     clu.add_argument("--nodes", type=int, help="up: nodes to emulate (default: as before, else 2)")
     clu.add_argument("--fresh", action="store_true", help="up: wipe the cluster's state first")
-    clean = sub.add_parser("cleanup", help="cancel jobs whose watching flow process died")
-    clean.add_argument("--preset", default="demo")
-    clean.add_argument("--set", dest="overrides", action="append", default=[])
-    ui = sub.add_parser("ui", help="start the MLflow UI on the store the pipeline's runs used")
-    ui.add_argument("--preset", default="demo", help="preset whose workdir/tracking to use")
-    ui.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    sub.add_parser(
+        "cleanup",
+        help="cancel jobs whose watching flow process died (under the config's workdir)",
+        parents=[config_args],
+    )
+    ui = sub.add_parser(
+        "ui",
+        help="start the MLflow UI on the store the pipeline's runs used (the config's)",
+        parents=[config_args],
+    )
     ui.add_argument("--host", default="127.0.0.1", help="interface to bind (0.0.0.0: all)")
     ui.add_argument("--port", type=int, default=5000, help="port to listen on")
     return parser
@@ -184,14 +204,16 @@ def _sweep(args: argparse.Namespace) -> int:
     from trainflow.flows.preflight import preflight
 
     grid = {".".join(path): value for path, value in map(parse_override, args.grid)}
-    base, elements = build_sweep(args.preset, args.overrides, grid)
+    base, elements = build_sweep(args.preset, args.overrides, grid, args.experiment)
     model = preflight(base, [cfg.train for _, cfg in elements])  # before Prefect starts
     print(model.line(), flush=True)
     _prepare_flow_process()
     from trainflow.flows.sweep import checked_sweep
 
     try:
-        summary = checked_sweep(base, elements, model, args.preset, args.overrides, grid)
+        summary = checked_sweep(
+            base, elements, model, args.preset, args.overrides, grid, args.experiment
+        )
     except KeyboardInterrupt:
         print("trainflow: interrupted; the training jobs were cancelled", file=sys.stderr)
         return 130
@@ -230,7 +252,7 @@ def _prepare_flow_process() -> None:
 def _run(args: argparse.Namespace) -> int:
     from trainflow.flows.preflight import preflight
 
-    cfg = build_config(args.preset, args.overrides)
+    cfg = _config(args)
     # Bad data, a bad Slurm request or a mistake in the user's code: one line, before Prefect
     # (and its server) or any job starts. The flow gets the config and the check's report.
     model = preflight(cfg)
@@ -239,7 +261,7 @@ def _run(args: argparse.Namespace) -> int:
     from trainflow.flows.pipeline import checked_pipeline
 
     try:
-        summary = checked_pipeline(cfg, model, args.preset, args.overrides)
+        summary = checked_pipeline(cfg, model, args.preset, args.overrides, args.experiment)
     except KeyboardInterrupt:
         print("trainflow: interrupted; the training job was cancelled", file=sys.stderr)
         return 130
@@ -247,6 +269,11 @@ def _run(args: argparse.Namespace) -> int:
         return _refused(err)
     _print_summary(summary, cfg)
     return 0
+
+
+def _config(args: argparse.Namespace) -> PipelineConfig:
+    """The config the command's preset, experiment file and --set build (validated)."""
+    return build_config(args.preset, args.overrides, args.experiment)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -260,7 +287,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(name)
             return 0
         if args.command == "config":
-            print(build_config(args.preset, args.overrides).model_dump_json(indent=2))
+            cfg = _config(args)
+            if args.format == "toml":
+                from trainflow.flows.experiment import render
+
+                print(render(cfg), end="")
+            else:
+                print(cfg.model_dump_json(indent=2))
             return 0
         if args.command == "sweep":
             return _sweep(args)
@@ -269,9 +302,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return slurm(args.action, nodes=args.nodes, fresh=args.fresh)
         if args.command == "cleanup":
-            return _cleanup(build_config(args.preset, args.overrides))
+            return _cleanup(_config(args))
         if args.command == "ui":
-            return _ui(build_config(args.preset, args.overrides), args.host, args.port)
+            return _ui(_config(args), args.host, args.port)
         return _run(args)
     except TrainflowError as err:
         if debug_enabled():

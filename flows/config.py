@@ -5,6 +5,7 @@ Presets are small Python definitions derived from the base (no YAML trees). Over
 Everything is validated here, before any work starts.
 """
 
+import difflib
 import hashlib
 import itertools
 import json
@@ -133,40 +134,62 @@ def _valid_keys(model: type[StrictModel], prefix: str = "") -> list[str]:
     return keys
 
 
-def _format_error(err: ValidationError) -> str:
+def _format_error(err: ValidationError, where: Callable[[str], str | None]) -> str:
+    """One line per mistake; `where(dotted key)` names the file:line that set it, if any."""
     lines = []
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"]) or "config"
         if e["type"] == "extra_forbidden":
             section = loc.rsplit(".", 1)[0] if "." in loc else ""
             near = [k for k in _valid_keys(PipelineConfig) if k.startswith(section)]
-            lines.append(f"{loc}: unknown key; valid keys here: {', '.join(near)}")
+            leaf = loc.rsplit(".", 1)[-1]
+            here = {k.rsplit(".", 1)[-1]: k for k in near if k.count(".") == loc.count(".")}
+            like = difflib.get_close_matches(leaf, list(here), n=1)
+            guess = f" (did you mean {here[like[0]]}?)" if like else ""
+            text = f"{loc}: unknown key{guess}; valid keys here: {', '.join(near)}"
         else:
             msg = e["msg"].removeprefix("Value error, ")
             got = e.get("input")
-            lines.append(f"{loc}: {msg}" + ("" if isinstance(got, dict) else f" (got {got!r})"))
+            text = f"{loc}: {msg}" + ("" if isinstance(got, dict) else f" (got {got!r})")
+        place = where(loc)
+        lines.append(f"{place}: {text}" if place else text)
     return "invalid config:\n  " + "\n  ".join(lines)
 
 
 def build_config(
-    preset: str = "demo",
+    preset: str | None = None,
     overrides: Iterable[str] | Mapping[str, Any] = (),
+    experiment: Path | str | None = None,
 ) -> PipelineConfig:
-    """Build and fully validate a pipeline config from a preset and dotted overrides."""
-    if preset not in PRESETS:
-        raise ConfigError(f"unknown preset {preset!r}; choose one of: {', '.join(PRESETS)}")
-    tree = PRESETS[preset]()
+    """Build and fully validate a pipeline config: a preset (`preset`, else the one the
+    experiment file names, else demo), then the experiment file's keys, then dotted overrides.
+    A mistake in the file is reported with its file and line."""
+    from trainflow.flows.experiment import leaves, read
+
+    exp = read(experiment) if experiment is not None else None
+    name = preset or (exp.preset if exp else None) or "demo"
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}")
+    tree = PRESETS[name]()
     items = (
         [(k.split("."), v) for k, v in overrides.items()]
         if isinstance(overrides, Mapping)
         else [parse_override(o) for o in overrides]
     )
-    for path, value in items:
+    from_file = leaves(exp.tree, PipelineConfig) if exp else {}
+    for path, value in [(k.split("."), v) for k, v in from_file.items()] + items:
         _set_path(tree, path, value)
+    overridden = {".".join(path) for path, _ in items}
+
+    def where(loc: str) -> str | None:
+        if exp is None or any(loc == k or loc.startswith(k + ".") for k in overridden):
+            return None  # a --set key: the command line, not the file
+        return exp.where(loc)
+
     try:
         return PipelineConfig.model_validate(tree)
     except ValidationError as err:
-        raise ConfigError(_format_error(err)) from None
+        raise ConfigError(_format_error(err, where)) from None
 
 
 def flatten(cfg: StrictModel, prefix: str = "") -> dict[str, str]:
@@ -250,17 +273,20 @@ def expand_grid(grid: Mapping[str, Any]) -> list[dict[str, Any]]:
 
 
 def build_sweep(
-    preset: str,
+    preset: str | None,
     overrides: Iterable[str] | Mapping[str, Any],
     grid: Mapping[str, Any],
+    experiment: Path | str | None = None,
 ) -> tuple[PipelineConfig, list[tuple[dict[str, Any], PipelineConfig]]]:
-    """The base config and one validated config per grid element (all checked up front)."""
+    """The base config (preset, experiment file, overrides: as `build_config`) and one
+    validated config per grid element (all checked up front)."""
     base_items = dict(overrides) if isinstance(overrides, Mapping) else _as_mapping(overrides)
-    base = build_config(preset, base_items)
+    base = build_config(preset, base_items, experiment)
     elements = []
     for i, element in enumerate(expand_grid(grid)):
         try:
-            elements.append((element, build_config(preset, {**base_items, **element})))
+            element_items = {**base_items, **element}
+            elements.append((element, build_config(preset, element_items, experiment)))
         except ConfigError as err:
             raise ConfigError(f"sweep element {i} {element}: {err}") from None
     return base, elements

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict
 
 from trainflow.cluster.registry import cancel_orphans
 from trainflow.cluster.snapshot import CodeSnapshot, snapshot_for_jobs
+from trainflow.flows import experiment
 from trainflow.flows.config import PipelineConfig, build_config, config_hash, flatten
 from trainflow.flows.error_output import quiet_user_errors
 from trainflow.flows.preflight import preflight, user_modules
@@ -67,12 +68,15 @@ def timed(timings: dict[str, float], name: str) -> Iterator[None]:
 
 @flow(name="trainflow-pipeline")
 def pipeline(
-    preset: str = "demo", overrides: dict[str, Any] | list[str] | None = None
+    preset: str | None = None,
+    overrides: dict[str, Any] | list[str] | None = None,
+    experiment: str | None = None,
 ) -> PipelineSummary:
-    """Run the whole pipeline for a preset plus dotted overrides (e.g. train.epochs=3): what a
-    deployment runs. The config is built and checked here, first thing."""
+    """Run the whole pipeline for a preset (default: demo, or the one the experiment file
+    names), an experiment file (a path on the machine the flow runs on) and dotted overrides
+    (e.g. train.epochs=3): what a deployment runs. The config is built and checked here."""
     quiet_user_errors()
-    cfg = build_config(preset, overrides or [])
+    cfg = build_config(preset, overrides or [], experiment)
     return run_pipeline(cfg, preflight(cfg))
 
 
@@ -80,13 +84,14 @@ def pipeline(
 def checked_pipeline(
     cfg: PipelineConfig,
     model: ModelReport,
-    preset: str = "demo",
+    preset: str | None = None,
     overrides: list[str] | None = None,
+    experiment: str | None = None,
 ) -> PipelineSummary:
     """Run the whole pipeline for a config the caller built and checked (flows.preflight):
-    what `trainflow run` runs, having refused a bad config before Prefect started. `preset`
-    and `overrides` are what the command was given: the flow run's parameters show them beside
-    the config they resolved to; the run uses `cfg`."""
+    what `trainflow run` runs, having refused a bad config before Prefect started. `preset`,
+    `overrides` and `experiment` are what the command was given: the flow run's parameters
+    show them beside the config they resolved to; the run uses `cfg`."""
     quiet_user_errors()
     return run_pipeline(cfg, model)
 
@@ -104,6 +109,7 @@ def run_pipeline(cfg: PipelineConfig, model: ModelReport) -> PipelineSummary:
     t: dict[str, float] = {}
     with runs.parent(flatten(cfg)):
         runs.tag(runs.parent_id, {"config_hash": config_hash(cfg)})
+        log_experiment(runs, runs.parent_id, cfg)
         code = snapshot_code(runs, user_modules(cfg, model), run_dir / "jobs")
         paths = code.paths if code else []
         code_hash = code.sha256 if code else None
@@ -117,6 +123,17 @@ def run_pipeline(cfg: PipelineConfig, model: ModelReport) -> PipelineSummary:
             runs.tag(run_id, lineage_of(runs, cfg, dataset, ckpt, code_hash).tags())
         result = evaluate_stage(runs, cfg, dataset, ckpt, t, code_hash, paths)
     return summarize(runs, dataset, cached, result, t)
+
+
+def log_experiment(runs: "PipelineRuns", run_id: str, cfg: PipelineConfig) -> None:
+    """The resolved config as the run's artifact experiment.toml: `trainflow run` on it, from
+    the run's code/ folder, trains the same run again."""
+    header = (
+        f"The resolved config of MLflow run {run_id}.\n"
+        "Rerun it: trainflow run experiment.toml (from the run's code/ folder, where the\n"
+        "user's modules are), with --set for what should differ."
+    )
+    runs.client.log_text(run_id, experiment.render(cfg, header), "experiment.toml")
 
 
 def snapshot_code(runs: "PipelineRuns", modules: list[str], job_dir: Path) -> CodeSnapshot | None:

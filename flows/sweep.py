@@ -14,6 +14,7 @@ from trainflow.flows.error_output import quiet_user_errors
 from trainflow.flows.pipeline import (
     PipelineSummary,
     evaluate_stage,
+    log_experiment,
     preprocess_stage,
     snapshot_code,
     summarize,
@@ -45,13 +46,15 @@ class SweepSummary(PipelineSummary):
 
 @flow(name="trainflow-sweep")
 def sweep(
-    preset: str = "demo",
+    preset: str | None = None,
     overrides: dict[str, Any] | list[str] | None = None,
     grid: dict[str, list[Any]] | None = None,
+    experiment: str | None = None,
 ) -> SweepSummary:
-    """Train every element of ``grid`` (e.g. {"train.lr": [1e-3, 3e-3]}), evaluate the best."""
+    """Train every element of ``grid`` (e.g. {"train.lr": [1e-3, 3e-3]}) over the base config
+    (preset, experiment file, overrides: as the pipeline's), evaluate the best."""
     quiet_user_errors()
-    base, elements = build_sweep(preset, overrides or [], grid or {})
+    base, elements = build_sweep(preset, overrides or [], grid or {}, experiment)
     return run_sweep(base, elements, preflight(base, [cfg.train for _, cfg in elements]))
 
 
@@ -60,12 +63,14 @@ def checked_sweep(
     base: PipelineConfig,
     elements: list[tuple[dict[str, Any], PipelineConfig]],
     model: ModelReport,
-    preset: str = "demo",
+    preset: str | None = None,
     overrides: list[str] | None = None,
     grid: dict[str, list[Any]] | None = None,
+    experiment: str | None = None,
 ) -> SweepSummary:
     """The sweep of configs the caller built and checked (`trainflow sweep`); `preset`,
-    `overrides` and `grid`, what the command was given, are shown with the flow run."""
+    `overrides`, `grid` and `experiment`, what the command was given, are shown with the flow
+    run."""
     quiet_user_errors()
     return run_sweep(base, elements, model)
 
@@ -82,6 +87,7 @@ def run_sweep(
     grid_text = json.dumps([e for e, _ in elements])
     t: dict[str, float] = {}
     with runs.parent({**flatten(base), "sweep.grid": grid_text[:6000]}):
+        log_experiment(runs, runs.parent_id, base)
         run_dir = (base.workdir / "runs" / runs.parent_id).resolve()
         code = snapshot_code(runs, modules, run_dir / "jobs")
         paths = code.paths if code else []
@@ -126,8 +132,9 @@ def _train_elements(
         runs.open_stage(f"train[{i}]", {**flatten(cfg.train), "sweep.element": json.dumps(e)})
         for i, (e, cfg) in enumerate(elements)
     ]
-    for run_id in run_ids:
+    for run_id, (_, cfg) in zip(run_ids, elements, strict=True):
         log_dataset_input(runs.client, run_id, dataset, "training")
+        log_experiment(runs, run_id, cfg)  # any element reruns as a pipeline of its own
     specs = [
         train_spec(cfg, dataset, run_dir / f"element-{i}", runs.tracking_uri, run_id, code)
         for i, ((_, cfg), run_id) in enumerate(zip(elements, run_ids, strict=True))

@@ -188,10 +188,15 @@ def test_cancelling_a_deployment_run_stops_training_and_kills_its_runs(
     stack: Stack, tmp_path: Path
 ) -> None:
     work = tmp_path / "work"
-    overrides = {"workdir": str(work), "train.epochs": 5000, "tracking.experiment": "cancel"}
+    # The preset and the long training come from an experiment file (tiny alone trains 2
+    # epochs: done before the cancel), the workdir from an override.
+    experiment = tmp_path / "long.toml"
+    experiment.write_text(
+        'preset = "tiny"\n[train]\nepochs = 5000\n[tracking]\nexperiment = "cancel"\n'
+    )
     # Started and cancelled through the API, as the UI's Run and Cancel buttons do (the other
     # test runs the CLI's `prefect deployment run`; each Prefect CLI call costs ~3 CPU s).
-    parameters = {"preset": "tiny", "overrides": overrides}
+    parameters = {"experiment": str(experiment), "overrides": {"workdir": str(work)}}
     flow_run = run_deployment(stack.api, "trainflow-pipeline/adhoc", parameters)
     job = wait_for(lambda: _training(work), 240, "the training job to train an epoch")
     assert job.executor == "local"
