@@ -8,6 +8,7 @@ import importlib.util
 import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 from typing import NamedTuple
 
@@ -22,7 +23,12 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 class Example(NamedTuple):
     folder: str
-    overrides: list[str]
+    experiment: str
+    """The example's experiment file, in its folder."""
+    model: str
+    """The model factory the file names."""
+    shorter: list[str]
+    """--set items that make the example's run test-sized."""
     metrics: set[str]
     artifacts: set[str]
     headline: str
@@ -32,13 +38,9 @@ class Example(NamedTuple):
 CASES = {
     "diabetes": Example(
         "diabetes",
-        [
-            "preprocess.source=diabetes_source:DiabetesCSV",
-            "train.model=diabetes_mlp:build",
-            "train.objective=regression",
-            "train.epochs=40",
-            "train.batch_size=16",
-        ],
+        "diabetes.toml",
+        "diabetes_mlp:build",
+        [],
         {"test_r2", "test_rmse", "test_mae", "test_loss"},
         {"predicted_vs_true.png", "residuals.png", "training_curves.png"},
         "test r2",
@@ -46,14 +48,13 @@ CASES = {
     ),
     "charlm": Example(
         "charlm",
+        "charlm.toml",
+        "char_transformer:build",
         [
-            "preprocess.source=stdlib_text:StdlibText",
             'preprocess.source_args={"max_files": 8, "context": 32}',
-            "train.model=char_transformer:build",
             'train.model_args={"dim": 32, "layers": 1, "heads": 2}',
-            "train.objective=sequence",
             "train.epochs=2",
-            "train.batch_size=32",
+            "train.lr=5e-3",
         ],
         {"test_perplexity", "test_token_accuracy", "test_loss"},
         {"token_accuracy_by_position.png"},
@@ -73,14 +74,15 @@ class Ran(NamedTuple):
 
 
 def run_example(name: str, tmp_path: Path, extra: list[str]) -> Ran:
-    """`trainflow run --preset tiny` with the example's settings, in the example's folder."""
+    """`trainflow run <the example's experiment file>`, test-sized, in the example's folder."""
     case = CASES[name]
-    argv = [str(Path(sys.executable).with_name("trainflow")), "run", "--preset", "tiny"]
+    file = tomllib.loads((EXAMPLES / case.folder / case.experiment).read_text())
+    assert file["train"]["model"] == case.model
+    argv = [str(Path(sys.executable).with_name("trainflow")), "run", case.experiment]
     for item in [
         f"workdir={tmp_path / 'work'}",
-        "train.lr=5e-3",
         f"evaluate.registered_model=example-{name}",
-        *case.overrides,
+        *case.shorter,
         *extra,
     ]:
         argv += ["--set", item]

@@ -25,7 +25,7 @@ def test_the_example_trains_on_two_slurm_nodes(tmp_path: Path, name: str) -> Non
     assert train["slurm_state"] == "COMPLETED", train
     (run,) = (tmp_path / "work" / "runs").iterdir()
     code = (run / "jobs" / "code").resolve()
-    (model,) = (o.removeprefix("train.model=") for o in CASES[name].overrides if "model=" in o)
+    model = CASES[name].model
     imported = {
         log.name: re.findall(rf"^model {re.escape(model)} from (\S+)$", log.read_text(), re.M)
         for log in sorted((run / "jobs").glob("*_log.out"))
