@@ -7,7 +7,7 @@ import pytest
 
 from trainflow.errors import ConfigError
 from trainflow.flows.cli import main
-from trainflow.flows.config import PRESETS, build_config
+from trainflow.flows.config import PRESETS, build_config, build_sweep
 from trainflow.flows.experiment import key_lines, read, render
 
 LM = """\
@@ -140,3 +140,13 @@ def test_the_command_refuses_a_bad_file_with_one_line_and_exit_2(
     assert main(["run", str(path)]) == 2
     err = capsys.readouterr().err
     assert f"{path}:2: train.epochz: unknown key (did you mean train.epochs?)" in err
+
+
+def test_a_sweep_varies_the_grid_over_the_file(tmp_path: Path) -> None:
+    base, elements = build_sweep(
+        None, ["train.epochs=4"], {"train.lr": [0.01, 0.1]}, _write(tmp_path, LM)
+    )
+    assert base.name == "lm" and base.train.epochs == 4
+    assert [cfg.train.lr for _, cfg in elements] == [0.01, 0.1]
+    assert all(cfg.train.model == "char_transformer:build" for _, cfg in elements)
+    assert all(cfg.train.epochs == 4 for _, cfg in elements)
