@@ -112,9 +112,9 @@ def _config(
             )
     elif model_type is None:
         raise ConfigError(
-            'train.model=hf needs train.model_args.model_type (e.g. "gpt2", "llama") with '
-            "its config's keyword arguments, or train.model_args.pretrained=<a save_pretrained "
-            "folder>"
+            "train.model=hf has no model to build: set train.model_args.model_type (e.g. "
+            '"gpt2", "llama") with its config\'s keyword arguments, or '
+            "train.model_args.pretrained=<a save_pretrained folder>"
         )
     else:
         try:

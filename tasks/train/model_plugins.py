@@ -90,9 +90,10 @@ def check_model(cfg: TrainConfig, spec: DataSpec) -> ModelReport:
         ) from None
     if tuple(logits.shape) != need:
         raise PluginError(
-            f"train.model={cfg.model!r}: the model built by {factory.file} gives logits of "
-            f"shape {tuple(logits.shape)} for a batch of {CHECK_BATCH} samples of shape "
-            f"{spec.sample_shape}; {_needs(spec)} needs {need}: fix the model's output layer"
+            f"train.model={cfg.model!r}: the model built by {factory.file} gives "
+            f"{tuple(logits.shape)} for a batch of {CHECK_BATCH} samples of shape "
+            f"{spec.sample_shape}; {_needs(spec)} needs a tensor of shape {need}: fix the "
+            "model's output layer"
         )
     params = list(model.parameters())
     return ModelReport(
