@@ -9,6 +9,7 @@ import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -27,7 +28,7 @@ from trainflow.tasks.train.sharding import sharding_units
 
 CONTEXT, VOCAB = 16, 64
 TOKENS = DataSpec((CONTEXT,), "int64", "sequence", VOCAB, (CONTEXT,))
-GPT2 = {"model_type": "gpt2", "n_layer": 2, "n_embd": 16, "n_head": 2}
+GPT2: dict[str, Any] = {"model_type": "gpt2", "n_layer": 2, "n_embd": 16, "n_head": 2}
 CHARLM = Path(__file__).parents[2] / "examples" / "charlm"
 USER_MODELS = """\
 import torch
@@ -74,7 +75,8 @@ def user_models(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Non
 
 def test_logits_are_read_from_a_tensor_a_model_output_a_dict_and_a_tuple() -> None:
     t = torch.ones(2, 3)
-    model = GPT2LMHeadModel(AutoConfig.for_model(vocab_size=VOCAB, n_positions=CONTEXT, **GPT2))
+    config = AutoConfig.for_model(vocab_size=VOCAB, n_positions=CONTEXT, **GPT2)
+    model = AutoModelForCausalLM.from_config(config)
     output = model(torch.zeros(2, CONTEXT, dtype=torch.long))
     assert logits_of(t) is t and logits_of({"logits": t}) is t and logits_of((t, 3)) is t
     assert logits_of(output) is output.logits
@@ -162,7 +164,7 @@ def _bert_folder(tmp_path: Path) -> Path:
 def test_each_mistake_is_one_line_naming_the_key_and_the_fix(
     tmp_path: Path, gpt2_folder: Path, case: str, said: str
 ) -> None:
-    spec, args = TOKENS, {}
+    spec, args = TOKENS, dict[str, Any]()
     if case == "missing":
         args = {"pretrained": str(tmp_path / "nowhere")}
     elif case == "no config":
