@@ -124,6 +124,17 @@ def test_the_factory_sizes_a_new_model_from_the_data_and_fsdp_shards_its_blocks(
     assert units == list(model.transformer.h) and all(isinstance(u, GPT2Block) for u in units)
 
 
+def test_classification_of_token_ids_builds_a_sequence_classifier() -> None:
+    spec = DataSpec((CONTEXT,), "int64", "classification", 3, ())
+    args = {"model_type": "bert", "vocab_size": VOCAB, "hidden_size": 16, "num_hidden_layers": 1,
+            "num_attention_heads": 2, "intermediate_size": 32}  # fmt: skip
+    cfg = TrainConfig(model="hf", model_args=args)
+    check_model(cfg, spec)
+    model = build_model(cfg, spec)
+    assert type(model).__name__ == "BertForSequenceClassification"
+    assert model(torch.zeros((2, CONTEXT), dtype=torch.long)).logits.shape == (2, 3)
+
+
 def test_fine_tuning_builds_the_saved_weights(gpt2_folder: Path) -> None:
     saved = AutoModelForCausalLM.from_pretrained(gpt2_folder)
     cfg = TrainConfig(model="transformers", model_args={"pretrained": str(gpt2_folder)})
