@@ -13,7 +13,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from mlflow.tracking import MlflowClient
-from transformers import AutoConfig, AutoModelForCausalLM
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import WhitespaceSplit
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
 from trainflow.flows.pipeline import PipelineSummary, pipeline
 from trainflow.tasks.tracking.runs import use_tracking_uri
@@ -98,7 +101,8 @@ def test_a_gpt2_trains_as_it_is_and_its_save_pretrained_folder_reloads(
 
 def test_fine_tuning_starts_from_the_saved_folders_weights(tmp_path: Path, in_charlm: None) -> None:
     """A saved GPT-2 without dropout, trained at a learning rate of 1e-12: the first epoch's
-    train loss (every train window once) is the saved model's loss on the train split."""
+    train loss (every train window once) is the saved model's loss on the train split; the
+    folder's tokenizer (one token per byte) comes back with the export."""
     config = AutoConfig.for_model(
         "gpt2",
         vocab_size=256,
@@ -114,6 +118,7 @@ def test_fine_tuning_starts_from_the_saved_folders_weights(tmp_path: Path, in_ch
         for p in saved.parameters():
             p.add_(0.05 * torch.randn_like(p))
     saved.save_pretrained(tmp_path / "saved")
+    byte_tokenizer().save_pretrained(tmp_path / "saved")
 
     summary = run(
         tmp_path / "work",
@@ -129,3 +134,19 @@ def test_fine_tuning_starts_from_the_saved_folders_weights(tmp_path: Path, in_ch
         logits = saved(x).logits
     expected = F.cross_entropy(logits.reshape(-1, 256), y.reshape(-1)).item()
     assert train.data.metrics["train_loss"] == pytest.approx(expected, rel=1e-5)
+    with use_tracking_uri(summary.tracking_uri):
+        folder = mlflow.artifacts.download_artifacts(
+            run_id=children(client, summary)["evaluate"],
+            artifact_path="huggingface",
+            dst_path=str(tmp_path / "export"),
+        )
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    assert tokenizer("b0 41")["input_ids"] == [0xB0, 0x41]
+
+
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    """A word-level tokenizer whose 256 words are the bytes' hex names (as StdlibText's classes)."""
+    vocab = {f"{b:02x}": b for b in range(256)}
+    tokenizer = Tokenizer(WordLevel(vocab, unk_token="00"))
+    tokenizer.pre_tokenizer = WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="00")
