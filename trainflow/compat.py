@@ -14,6 +14,10 @@ SUBMITIT_VERSIONS = ("1.5.4",)
 """submitit versions whose `SlurmJobEnvironment._requeue` `shield_submitit_requeue` replaces."""
 DASK_JOBQUEUE_VERSIONS = ("0.9.0",)
 """dask-jobqueue versions whose import `import_slurm_cluster` shields."""
+TORCH_FAKE_VERSIONS = ("2.13.0",)
+"""torch versions (without the local +cpu/+cu tag) whose FakeTensorMode `fake_forward` uses."""
+TRANSFORMERS_FAKE_VERSIONS = ("5.24.0",)
+"""transformers versions whose meta-device forward `fake_forward` was checked against."""
 
 
 def shield_submitit_requeue(requeue: Callable[[str], None]) -> None:
@@ -60,3 +64,20 @@ def import_slurm_cluster() -> Any:
     finally:
         signal.signal = real
     return SLURMCluster
+
+
+def fake_forward(model: Any, *args: Any) -> Any:
+    """`model(*args)` for a model built on the meta device, run under torch's FakeTensorMode
+    (`torch._subclasses.fake_tensor`): shapes and dtypes propagate, nothing is allocated.
+
+    Why: transformers models look at their inputs' values in the forward pass (masking_utils'
+    `find_packed_sequence_indices` calls `.all()` on the position ids; huggingface/transformers
+    #43957 is the same kind of failure at load time), which meta tensors refuse ("Tensor.item()
+    cannot be called on meta tensors"). transformers skips those checks for fake tensors
+    (`is_tracing`), the mode torch.export traces in; torch exposes FakeTensorMode only under
+    its private `torch._subclasses`. Versions: TORCH_FAKE_VERSIONS, TRANSFORMERS_FAKE_VERSIONS.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        return model(*args)

@@ -13,5 +13,7 @@ Modules:
     metrics        accuracy, confusion matrix and per-class precision, recall and F1.
     plots          confusion matrix, training curves, predicted vs true, residuals.
     model_logging  the model exported (pt2) and logged with signature and requirements.
+    hf_export      a transformers model logged as a save_pretrained folder.
+    naming         the registered model's default name, <model>-<objective>.
     registry       a new registered version; the champion alias moves only on a strict win.
 """

@@ -23,10 +23,12 @@ class EvaluateConfig(StrictModel):
     """Log the model to MLflow with signature, input example and pip requirements."""
     min_accuracy: float | None = Field(None, ge=0.0, le=1.0)
     """Fail the pipeline when test accuracy is below this (None: never fail)."""
-    registered_model: str | None = "trainflow-classifier"
-    """MLflow registered model that gets a new version per evaluated model (None: do not
-    register). Registration needs a logged model: with log_model=false and this left at its
-    default, nothing is registered; setting both explicitly is a config error."""
+    registered_model: str | None = "auto"
+    """MLflow registered model that gets a new version per evaluated model. auto: a name of the
+    model and the objective, `<model>-<objective>` (gpt2-sequence, mlp-regression,
+    reference_cnn-classification; tasks.evaluate.naming); None: do not register.
+    Registration needs a logged model: with log_model=false and this left at its default,
+    nothing is registered; setting both explicitly is a config error."""
     champion_alias: str = "champion"
     """Alias moved to the new version only when its champion_metric strictly beats the current
     holder's (a tie keeps the current champion). Serve `models:/<registered_model>@<alias>`."""
@@ -41,7 +43,7 @@ class EvaluateConfig(StrictModel):
         if name is not None and not _MODEL_NAME.match(name):
             raise ValueError(
                 f"registered model name {name!r} is not allowed: use 1-256 letters, digits, "
-                "'_', '-' or '.', starting with a letter or digit (e.g. trainflow-classifier), "
+                "'_', '-' or '.', starting with a letter or digit (e.g. mnist-classifier), "
                 "or null to skip registration"
             )
         return name

@@ -7,6 +7,11 @@ the device it was exported on, and MLflow checks the input example through its p
 default CUDA device when one is visible: that check runs on CPU here, where the weights are,
 so it validates on GPU hosts too (it used to fail there) and never initialises CUDA in the
 flow process.
+
+A model whose forward returns more than the logits (a transformers ModelOutput, a dict, a
+tuple) is exported as its logits (tasks.train.outputs.LogitsOnly): the registered model takes
+ids or features and gives one tensor, and loads where transformers is not installed. A
+transformers model is also logged as a `save_pretrained` folder (tasks.evaluate.hf_export).
 """
 
 import os
@@ -21,6 +26,7 @@ import torch
 from mlflow.models import infer_signature
 
 from trainflow.tasks.tracking.runs import use_tracking_uri
+from trainflow.tasks.train.outputs import LogitsOnly, logits_of
 
 # Explicit requirements: MLflow otherwise spends ~7 s guessing them by importing the model.
 _REQUIREMENTS = ("torch", "numpy", "mlflow")
@@ -50,7 +56,10 @@ def log_model(model: torch.nn.Module, example: np.ndarray, tracking_uri: str, ru
     """Log ``model`` (eval mode, CPU) to the run; returns the model URI."""
     model = model.cpu().eval()
     with torch.no_grad():
-        output = model(torch.from_numpy(example)).numpy()
+        raw = model(torch.from_numpy(example))
+    if not isinstance(raw, torch.Tensor):  # a ModelOutput, dict or tuple: export the logits
+        model = LogitsOnly(model)
+    output = logits_of(raw).numpy()
     signature = infer_signature(example, output)
     # Resuming the run by id is the only way to attach a logged model to an existing run.
     with use_tracking_uri(tracking_uri), _validate_on_cpu(), mlflow.start_run(run_id=run_id):

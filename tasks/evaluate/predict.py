@@ -16,6 +16,7 @@ import torch
 from trainflow.tasks.preprocess.dataset import split_shards
 from trainflow.tasks.preprocess.ref import DatasetRef
 from trainflow.tasks.train.normalise import normaliser_of
+from trainflow.tasks.train.outputs import logits_of
 from trainflow.tasks.train.streaming import ShardRows, StreamedSplit
 
 EXAMPLE_ROWS = 4
@@ -57,4 +58,4 @@ def test_batches(
         for x, y in split.batches(indices, torch.device("cpu")):
             if not example:
                 example.append(x[:EXAMPLE_ROWS].numpy().copy())
-            yield model(x), y
+            yield logits_of(model(x)), y

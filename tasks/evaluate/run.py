@@ -1,4 +1,5 @@
-"""The evaluation stage: best checkpoint -> test metrics, plots, a logged and registered model."""
+"""The evaluation stage: best checkpoint -> test metrics, plots, a logged and registered model
+(a transformers model also as a save_pretrained folder)."""
 
 import json
 import time
@@ -14,6 +15,8 @@ from pydantic import BaseModel, ConfigDict
 from trainflow.cluster.snapshot import code_path
 from trainflow.errors import ConfigError, DataError
 from trainflow.tasks.evaluate.config import EvaluateConfig
+from trainflow.tasks.evaluate.hf_export import log_pretrained
+from trainflow.tasks.evaluate.naming import AUTO, default_name
 from trainflow.tasks.evaluate.predict import test_batches
 from trainflow.tasks.evaluate.registry import RegistryResult, register_and_promote
 from trainflow.tasks.hashing import sha256_file
@@ -94,8 +97,12 @@ def run_evaluate(
         from trainflow.tasks.evaluate.model_logging import log_model  # torch.export: lazy
 
         uri = log_model(model, example[0], tracking_uri, run_id)
+        log_pretrained(client, run_id, model, train.model_args)
     flat = report.metrics
-    registry = _register(client, cfg, uri, run_id, flat, objective, version_tags) if uri else None
+    name = default_name(train, model) if cfg.registered_model == AUTO else cfg.registered_model
+    registry = None
+    if uri and name is not None:
+        registry = _register(client, cfg, name, uri, run_id, flat, objective, version_tags)
     return EvalResult(
         headline=headline,
         headline_value=flat[headline],
@@ -117,15 +124,14 @@ def _headline_line(headline: str, value: float, job_value: float | None) -> str:
 def _register(
     client: MlflowClient,
     cfg: EvaluateConfig,
+    name: str,
     model_uri: str,
     run_id: str,
     flat: dict[str, float],
     objective: Objective,
     version_tags: dict[str, str],
-) -> RegistryResult | None:
-    """A new registered version that takes the champion alias if it wins (None: off)."""
-    if cfg.registered_model is None:
-        return None
+) -> RegistryResult:
+    """A new version of the registered model `name` that takes the champion alias if it wins."""
     metric = cfg.champion_metric or f"test_{objective.headline}"
     if metric not in flat:
         raise ConfigError(
@@ -135,7 +141,7 @@ def _register(
     return register_and_promote(
         client,
         model_uri,
-        cfg.registered_model,
+        name,
         run_id,
         metric,
         flat[metric],

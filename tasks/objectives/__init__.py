@@ -67,7 +67,9 @@ class Objective(Protocol):
         ...
 
     def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """Mean loss of a batch (a scalar the optimiser steps on)."""
+        """Mean loss of a batch (a scalar the optimiser steps on). `output` is always a tensor:
+        what the model returned, or its `logits` entry (a ModelOutput or dict) or first element
+        (a tuple), read by trainflow.tasks.train.outputs.logits_of."""
         ...
 
     def sums(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -13,8 +13,10 @@ from trainflow.tasks.spec import DataSpec
 
 
 class Sequence:
-    """Per-position cross-entropy over (batch, T, vocabulary) logits; token accuracy and
-    perplexity."""
+    """Per-position cross-entropy over (batch, T, vocabulary) logits (a causal language model's
+    `logits`, as transformers' ModelOutput holds them): position t's logits are scored against
+    target t, the next token (the source shifts the targets, not the objective); token accuracy
+    and perplexity."""
 
     select = "loss"
     headline = "perplexity"

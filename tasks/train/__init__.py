@@ -19,6 +19,8 @@ Modules:
     precision          bf16 / fp16 with GradScaler / fp32, chosen per device.
     native_bf16        whether a device computes bf16 natively.
     models             the built-in networks and their factories.
+    hf_models          the built-in factory hf: transformers architectures, local fine-tuning.
+    outputs            a model's output (tensor, ModelOutput/dict, tuple) read as logits.
     model_plugins      the model factory seam: build_model, check_model on the meta device.
     model_report       what the meta-device check learnt about a model (handed to the flow).
     data               batches as index slices of a split, in memory or streamed.

@@ -13,7 +13,9 @@ class TrainConfig(StrictModel):
     model: str = Field("reference_cnn", min_length=1)
     """The model factory: a built-in (reference_cnn: the founding material's CNN; resnet: a
     small residual net, both for images; mlp: a multi-layer perceptron over any float input;
-    token_conv: a small causal convolutional net over token ids), an import path
+    token_conv: a small causal convolutional net over token ids; hf or transformers: any
+    Hugging Face transformers architecture, from model_args.model_type or a local
+    model_args.pretrained folder, trainflow.tasks.train.hf_models), an import path
     'package.module:factory', or a name an installed package registers under the entry-point
     group 'trainflow.models' (trainflow.tasks.train.model_plugins)."""
     model_args: dict[str, Any] = Field(default_factory=dict)

@@ -20,6 +20,7 @@ from trainflow.tasks.train.config import TrainConfig
 from trainflow.tasks.train.data import SplitData as Split
 from trainflow.tasks.train.data import eval_batches
 from trainflow.tasks.train.distributed import DistContext, all_reduce_sum
+from trainflow.tasks.train.outputs import logits_of
 from trainflow.tasks.train.precision import PrecisionPolicy
 from trainflow.tasks.train.sharding import is_sharded
 from trainflow.tasks.train.throughput import RankClock
@@ -99,7 +100,7 @@ def _train_step(trainer: Trainer, x: torch.Tensor, y: torch.Tensor, lr: float) -
     if trainer.cuda_graphs:
         torch.compiler.cudagraph_mark_step_begin()
     with trainer.policy.autocast():
-        output = trainer.model(x)
+        output = logits_of(trainer.model(x))
         loss = trainer.objective.loss(output, y)
     trainer.optimizer.zero_grad(set_to_none=True)
     trainer.heartbeat.beat("backward")
@@ -183,7 +184,7 @@ def evaluate_split(
         if cuda_graphs:
             torch.compiler.cudagraph_mark_step_begin()
         with policy.autocast():
-            output = net(x)
+            output = logits_of(net(x))
         if index < counted:
             sums += objective.sums(output, y)
         beat("evaluation")

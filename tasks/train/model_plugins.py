@@ -5,20 +5,25 @@ A factory is any callable `factory(spec: DataSpec, **model_args) -> nn.Module` (
 or a name an installed package registers under the entry-point group `trainflow.models`; all
 three resolve through trainflow.tasks.plugins, our built-ins included. `build_model` is the one
 place a model is built (ranks, evaluation, preflight); `check_model` builds it on the meta
-device and runs one forward pass there, so a wrong import, a raising factory or a wrong output
-shape is one line before any work starts, whatever the model's size.
+device and runs one forward pass there, so a wrong import, a raising factory, an output without
+logits or a wrong output shape is one line before any work starts, whatever the model's size.
+The forward pass may return the logits, a dict or Hugging Face ModelOutput with `logits`, or a
+tuple whose first element is the logits (tasks.train.outputs).
 """
 
+import functools
 import inspect
 from typing import Any, Protocol
 
 import torch
 from torch import nn
 
+from trainflow.compat import fake_forward
 from trainflow.tasks.plugins import PluginError, Resolved, call, resolve
 from trainflow.tasks.spec import DataSpec
 from trainflow.tasks.train.config import TrainConfig
 from trainflow.tasks.train.model_report import ModelReport
+from trainflow.tasks.train.outputs import OutputError, is_transformers_model, logits_of
 
 MODEL_GROUP = "trainflow.models"
 """Entry-point group under which installed packages register model factories."""
@@ -27,6 +32,8 @@ BUILTIN_MODELS = {
     "resnet": "trainflow.tasks.train.models:resnet",
     "mlp": "trainflow.tasks.train.models:mlp",
     "token_conv": "trainflow.tasks.train.models:token_conv",
+    "hf": "trainflow.tasks.train.hf_models:transformers_model",
+    "transformers": "trainflow.tasks.train.hf_models:transformers_model",
 }
 """Short names of our own factories (import paths, resolved like a user's)."""
 CHECK_BATCH = 2
@@ -38,7 +45,9 @@ class ModelFactory(Protocol):
 
     Size the input layer from `spec.sample_shape` (and `spec.sample_dtype`: "int64" token ids
     want an embedding) and the output from `spec.output_shape(batch)`: (batch, num_classes)
-    logits for classification. `model_args` come from `train.model_args`. Build parameters on
+    logits for classification. The forward pass returns that tensor, or a dict / ModelOutput
+    holding it as `logits`, or a tuple whose first element it is (a transformers model as it
+    is). `model_args` come from `train.model_args`. Build parameters on
     the current default device (no `device=` argument): preflight builds on the meta device.
     """
 
@@ -63,19 +72,28 @@ def check_model(cfg: TrainConfig, spec: DataSpec) -> ModelReport:
         model = _build(factory, cfg, spec)
         dtype = getattr(torch, spec.sample_dtype)
         batch = torch.empty((CHECK_BATCH, *spec.sample_shape), dtype=dtype)
-        forward = Resolved(obj=model.eval(), target=factory.target, file=factory.file)
+        run = functools.partial(fake_forward, model) if is_transformers_model(model) else model
+        forward = Resolved(obj=run, target=factory.target, file=factory.file)
+        model.eval()
         out = call(forward, f"the forward pass of the model {cfg.model!r}", batch)
     if cfg.strategy == "fsdp":  # (imports FSDP, ~0.6 s of a flow's start: only for it)
         from trainflow.tasks.train.sharding import sharding_units
 
         sharding_units(model)  # a model's own shard_units() that names strangers: one line
     need = spec.output_shape(CHECK_BATCH)
-    got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-    if got != need:
+    try:
+        logits = logits_of(out)
+    except OutputError as err:
         raise PluginError(
-            f"train.model={cfg.model!r}: the model built by {factory.file} gives {got} for a "
-            f"batch of {CHECK_BATCH} samples of shape {spec.sample_shape}; "
-            f"{_needs(spec)} needs a tensor of shape {need}: fix the model's output layer"
+            f"train.model={cfg.model!r}: the forward pass of the model built by {factory.file} "
+            f"{err} of shape {need} ({_needs(spec)})"
+        ) from None
+    if tuple(logits.shape) != need:
+        raise PluginError(
+            f"train.model={cfg.model!r}: the model built by {factory.file} gives "
+            f"{tuple(logits.shape)} for a batch of {CHECK_BATCH} samples of shape "
+            f"{spec.sample_shape}; {_needs(spec)} needs a tensor of shape {need}: fix the "
+            "model's output layer"
         )
     params = list(model.parameters())
     return ModelReport(

@@ -9,6 +9,9 @@ module is one more group: whatever no unit holds (embeddings, heads, norms).
 Which modules are units:
 - a model names them with a method ``shard_units(self) -> Iterable[nn.Module]`` (the built-ins
   and examples/charlm do: their residual/transformer blocks);
+- a Hugging Face `transformers` model by its own list of blocks that must not be split
+  (``_no_split_modules``, the class names Accelerate wraps as FSDP units: GPT2Block,
+  LlamaDecoderLayer...): every submodule of those classes (`no_split_units`);
 - otherwise (`default_units`): every direct child holding parameters, the items of a
   ``nn.ModuleList`` / ``nn.Sequential`` child counting as children; a child sharing a parameter
   with another (tied weights) stays with the root, since a shared parameter must live in one
@@ -38,6 +41,8 @@ if TYPE_CHECKING:  # imported where used: FSDP imports DTensor and sympy (~0.7 s
 
 UNITS_METHOD = "shard_units"
 """The method by which a model names its sharding units (its repeated blocks)."""
+NO_SPLIT_ATTRIBUTE = "_no_split_modules"
+"""The attribute in which a transformers model names its block classes (a set or list)."""
 
 
 def sharding_units(model: nn.Module) -> list[nn.Module]:
@@ -46,7 +51,7 @@ def sharding_units(model: nn.Module) -> list[nn.Module]:
     of its own submodules."""
     named = getattr(model, UNITS_METHOD, None)
     if named is None:
-        return default_units(model)
+        return no_split_units(model) or default_units(model)
     units = list(named())
     own = {id(m) for m in model.modules() if m is not model}
     strays = [type(u).__name__ for u in units if not isinstance(u, nn.Module) or id(u) not in own]
@@ -55,6 +60,20 @@ def sharding_units(model: nn.Module) -> list[nn.Module]:
             f"{type(model).__name__}.{UNITS_METHOD}() returned {strays}, which are not "
             "submodules of the model: return the model's own blocks (nn.Module instances)"
         )
+    return units
+
+
+def no_split_units(model: nn.Module) -> list[nn.Module]:
+    """The submodules whose class a transformers model names in its `_no_split_modules` (its
+    blocks), outermost first; [] for a model that names none."""
+    names = set(getattr(model, NO_SPLIT_ATTRIBUTE, None) or ())
+    units: list[nn.Module] = []
+    inside: set[int] = set()
+    for module in model.modules():
+        if module is model or id(module) in inside or type(module).__name__ not in names:
+            continue
+        units.append(module)
+        inside |= {id(m) for m in module.modules()}
     return units
 
 

@@ -23,10 +23,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from trainflow.compat import fake_forward
 from trainflow.tasks.spec import DataSpec
 from trainflow.tasks.tracking.journal import Journal
 from trainflow.tasks.tracking.logger import tag_run
 from trainflow.tasks.train.distributed import DistContext
+from trainflow.tasks.train.outputs import is_transformers_model, logits_of
 
 # Dense (no sparsity) peak FLOP/s per GPU from the vendors' data sheets: (bf16/fp16 tensor
 # cores, fp32 without TF32). The first name that the device name contains wins.
@@ -110,7 +112,9 @@ def flops_per_sample(
         meta = copy.deepcopy(model).to("meta")
         x = torch.zeros(batch, *sample_shape, dtype=getattr(torch, dtype), device="meta")
         with FlopCounterMode(display=False) as counter:
-            meta(x).float().sum().backward()
+            # a transformers model reads its inputs' values: fake tensors (trainflow.compat)
+            out = fake_forward(meta, x) if is_transformers_model(meta) else meta(x)
+            logits_of(out).float().sum().backward()
     except (RuntimeError, NotImplementedError, TypeError):
         return 0.0
     return counter.get_total_flops() / batch

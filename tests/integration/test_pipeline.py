@@ -138,18 +138,18 @@ def test_summary_artifact_links_the_mlflow_run(first: PipelineSummary) -> None:
     assert first.dataset_hash[:16] in text
     assert f"/runs/{first.parent_run_id}" in text
     assert str(first.model_uri) in text
-    assert f"`trainflow-classifier` version **{first.model_version}**" in text
+    assert f"`reference_cnn-classification` version **{first.model_version}**" in text
     assert "**yes**: `@champion` moved here; first champion" in text
 
 
 def test_first_model_is_registered_as_the_champion(first: PipelineSummary) -> None:
     assert (first.registered_model, first.model_version, first.champion) == (
-        "trainflow-classifier",
+        "reference_cnn-classification",
         "1",
         True,
     )
     client = MlflowClient(first.tracking_uri)
-    mv = client.get_model_version_by_alias("trainflow-classifier", "champion")
+    mv = client.get_model_version_by_alias("reference_cnn-classification", "champion")
     assert str(mv.version) == "1"
     parent_tags = client.get_run(first.parent_run_id).data.tags
     for key in ("dataset_hash", "git_commit", "config_hash"):
@@ -250,7 +250,7 @@ def test_second_run_hits_the_preprocess_cache(first: PipelineSummary, workdir: P
     # test accuracy (an equal one, the usual outcome, leaves version 1 the champion).
     assert second.model_version == "2"
     assert second.champion == (second.test_accuracy > first.test_accuracy)
-    holder = client.get_model_version_by_alias("trainflow-classifier", "champion")
+    holder = client.get_model_version_by_alias("reference_cnn-classification", "champion")
     assert str(holder.version) == ("2" if second.champion else "1")
     text = str(_artifact("trainflow-summary", second).data)
     assert "version **2**" in text
@@ -282,7 +282,7 @@ def test_every_stage_run_logs_the_dataset_and_the_model_carries_its_lineage(
         assert {t.key: t.value for t in inputs[0].tags}["mlflow.data.context"] == context
     # The ranks ran in this interpreter's environment (local executor): same package set.
     lock = package_lock_hash()
-    mv = client.get_model_version("trainflow-classifier", str(first.model_version))
+    mv = client.get_model_version("reference_cnn-classification", str(first.model_version))
     for tags in (kids["train"].data.tags, kids["evaluate"].data.tags, mv.tags):  # type: ignore[attr-defined]
         assert tags["package_lock_hash"] == lock
         assert tags["dataset_hash"] == first.dataset_hash

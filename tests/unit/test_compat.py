@@ -65,3 +65,36 @@ def test_the_shielded_import_leaves_sigint_as_it_was() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "kept", out.stderr
+
+
+def test_torch_and_transformers_are_versions_the_fake_forward_was_checked_against() -> None:
+    import torch
+    import transformers
+
+    from trainflow.compat import TORCH_FAKE_VERSIONS, TRANSFORMERS_FAKE_VERSIONS
+
+    assert torch.__version__.split("+")[0] in TORCH_FAKE_VERSIONS, (
+        f"torch {torch.__version__}: re-check trainflow.compat.fake_forward (FakeTensorMode in "
+        "torch._subclasses.fake_tensor), then add the version"
+    )
+    assert transformers.__version__ in TRANSFORMERS_FAKE_VERSIONS, (
+        f"transformers {transformers.__version__}: if a meta-device forward works without fake "
+        "tensors (the test below), drop trainflow.compat.fake_forward; else add the version"
+    )
+
+
+def test_a_transformers_forward_fails_on_meta_and_runs_under_fake_tensors() -> None:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from trainflow.compat import fake_forward
+
+    config = AutoConfig.for_model("gpt2", n_layer=1, n_embd=8, n_head=2, vocab_size=16)
+    config.use_cache = False
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config).eval()
+        ids = torch.empty((2, 4), dtype=torch.long)
+        with pytest.raises(RuntimeError, match="meta tensors"):  # the reason for the entry
+            model(ids)
+        logits = fake_forward(model, ids).logits
+    assert tuple(logits.shape) == (2, 4, 16)

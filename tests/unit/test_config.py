@@ -198,7 +198,7 @@ def test_registered_model_and_alias_names_are_checked() -> None:
 def test_registration_needs_a_logged_model() -> None:
     # log_model off with the default name: registration is simply skipped.
     cfg = build_config("demo", ["evaluate.log_model=false"])
-    assert cfg.evaluate.registered_model == "trainflow-classifier"
+    assert cfg.evaluate.registered_model == "auto"
     # Asking for both explicitly is a contradiction the user must resolve.
     with pytest.raises(ConfigError, match=r"needs log_model=true.*registered_model=null"):
         build_config("demo", ["evaluate.log_model=false", "evaluate.registered_model=m"])
