@@ -46,7 +46,7 @@ class StopsInEpoch2(TrainingJob):
 def _spec(dataset: DatasetRef, out_dir: Path, strategy: str) -> TrainJobSpec:
     train = TrainConfig(
         model="mlp",
-        strategy=strategy,  # type: ignore[arg-type]
+        strategy=strategy,
         epochs=2,
         batch_size=32,
         precision="fp32",
