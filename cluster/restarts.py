@@ -66,23 +66,28 @@ def next_placement(
     lost_nodes: set[str],
     usable: list[str] | None,
     elastic: bool,
+    started_on: int | None = None,
 ) -> Placement:
     """The rule that places a restart (no Slurm involved: `usable` is what usable_nodes read).
 
     A job of `nodes` nodes that lost ranks on `lost_nodes` runs again at the same size away
     from every lost node when the `usable` nodes left can hold it; else, when `elastic` (its
-    checkpoints reshard onto fewer ranks) and at least one node is left, on the nodes left
-    (fewer of them); else anywhere, the lost nodes included (a node that lost a rank may well
-    run the next attempt). `usable` None (no placement, a local executor): anywhere."""
+    checkpoints reshard onto fewer ranks) and a node is left, on as many of the nodes left as
+    divide `started_on` (the run's first size, default `nodes`: its global batch is then kept
+    by gradient accumulation, tasks.train.resume); else anywhere, the lost nodes included (a
+    node that lost a rank may well run the next attempt). `usable` None (no placement, a local
+    executor): anywhere."""
     without = excluded | lost_nodes
     left = len(set(usable) - without) if usable is not None and without else -1
     if left >= nodes:
         return Placement(nodes, without, f"excluding node(s) {', '.join(sorted(without))}")
-    fewer = nodes - len(lost_nodes - excluded)
-    if elastic and 1 <= fewer <= left:
+    first = started_on or nodes
+    most = min(nodes - len(lost_nodes - excluded), left)
+    fewer = max((d for d in range(1, most + 1) if first % d == 0), default=0)
+    if elastic and fewer:
         where = (
-            f"excluding node(s) {', '.join(sorted(without))}, on the {fewer} node(s) left "
-            f"({fewer * ranks_per_node} ranks: the sharded checkpoint reshards)"
+            f"excluding node(s) {', '.join(sorted(without))}, on {fewer} of the {left} node(s) "
+            f"left ({fewer * ranks_per_node} ranks: the sharded checkpoint reshards)"
         )
         return Placement(fewer, without, where)
     return Placement(nodes, excluded, "on any node (the others cannot hold the job alone)")
@@ -126,6 +131,7 @@ def run_with_restarts(
                 set(err.nodes),
                 usable,
                 elastic,
+                cfg.nodes,
             )
             log(
                 f"{headline}: restart {attempt + 1}/{cfg.max_restarts} from the last checkpoint, "

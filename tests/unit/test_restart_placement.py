@@ -19,8 +19,8 @@ def test_an_fsdp_job_continues_on_the_nodes_left_when_none_is_spare() -> None:
     placed = next_placement(2, 2, frozenset(), {"tfnode2"}, TWO, elastic=True)
     assert (placed.nodes, placed.excluded) == (1, frozenset({"tfnode2"}))
     assert placed.where == (
-        "excluding node(s) tfnode2, on the 1 node(s) left (2 ranks: the sharded checkpoint "
-        "reshards)"
+        "excluding node(s) tfnode2, on 1 of the 1 node(s) left (2 ranks: the sharded "
+        "checkpoint reshards)"
     )
 
 
@@ -35,12 +35,24 @@ def test_losing_every_node_leaves_nothing_to_continue_on() -> None:
     assert (placed.nodes, placed.excluded) == (2, frozenset())
 
 
+def test_fewer_nodes_are_as_many_as_divide_the_first_size_so_the_global_batch_is_kept() -> None:
+    four = [*THREE, "tfnode4"]
+    first = next_placement(4, 2, frozenset(), {"tfnode4"}, four, elastic=True)
+    assert (first.nodes, first.excluded) == (2, frozenset({"tfnode4"}))
+    assert "on 2 of the 3 node(s) left (4 ranks:" in first.where
+    three = next_placement(3, 2, frozenset(), {"tfnode3"}, THREE, elastic=True)
+    assert three.nodes == 1  # 2 of 3 ranks' worth cannot make up the global batch
+
+
 def test_a_second_loss_shrinks_again_and_keeps_the_first_exclusion() -> None:
-    first = next_placement(3, 4, frozenset(), {"tfnode3"}, THREE, elastic=True)
-    assert (first.nodes, first.excluded) == (2, frozenset({"tfnode3"}))
-    second = next_placement(first.nodes, 4, first.excluded, {"tfnode2"}, THREE, elastic=True)
-    assert (second.nodes, second.excluded) == (1, frozenset({"tfnode2", "tfnode3"}))
-    assert "(4 ranks:" in second.where
+    four = [*THREE, "tfnode4"]
+    first = next_placement(4, 4, frozenset(), {"tfnode4"}, four, elastic=True)
+    assert (first.nodes, first.excluded) == (2, frozenset({"tfnode4"}))
+    second = next_placement(first.nodes, 4, first.excluded, {"tfnode2"}, four, True, 4)
+    assert (second.nodes, second.excluded) == (2, frozenset({"tfnode2", "tfnode4"}))
+    third = next_placement(second.nodes, 4, second.excluded, {"tfnode3"}, four, True, 4)
+    assert (third.nodes, third.excluded) == (1, frozenset({"tfnode2", "tfnode3", "tfnode4"}))
+    assert "on 1 of the 1 node(s) left (4 ranks:" in third.where
 
 
 def test_the_local_executor_places_nothing() -> None:
