@@ -106,10 +106,10 @@ def _train_step(
     metric sums (on device) and sample count."""
     for group in trainer.optimizer.param_groups:
         group["lr"] = lr
-    if trainer.cuda_graphs:
-        torch.compiler.cudagraph_mark_step_begin()
     sums, count = None, 0
     for micro, (x, y) in enumerate(micro_batches):
+        if trainer.cuda_graphs:  # each micro-batch's forward is an iteration of its own
+            torch.compiler.cudagraph_mark_step_begin()
         with trainer.policy.autocast():
             output = trainer.model(x)
             loss = trainer.objective.loss(output, y)
