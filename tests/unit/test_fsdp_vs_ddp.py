@@ -14,10 +14,10 @@ Bounds, and why:
   change each step's gradient a little, so the runs drift apart slowly. Measured here: 3e-4
   relative after 2 epochs (bench P10: 5e-5 after 8 steps). Bound: 1% of the validation loss
   after 2 epochs (docs/training.md). FSDP with bf16 master weights (the model cast to bf16
-  before sharding) ends epoch 1 5% off: outside it. Why FSDP does not compute as DDP does (fp32 parameters
-  under autocast): that keeps a bf16 copy of every weight of every block from the forward pass
-  to the backward pass on every rank, which P10 measures, and which is the memory FSDP exists
-  to save.
+  before sharding) ends epoch 1 5% off: outside it. Why FSDP does not compute as DDP does
+  (fp32 parameters under autocast): that keeps a bf16 copy of every weight of every block
+  from the forward pass to the backward pass on every rank, which P10 measures, and which is
+  the memory FSDP exists to save.
 """
 
 import json
