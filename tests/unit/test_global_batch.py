@@ -12,6 +12,7 @@ from typing import Any
 import cloudpickle
 import pytest
 import torch
+from mlflow.tracking import MlflowClient
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from tests.unit.datasets import write_dataset
@@ -20,6 +21,7 @@ from trainflow.cluster.executor import make_executor
 from trainflow.cluster.jobs import JobError, wait_for_job
 from trainflow.errors import ConfigError
 from trainflow.tasks.preprocess.ref import DatasetRef
+from trainflow.tasks.tracking.relay import relaying
 from trainflow.tasks.train.checkpoint import Resumable
 from trainflow.tasks.train.config import TrainConfig
 from trainflow.tasks.train.data import Split, accumulated_batches, rank_batches
@@ -94,12 +96,22 @@ def test_a_run_resumed_on_half_the_ranks_takes_the_same_steps_to_the_same_weight
     with pytest.raises(JobError, match="simulated loss of a node"):
         wait_for_job(executor.submit(StopsInEpoch2(resumed)), print, 0.2)
     capsys.readouterr()
-    TrainingJob(resumed)()  # one rank, from the 2 ranks' checkpoint of epoch 1
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    exp = client.create_experiment("g", artifact_location=(tmp_path / "art").as_uri())
+    run_id = client.create_run(exp).info.run_id
+    tracked = resumed.model_copy(update={"tracking_uri": client.tracking_uri, "run_id": run_id})
+    with relaying(resumed.out_dir, client.tracking_uri, run_id, print):
+        TrainingJob(tracked)()  # one rank, from the 2 ranks' checkpoint of epoch 1
 
     out = capsys.readouterr().out
     assert (
         "global batch 64 kept: the run started on 2 ranks and continues after epoch 1 on "
         "1 ranks x 2 micro-batches of 32 per step (gradient accumulation)" in out
+    )
+    params = client.get_run(run_id).data.params
+    assert params["global_batch"] == "64"
+    assert params["global_batch.after_epoch_1"] == (
+        "1 ranks x 2 micro-batches of 32 per step (gradient accumulation)"
     )
     want, got = _final(straight.out_dir, sharded), _final(resumed.out_dir, sharded)
     assert (got["epoch"], got["step"], got["data_world"]) == (2, want["step"], 2)
