@@ -9,6 +9,7 @@ not a loss: it is never restarted.
 """
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import submitit
@@ -20,21 +21,76 @@ Submit = Callable[[list[str], int], submitit.Job[Any]]
 """Submits the job on the given number of nodes, excluding the given nodes, and returns it."""
 
 
-def can_exclude(cfg: ClusterConfig, excluded: set[str]) -> bool:
-    """Whether a Slurm job of cfg still fits on its partition's usable nodes without `excluded`
-    (for executor=allocation: on the nodes of the Slurm job the flow runs in)."""
-    if cfg.executor not in ("slurm", "allocation") or not excluded:
-        return False
+def usable_nodes(cfg: ClusterConfig) -> list[str] | None:
+    """The nodes a restarted job of cfg may run on: its partition's nodes (executor=slurm), or
+    those of the Slurm job the flow runs in (executor=allocation); None where trainflow does not
+    place jobs on nodes (the local and debug executors)."""
     if cfg.executor == "allocation":
         from trainflow.cluster.srun_executor import allocation_nodes
 
-        return len(set(allocation_nodes()) - excluded) >= cfg.nodes
+        return list(allocation_nodes())
+    if cfg.executor != "slurm":
+        return None
     from trainflow.cluster.slurm_checks import read_nodes, read_partitions
 
     parts = read_partitions()
     part = next(p for p in parts if p.name == cfg.partition or (not cfg.partition and p.default))
-    left = [n for n in read_nodes() if part.name in n.partitions and n.name not in excluded]
-    return len(left) >= cfg.nodes
+    return [n.name for n in read_nodes() if part.name in n.partitions]
+
+
+def can_exclude(cfg: ClusterConfig, excluded: set[str]) -> bool:
+    """Whether a Slurm job of cfg still fits on its partition's usable nodes without `excluded`
+    (for executor=allocation: on the nodes of the Slurm job the flow runs in)."""
+    if not excluded:
+        return False
+    usable = usable_nodes(cfg)
+    return usable is not None and len(set(usable) - excluded) >= cfg.nodes
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the next attempt of a job that lost ranks runs."""
+
+    nodes: int
+    """How many nodes it asks for."""
+    excluded: frozenset[str]
+    """The nodes it must not run on."""
+    where: str
+    """Said in the restart's log line: 'excluding node(s) n2', 'on any node (...)'."""
+
+
+def next_placement(
+    nodes: int,
+    ranks_per_node: int,
+    excluded: frozenset[str],
+    lost_nodes: set[str],
+    usable: list[str] | None,
+    elastic: bool,
+    started_on: int | None = None,
+) -> Placement:
+    """The rule that places a restart (no Slurm involved: `usable` is what usable_nodes read).
+
+    A job of `nodes` nodes that lost ranks on `lost_nodes` runs again at the same size away
+    from every lost node when the `usable` nodes left can hold it; else, when `elastic` (its
+    checkpoints reshard onto fewer ranks) and a node is left, on as many of the nodes left as
+    divide `started_on` (the run's first size, default `nodes`: its global batch is then kept
+    by gradient accumulation, tasks.train.resume); else anywhere, the lost nodes included (a
+    node that lost a rank may well run the next attempt). `usable` None (no placement, a local
+    executor): anywhere."""
+    without = excluded | lost_nodes
+    left = len(set(usable) - without) if usable is not None and without else -1
+    if left >= nodes:
+        return Placement(nodes, without, f"excluding node(s) {', '.join(sorted(without))}")
+    first = started_on or nodes
+    most = min(nodes - len(lost_nodes - excluded), left)
+    fewer = max((d for d in range(1, most + 1) if first % d == 0), default=0)
+    if elastic and fewer:
+        where = (
+            f"excluding node(s) {', '.join(sorted(without))}, on {fewer} of the {left} node(s) "
+            f"left ({fewer * ranks_per_node} ranks: the sharded checkpoint reshards)"
+        )
+        return Placement(fewer, without, where)
+    return Placement(nodes, excluded, "on any node (the others cannot hold the job alone)")
 
 
 def run_with_restarts(
@@ -52,10 +108,9 @@ def run_with_restarts(
     on any number of ranks: train.strategy=fsdp): when the other nodes cannot hold the job at
     its size, it continues on the nodes left, without the lost ones.
     """
-    excluded: set[str] = set()
-    nodes = cfg.nodes
+    placement = Placement(cfg.nodes, frozenset(), "")
     for attempt in range(cfg.max_restarts + 1):
-        job = submit(sorted(excluded), nodes)
+        job = submit(sorted(placement.excluded), placement.nodes)
         try:
             return wait(job)
         except RankLostError as err:
@@ -68,26 +123,18 @@ def run_with_restarts(
                     err.nodes,
                     err.detail,
                 ) from None
-            lost_nodes = set(err.nodes)
-            fewer = nodes - len(lost_nodes - excluded)
-            if can_exclude(cfg.model_copy(update={"nodes": nodes}), excluded | lost_nodes):
-                excluded |= lost_nodes
-                where = f"excluding node(s) {', '.join(sorted(excluded))}"
-            elif (
-                elastic
-                and fewer >= 1
-                and can_exclude(cfg.model_copy(update={"nodes": fewer}), excluded | lost_nodes)
-            ):
-                excluded |= lost_nodes
-                nodes = fewer
-                where = (
-                    f"excluding node(s) {', '.join(sorted(excluded))}, on the {fewer} node(s) "
-                    f"left ({fewer * cfg.ranks_per_node} ranks: the sharded checkpoint reshards)"
-                )
-            else:
-                where = "on any node (the others cannot hold the job alone)"
+            usable = usable_nodes(cfg)
+            placement = next_placement(
+                placement.nodes,
+                cfg.ranks_per_node,
+                placement.excluded,
+                set(err.nodes),
+                usable,
+                elastic,
+                cfg.nodes,
+            )
             log(
                 f"{headline}: restart {attempt + 1}/{cfg.max_restarts} from the last checkpoint, "
-                f"{where}"
+                f"{placement.where}"
             )
     raise AssertionError("unreachable")

@@ -255,6 +255,29 @@ def rank_batches(
     return list(torch.split(mine.to(split.device), batch_size))
 
 
+def accumulated_batches(
+    split: SplitData,
+    batch_size: int,
+    seed: int,
+    epoch: int,
+    rank: int,
+    world_size: int,
+    accumulation: int,
+    drop_last: bool = False,
+) -> list[torch.Tensor]:
+    """This rank's micro-batches for `epoch` when each optimizer step accumulates
+    `accumulation` of them: the batches of the data ranks rank*accumulation ... +
+    accumulation-1 of a world of world_size*accumulation (rank_batches), interleaved step by
+    step (step 0's micro-batches, then step 1's, ...). With accumulation 1: rank_batches."""
+    data_world = world_size * accumulation
+    first = rank * accumulation
+    per_data_rank = [
+        rank_batches(split, batch_size, seed, epoch, first + j, data_world, drop_last)
+        for j in range(accumulation)
+    ]
+    return [batch for step in zip(*per_data_rank, strict=True) for batch in step]
+
+
 def eval_batches(
     split: SplitData, batch_size: int, rank: int, world_size: int
 ) -> list[torch.Tensor]:

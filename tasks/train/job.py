@@ -24,17 +24,16 @@ from trainflow.tasks.tracking.journal import opened
 from trainflow.tasks.tracking.logger import MetricLogger, make_logger
 from trainflow.tasks.tracking.system_metrics import node_monitor
 from trainflow.tasks.train.checkpoint import (
+    Resumable,
     host_copy,
-    restore_rng,
     rng_state,
     save_best_weights,
     save_checkpoint,
     training_state,
-    unwrap,
 )
 from trainflow.tasks.train.config import TrainConfig
 from trainflow.tasks.train.data import SplitData as Split
-from trainflow.tasks.train.data import load_split_to, rank_batches, steps_per_epoch
+from trainflow.tasks.train.data import accumulated_batches, load_split_to, steps_per_epoch
 from trainflow.tasks.train.distributed import (
     DistContext,
     distributed,
@@ -63,12 +62,8 @@ from trainflow.tasks.train.progress import (
 )
 from trainflow.tasks.train.recorder import EpochRecorder
 from trainflow.tasks.train.ref import CheckpointRef
-from trainflow.tasks.train.sharded_checkpoint import (
-    ShardedSaver,
-    find_resumable,
-    full_weights,
-    load_sharded,
-)
+from trainflow.tasks.train.resume import announce_global_batch, global_batch, restore
+from trainflow.tasks.train.sharded_checkpoint import ShardedSaver, find_resumable, full_weights
 from trainflow.tasks.train.sharded_init import build_on_rank, shard_from_rank0
 from trainflow.tasks.train.sharding import checkpoint_activations, sharding_units
 from trainflow.tasks.train.throughput import (
@@ -159,8 +154,12 @@ class TrainingJob(submitit.helpers.Checkpointable):
                     policy.name,
                     journal,
                 )
+            found = find_resumable(self.checkpoint_dir, cfg.strategy == "fsdp", dist)
+            self._batch = global_batch(found, cfg.batch_size, dist)  # kept across world sizes
             trainer = self._trainer(model, dist, policy, len(train))
-            progress = self._resume(trainer)
+            progress = self._resume(trainer, found)
+            if dist.is_main:
+                announce_global_batch(self._batch, progress.epoch, journal)
             logger = recorder.closing(make_logger(journal, spec.out_dir))
             relog(progress, logger, self.spec.out_dir)
             self._train(trainer, train, val, progress, logger, recorder)
@@ -203,7 +202,8 @@ class TrainingJob(submitit.helpers.Checkpointable):
         else:
             optimizer = make_optimizer(cfg, model)
             model = wrap_ddp(model, dist, cfg.ddp_bucket_cap_mb)
-        steps = steps_per_epoch(n_train, cfg.batch_size, dist.world_size, cfg.cuda_graphs)
+        batch = getattr(self, "_batch", None) or global_batch(None, cfg.batch_size, dist)
+        steps = steps_per_epoch(n_train, cfg.batch_size, batch.data_world, cfg.cuda_graphs)
         if steps == 0:
             raise ConfigError(
                 f"train.batch_size={cfg.batch_size} exceeds the {n_train // dist.world_size} "
@@ -221,31 +221,19 @@ class TrainingJob(submitit.helpers.Checkpointable):
             total_steps=cfg.epochs * steps,
             cuda_graphs=uses_cuda_graphs(cfg, dist.device),
             heartbeat=getattr(self, "_heartbeat", NO_HEARTBEAT),
+            accumulation=batch.accumulation,
         )
 
-    def _resume(self, trainer: Trainer) -> Progress:
-        """Restore the newest checkpoint of out_dir that verifies, if any (every rank reads
-        the same file); a newer one that does not verify is skipped, and said so."""
-        sharded = self.spec.train.strategy == "fsdp"
-        found = find_resumable(self.checkpoint_dir, sharded, trainer.dist)
+    def _resume(self, trainer: Trainer, found: Resumable | None) -> Progress:
+        """The run's progress: restored from `found` (the newest checkpoint of out_dir that
+        verifies: find_resumable), or a fresh start's."""
+        batch = getattr(self, "_batch", None)
+        data_world = batch.data_world if batch is not None else trainer.dist.world_size
         if found is None:
-            return Progress(data_seed=self.spec.train.seed)
-        path, state = found.path, found.state
-        for line in found.skipped if trainer.dist.is_main else []:
-            print(f"warning: skipping checkpoint {line}", flush=True)
-        self._check_same_run(state.get("run", {}), path)
-        if sharded:  # resharded onto this job's ranks, however many wrote it
-            load_sharded(trainer.model, trainer.optimizer, path)
-        else:
-            unwrap(trainer.model).load_state_dict(state["model"])
-            trainer.optimizer.load_state_dict(state["optimizer"])
-        trainer.scaler.load_state_dict(state["scaler"])
-        restore_rng(state["rng"])
-        progress = Progress.from_state(state)
-        # Steps follow this job's ranks (a resharded restart has another count an epoch)
-        progress.step = progress.epoch * (trainer.total_steps // self.spec.train.epochs)
-        if trainer.dist.is_main:
-            print(f"resuming from {path} after epoch {progress.epoch}", flush=True)
+            return Progress(data_seed=self.spec.train.seed, data_world=data_world)
+        sharded, epochs = self.spec.train.strategy == "fsdp", self.spec.train.epochs
+        progress = restore(trainer, found, self._run_identity(), epochs, sharded)
+        progress.data_world = data_world
         return progress
 
     def _run_identity(self) -> dict[str, Any]:
@@ -291,13 +279,14 @@ class TrainingJob(submitit.helpers.Checkpointable):
         """Train and validate one epoch; advances `progress` (on every rank)."""
         cfg, dist = self.spec.train, trainer.dist
         epoch = progress.epoch + 1
-        batches = rank_batches(
+        batches = accumulated_batches(
             train,
             cfg.batch_size,
             progress.data_seed,
             epoch,
             dist.rank,
             dist.world_size,
+            trainer.accumulation,
             drop_last=cfg.cuda_graphs,
         )
         started, first_step = time.perf_counter(), progress.step

@@ -5,8 +5,10 @@ once per epoch (one all_reduce, one host sync): an ``.item()`` per step would st
 queue every step.
 """
 
+import itertools
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +24,7 @@ from trainflow.tasks.train.data import eval_batches
 from trainflow.tasks.train.distributed import DistContext, all_reduce_sum
 from trainflow.tasks.train.outputs import logits_of
 from trainflow.tasks.train.precision import PrecisionPolicy
+from trainflow.tasks.train.prefetch import Batch
 from trainflow.tasks.train.sharding import is_sharded
 from trainflow.tasks.train.throughput import RankClock
 
@@ -54,6 +57,9 @@ class Trainer:
     tells torch a new iteration begins, so the graphs' outputs of the last one may be reused."""
     heartbeat: Heartbeat = NO_HEARTBEAT
     """Told of every batch fetched and step started (cluster.heartbeat): off by default."""
+    accumulation: int = 1
+    """Micro-batches per optimizer step: more than 1 when a run resumed on fewer ranks keeps
+    its global batch (tasks.train.resume); their gradients add up before the step."""
 
 
 def make_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
@@ -93,21 +99,34 @@ def cosine_lr(step: int, total_steps: int, peak_lr: float) -> float:
     return 0.5 * peak_lr * (1.0 + math.cos(math.pi * progress))
 
 
-def _train_step(trainer: Trainer, x: torch.Tensor, y: torch.Tensor, lr: float) -> torch.Tensor:
-    """One optimiser step; returns the batch's metric sums (on device)."""
+def _train_step(
+    trainer: Trainer, micro_batches: Iterator[Batch], lr: float
+) -> tuple[torch.Tensor, int]:
+    """One optimiser step over `trainer.accumulation` micro-batches (each loss divided by
+    their number, so the gradients average as over the ranks they stand for); returns their
+    metric sums (on device) and sample count."""
     for group in trainer.optimizer.param_groups:
         group["lr"] = lr
-    if trainer.cuda_graphs:
-        torch.compiler.cudagraph_mark_step_begin()
-    with trainer.policy.autocast():
-        output = logits_of(trainer.model(x))
-        loss = trainer.objective.loss(output, y)
-    trainer.optimizer.zero_grad(set_to_none=True)
-    trainer.heartbeat.beat("backward")
-    trainer.scaler.scale(loss).backward()
+    sums, count = None, 0
+    for micro, (x, y) in enumerate(micro_batches):
+        if trainer.cuda_graphs:  # each micro-batch's forward is an iteration of its own
+            torch.compiler.cudagraph_mark_step_begin()
+        with trainer.policy.autocast():
+            output = logits_of(trainer.model(x))
+            loss = trainer.objective.loss(output, y)
+        if micro == 0:
+            trainer.optimizer.zero_grad(set_to_none=True)
+        if trainer.accumulation > 1:
+            loss = loss / trainer.accumulation
+        trainer.heartbeat.beat("backward")
+        trainer.scaler.scale(loss).backward()
+        batch_sums = trainer.objective.sums(output.detach(), y)
+        sums = batch_sums if sums is None else sums + batch_sums
+        count += int(y.shape[0])
+    assert sums is not None, "a step without a batch"
     trainer.scaler.step(trainer.optimizer)
     trainer.scaler.update()
-    return trainer.objective.sums(output.detach(), y)
+    return sums, count
 
 
 def train_epoch(
@@ -139,8 +158,10 @@ def train_epoch(
             break
         beat("step", step)
         lr = cosine_lr(step, trainer.total_steps, trainer.peak_lr)
-        sums[:-1] += _train_step(trainer, x, y, lr)
-        sums[-1] += y.shape[0]
+        micro = itertools.chain([(x, y)], itertools.islice(fetched, trainer.accumulation - 1))
+        step_sums, count = _train_step(trainer, micro, lr)
+        sums[:-1] += step_sums
+        sums[-1] += count
         step += 1
     if clock is not None:
         clock.stop()

@@ -56,6 +56,9 @@ class Progress:
     best_epoch: int = 0
     logged_epochs: int = 0
     """Epochs whose metrics reached the logger's flush: later ones are re-logged on resume."""
+    data_world: int = 0
+    """Ranks the run started on: its global batch is train.batch_size x data_world, kept when
+    it resumes on fewer (tasks.train.resume). 0: not recorded (checkpoints written before)."""
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> "Progress":

@@ -113,7 +113,13 @@ def _checkpointed(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any
 
 def mixed_precision(policy: PrecisionPolicy) -> "MixedPrecisionPolicy":
     """bf16 parameters for compute and fp32 gradient reduction under the bf16 policy (the
-    sharded fp32 master weights and optimizer stay fp32); plain fp32 otherwise."""
+    sharded fp32 master weights and optimizer stay fp32); plain fp32 otherwise.
+
+    Not fp32 parameters inside the loop's autocast, which would compute exactly as DDP does:
+    autocast's bf16 copy of every weight would then be kept from the forward pass to the
+    backward pass, the whole model's on every rank (bench P10). The price is a forward pass in
+    bf16 throughout, against autocast's fp32 residual stream and norms: a slow drift from the
+    DDP run, bounded in docs/training.md and tests/unit/test_fsdp_vs_ddp.py."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     if policy.dtype == torch.bfloat16:

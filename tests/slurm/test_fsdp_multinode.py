@@ -102,7 +102,9 @@ def test_an_fsdp_job_that_lost_a_node_continues_on_the_ranks_left_from_its_resha
 
     assert killed and isinstance(ref, CheckpointRef)
     assert f"lost rank 3 (node {killed[0]})" in warnings[0]
-    assert any("on the 1 node(s) left (2 ranks" in ln for ln in lines), lines[-30:]
+    assert any("on 1 of the 1 node(s) left (2 ranks" in ln for ln in lines), lines[-30:]
+    kept = [ln for ln in lines if "global batch 64 kept: the run started on 4 ranks" in ln]
+    assert kept and "on 2 ranks x 2 micro-batches of 16 per step" in kept[0], lines[-30:]
     assert any("on 2 rank(s): device cpu" in ln for ln in lines)
     resumed = [ln for ln in lines if "resuming from" in ln]
     assert resumed and "epoch-0000" in resumed[0]
@@ -111,5 +113,7 @@ def test_an_fsdp_job_that_lost_a_node_continues_on_the_ranks_left_from_its_resha
     assert state.startswith("COMPLETED|1|") and killed[0] not in state
     history = json.loads(ref.history_path.read_text())
     assert [h["epoch"] for h in history] == list(range(1, 41))
+    per_epoch = history[0]["step"]  # the global batch kept: as many steps an epoch throughout
+    assert [h["step"] for h in history] == [per_epoch * e for e in range(1, 41)]
     newest = sharded_checkpoints(out / "checkpoints")[0]
     assert sorted(p.name for p in newest.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]

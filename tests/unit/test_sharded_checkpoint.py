@@ -23,6 +23,7 @@ from trainflow.cluster.jobs import wait_for_job
 from trainflow.errors import ConfigError
 from trainflow.tasks.preprocess.ref import DatasetRef
 from trainflow.tasks.spec import DataSpec
+from trainflow.tasks.train.checkpoint import Resumable
 from trainflow.tasks.train.config import TrainConfig
 from trainflow.tasks.train.data import SplitData as Split
 from trainflow.tasks.train.job import TrainingJob, TrainJobSpec
@@ -74,8 +75,8 @@ class DumpsSavedState(TrainingJob):
 class DumpsResumedState(TrainingJob):
     """Writes the whole state it resumed with to resumed.pt (rank 0)."""
 
-    def _resume(self, trainer: Trainer) -> Progress:
-        progress = super()._resume(trainer)
+    def _resume(self, trainer: Trainer, found: Resumable | None) -> Progress:
+        progress = super()._resume(trainer, found)
         state = _full_state(trainer)
         if trainer.dist.is_main:
             torch.save({**state, "epoch": progress.epoch}, self.spec.out_dir / "resumed.pt")
