@@ -22,6 +22,7 @@ from trainflow.tasks.train.data import eval_batches
 from trainflow.tasks.train.distributed import DistContext, all_reduce_sum
 from trainflow.tasks.train.precision import PrecisionPolicy
 from trainflow.tasks.train.sharding import is_sharded
+from trainflow.tasks.train.step_times import NO_TIMER, StepTimer
 from trainflow.tasks.train.throughput import RankClock
 
 # Devices with fused AdamW/SGD kernels in torch >= 2.4.
@@ -53,6 +54,8 @@ class Trainer:
     tells torch a new iteration begins, so the graphs' outputs of the last one may be reused."""
     heartbeat: Heartbeat = NO_HEARTBEAT
     """Told of every batch fetched and step started (cluster.heartbeat): off by default."""
+    timer: StepTimer = NO_TIMER
+    """Told when each step waits for data, starts and ends (tasks.train.step_times)."""
 
 
 def make_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
@@ -128,19 +131,22 @@ def train_epoch(
     sums = torch.zeros(objective.sums_size + 1, dtype=torch.float64, device=device)
     lr = cosine_lr(step, trainer.total_steps, trainer.peak_lr)
     start = time.perf_counter()
-    beat = trainer.heartbeat.beat
+    beat, timer = trainer.heartbeat.beat, trainer.timer
     fetched = iter(data.batches(batches, device))
     while True:
         beat("data", step)
+        timer.data()
         try:
             x, y = next(fetched)
         except StopIteration:
             break
+        timer.step()
         beat("step", step)
         lr = cosine_lr(step, trainer.total_steps, trainer.peak_lr)
         sums[:-1] += _train_step(trainer, x, y, lr)
         sums[-1] += y.shape[0]
         step += 1
+        timer.done(step)
     if clock is not None:
         clock.stop()
     *totals, count = all_reduce_sum(sums, trainer.dist).tolist()
