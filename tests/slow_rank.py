@@ -55,7 +55,7 @@ class SlowRankJob(TrainingJob):
     def _load(self, split: Literal["train", "val"], dist: DistContext, nhwc: bool) -> Split:
         data = super()._load(split, dist, nhwc)
         if split == "train" and self.where == "data" and dist.rank == self.rank:
-            return LateBatches(data, self.delay_s)  # type: ignore[return-value]
+            return LateBatches(data, self.delay_s)
         return data
 
     def _trainer(
