@@ -19,6 +19,7 @@ BENCHES = [
     "p7t",
     "p8_fixed_costs",
     "p9_fsdp",
+    "p10_stragglers",
 ]
 
 

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.hooks import RemovableHandle
 
 from trainflow.tasks.train.distributed import DistContext
 
@@ -90,11 +91,21 @@ class StepTimes:
         self.epoch = [0.0, 0.0, 0.0]
         """This epoch's seconds [data_wait, compute, comm]; reset by take_epoch()."""
         self._sums = [0.0, 0.0, 0.0, 0.0]  # the window's, and its step count
+        self._hooks: list[RemovableHandle] = []
         if isinstance(model, DistributedDataParallel):
             params = [p for p in model.module.parameters() if p.requires_grad]
-            torch.autograd.graph.register_multi_grad_hook(params, self._grads_done, mode="all")
+            grads = torch.autograd.graph.register_multi_grad_hook(
+                params, self._grads_done, mode="all"
+            )
             # First of its pre-hooks: the time in the others (a user's) is compute.
-            model.module.register_forward_pre_hook(self._forward_starts, prepend=True)
+            forward = model.module.register_forward_pre_hook(self._forward_starts, prepend=True)
+            self._hooks = [grads, forward]
+
+    def close(self) -> None:
+        """Remove the hooks from the model (it then runs as if never timed)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
 
     def _grads_done(self, grads: object) -> None:
         """Called once a backward pass has computed every parameter's gradient."""
