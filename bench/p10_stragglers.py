@@ -36,7 +36,7 @@ from trainflow.tasks.train.step_times import StepTimes, gather_rows
 from trainflow.tasks.train.stragglers import StragglerWatch
 
 PAIRS = 8
-SAMPLES = 8192  # 64 steps an epoch per rank at batch 64
+SAMPLES = 6400  # 50 steps an epoch per rank at batch 64: one window of 50
 WINDOWS = (50, 5)
 GATHERS = 200
 BLOCKS = 40
