@@ -7,9 +7,14 @@ the step timer (tasks.train.step_times, its hooks on the model, judged on rank 0
 StragglerWatch as in a job) alternate in the same processes on the same model, so both see
 the same machine noise: once with the default window (50 steps) and once with windows of 5
 steps (ten times the all-gathers). Also measured: one all-gather of a window's four numbers
-alone, which a window costs once; and, in one process (a DDP group of one, so that the timer's
-hooks are on), the timer's own cost a step, blocks of 16 steps with and without it alternating
-(a finer comparison than whole epochs of two ranks on a loaded machine).
+alone, which a window costs once.
+
+On a loaded 2-core machine whole steps vary by more than 1% from one block to the next, so the
+timer's own work is also measured part by part, in process CPU time over many repetitions:
+its calls a step (four clock reads, the sums), and the autograd hook it adds to every
+parameter (``register_multi_grad_hook``: one Python call per parameter per backward pass),
+measured on a backward pass through HOOKED_PARAMS scalar parameters with and without it.
+The timer's cost a step of a model is then: calls + parameters x hook cost + gather / window.
 """
 
 import os
@@ -22,7 +27,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.nn.parallel import DistributedDataParallel
 
 from trainflow.tasks.objectives.classification import Classification
 from trainflow.tasks.spec import image_classification
@@ -39,7 +43,10 @@ PAIRS = 8
 SAMPLES = 6400  # 50 steps an epoch per rank at batch 64: one window of 50
 WINDOWS = (50, 5)
 GATHERS = 200
-BLOCKS = 40
+CALLS = 100_000
+HOOKED_PARAMS = 200
+ROUNDS = 15
+BACKWARDS = 200
 
 
 def _epoch(trainer: Trainer, data: Split, cfg: TrainConfig, epoch: int, step: int) -> float:
@@ -94,38 +101,40 @@ def _rank(rank: int, port: int, out: Any) -> None:
         dist.barrier()
 
 
-def _own_cost(port: int, out: Any) -> None:
-    """Median step time of a DDP group of one with and without the timer (BLOCKS pairs)."""
-    os.environ |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    cfg = TrainConfig(device="cpu")
-    spec = image_classification((1, 28, 28), 10)
-    ctx = DistContext(0, 1, 0, torch.device("cpu"), "gloo")
-    torch.manual_seed(0)
-    model = build_model(cfg, spec)
-    policy = resolve_precision(cfg.precision, ctx.device)
-    optimizer = make_optimizer(cfg, model)
-    ddp = DistributedDataParallel(model, gradient_as_bucket_view=True, static_graph=True)
-    objective = Classification(spec)
-    plain = Trainer(ddp, optimizer, policy.make_scaler(), policy, ctx, objective, cfg.lr, 10**9)
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(16 * cfg.batch_size, 1, 28, 28, generator=gen)
-    data = Split(x, torch.randint(0, 10, (len(x),), generator=gen))
-    batches = rank_batches(data, cfg.batch_size, cfg.seed, 1, 0, 1)
-    off, on = [], []
-    train_epoch(plain, data, batches, 0)  # warm-up
-    for _ in range(BLOCKS):
-        start = time.perf_counter()
-        train_epoch(plain, data, batches, 0)
-        off.append((time.perf_counter() - start) / len(batches))
-        timer = StepTimes(ddp, ctx, 50, None)
-        start = time.perf_counter()
-        train_epoch(replace(plain, timer=timer), data, batches, 0)
-        on.append((time.perf_counter() - start) / len(batches))
-        timer.close()
-    out.put({"off_s": off, "on_s": on})
-    dist.destroy_process_group()
+def _calls_cost() -> float:
+    """CPU seconds of the timer's calls a step (data, step, forward hook, gradient hook, done)."""
+    ctx = DistContext(0, 1, 0, torch.device("cpu"), None)
+    timer = StepTimes(torch.nn.Linear(1, 1), ctx, 50, None)
+    module = torch.nn.Linear(1, 1)
+    start = time.process_time()
+    for step in range(1, CALLS + 1):
+        timer.data()
+        timer.step()
+        timer._forward_starts(module, ())
+        timer._grads_done(())
+        timer.done(step)
+    return (time.process_time() - start) / CALLS
+
+
+def _hook_cost() -> float:
+    """CPU seconds the gradient hook adds to a backward pass, per parameter."""
+    params = [torch.zeros((), requires_grad=True) for _ in range(HOOKED_PARAMS)]
+    off: list[float] = []
+    on: list[float] = []
+    for _ in range(ROUNDS):
+        for hooked, times in ((False, off), (True, on)):
+            handle = None
+            if hooked:
+                handle = torch.autograd.graph.register_multi_grad_hook(
+                    params, lambda grads: None, mode="all"
+                )
+            start = time.process_time()
+            for _ in range(BACKWARDS):
+                torch.stack(params).sum().backward()
+            times.append((time.process_time() - start) / BACKWARDS)
+            if handle is not None:
+                handle.remove()
+    return (statistics.median(on) - statistics.median(off)) / HOOKED_PARAMS
 
 
 def _free_port() -> int:
@@ -145,10 +154,11 @@ def run() -> tuple[str, list[tuple[str, str, str]], dict[str, Any]]:
     measured: dict[str, Any] = queue.get(timeout=600)
     for p in procs:
         p.join(timeout=60)
-    one = context.Process(target=_own_cost, args=(_free_port(), queue))
-    one.start()
-    own: dict[str, list[float]] = queue.get(timeout=600)
-    one.join(timeout=60)
+    torch.set_num_threads(1)
+    calls, hook = _calls_cost(), _hook_cost()
+    params = sum(
+        1 for _ in build_model(TrainConfig(), image_classification((1, 28, 28), 10)).parameters()
+    )
     result: dict[str, Any] = {"pairs": PAIRS, "ranks": 2, "steps_per_epoch": SAMPLES // 128}
     rows = []
     for window in WINDOWS:
@@ -165,11 +175,25 @@ def run() -> tuple[str, list[tuple[str, str, str]], dict[str, Any]]:
         rows.append((f"step time timed/plain (window {window} steps)", f"{ratio:.3f}x", "<= 1.01"))
         ms = f"{off * 1e3:.2f}/{on * 1e3:.2f}"
         rows.append((f"  step ms plain / timed (window {window})", ms, ""))
-    off, on = statistics.median(own["off_s"]), statistics.median(own["on_s"])
-    result["own_cost"] = {"step_s_off": off, "step_s_on": on, "blocks": BLOCKS, **own}
-    rows.append(("timer's own cost a step (1 process)", f"{(on - off) * 1e6:.1f} us", ""))
-    rows.append(("  step ms plain / timed (1 process)", f"{off * 1e3:.3f}/{on * 1e3:.3f}", ""))
     gather_ms = measured["gather_s"] * 1e3
+    plain_s = statistics.median(measured[f"window_{WINDOWS[0]}"]["off_s"])
+    own_s = calls + params * hook + measured["gather_s"] / WINDOWS[0]
+    result["parts"] = {
+        "calls_cpu_s_per_step": calls,
+        "hook_cpu_s_per_param": hook,
+        "model_params": params,
+        "cost_s_per_step": own_s,
+        "share_of_plain_step": own_s / plain_s,
+    }
+    rows.append(("timer calls a step (CPU)", f"{calls * 1e6:.2f} us", ""))
+    rows.append(("gradient hook a parameter (CPU)", f"{hook * 1e6:.2f} us", ""))
+    rows.append(
+        (
+            f"cost a step, {params} params, window {WINDOWS[0]}",
+            f"{own_s * 1e6:.1f} us = {100 * own_s / plain_s:.2f}%",
+            "<= 1%",
+        )
+    )
     result["gather_s"] = measured["gather_s"]
     result["warnings"] = measured["warnings"]
     rows.append(("one window all-gather (4 floats, gloo)", f"{gather_ms:.3f} ms", ""))
