@@ -34,6 +34,6 @@ def test_a_rank_slow_in_its_data_path_on_the_second_node_is_named(tmp_path: Path
     warnings = [line for line in lines if "warning: straggler" in line]
     assert len(warnings) == 1, lines
     assert warnings[0].startswith(
-        "[rank0] warning: straggler rank 1 on node tfnode2: data wait "
+        "[rank0@tfnode1] warning: straggler rank 1 on node tfnode2: data wait "
     ), warnings
     assert warnings[0].endswith("over the last 6 steps (to step 6)"), warnings
