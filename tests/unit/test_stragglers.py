@@ -8,6 +8,7 @@ rank 1 sleep in its data path or in its forward pass.
 """
 
 import socket
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,13 @@ from trainflow.tasks.preprocess.ref import DatasetRef
 from trainflow.tasks.tracking.relay import Relay
 from trainflow.tasks.train.config import TrainConfig
 from trainflow.tasks.train.job import TrainingJob, TrainJobSpec
-from trainflow.tasks.train.stragglers import TAG, StragglerWatch, describe, slow_ranks
+from trainflow.tasks.train.stragglers import (
+    TAG,
+    StragglerWatch,
+    describe,
+    medians_of_others,
+    slow_ranks,
+)
 
 EPOCHS = 6  # 4 steps an epoch per rank (256 samples, 2 ranks, batch 32): 24 steps
 DELAY_S = 0.05
@@ -46,6 +53,12 @@ def test_the_slow_rank_is_found_with_the_part_that_is_slow() -> None:
     compute = [_row(1, 20, 30), _row(1, 50, 1)]
     [slow] = slow_ranks(compute, 0.2)
     assert (slow.rank, slow.part) == (1, "compute")
+
+
+def test_medians_of_the_other_ranks() -> None:
+    for values in ([3.0, 1.0], [5.0, 1.0, 3.0], [4.0, 2.0, 8.0, 6.0, 1.0], [2.0, 2.0, 9.0, 1.0]):
+        expected = [statistics.median(values[:i] + values[i + 1 :]) for i in range(len(values))]
+        assert medians_of_others(values) == expected
 
 
 def test_waiting_in_communication_and_small_differences_are_not_stragglers() -> None:
