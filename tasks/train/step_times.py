@@ -5,14 +5,17 @@ Every step is split on the rank's own clock (``time.perf_counter``, a few calls 
 - data wait: the time the loop waits for its next batch (``next()`` of the split's batches).
 - communication: under DDP, from the moment this rank's backward pass has computed its last
   gradient (one ``torch.autograd.graph.register_multi_grad_hook`` over the parameters, called
-  once a step) until ``backward()`` returns, plus the start of DDP's forward up to the wrapped
-  model's (a forward pre-hook): DDP broadcasts rank 0's buffers there (batch norm statistics). DDP all-reduces gradient buckets while the
+  once a step) until ``backward()`` returns: DDP all-reduces gradient buckets while the
   backward runs and waits for the last ones at its end, so this is the all-reduce not hidden
-  behind computation, including the time spent waiting for slower ranks to send theirs: a
-  fast rank waits, a slow rank hardly does. NVIDIA's straggler detector and SPDL's straggler
-  guide read a collective's time the same way (the waiting ranks are the victims, not the
-  cause). Under FSDP, and on one rank, it is 0: FSDP's gathers and reduce-scatters run inside
-  each block's forward and backward, and count as compute.
+  behind computation, including the time spent waiting for slower ranks to send theirs (a
+  fast rank waits, a slow rank hardly does). Plus the start of DDP's forward up to the wrapped
+  model's (a forward pre-hook, the first of the model's): DDP broadcasts rank 0's buffers
+  there (batch norm statistics). NVIDIA's straggler detector and SPDL's straggler guide read
+  a collective's time the same way (the waiting ranks are the victims, not the cause).
+  Under FSDP and on one rank it is 0: FSDP's all-gathers and reduce-scatters, and the waits
+  for slower ranks in them, run inside the forward and backward passes and count as compute
+  (a data-slow rank's peers then show as compute-slow as it is: detection is off under FSDP,
+  tasks.train.stragglers).
 - compute: the rest of the step (forward, backward, optimizer) minus communication.
 
 On a GPU these are host times (the host queues kernels ahead of the device and waits where it

@@ -27,6 +27,12 @@ from trainflow.tasks.train.step_times import StepTimes
 TAG = "trainflow.straggler"
 """The train run's tag naming the stragglers found."""
 _LABELS = ("data wait", "compute")
+FSDP_NOTE = (
+    "straggler detection is off under train.strategy=fsdp: FSDP's collectives wait for slower "
+    "ranks inside the forward and backward passes, where waiting cannot be told from compute; "
+    "each rank's step time and data wait are logged (rank_step_s/rank_<r>, "
+    "rank_data_wait_s/rank_<r>)"
+)
 
 
 @dataclass(frozen=True)
@@ -148,9 +154,14 @@ def rank_nodes(ctx: DistContext, node: str) -> list[str]:
 def step_timer(
     cfg: TrainConfig, model: nn.Module, ctx: DistContext, journal: Journal | None
 ) -> StepTimes:
-    """This rank's step timer; with several ranks and train.straggler_fraction > 0 it closes
-    a window every train.straggler_window_steps steps, judged on rank 0 by a StragglerWatch."""
+    """This rank's step timer; with several ranks, train.straggler_fraction > 0 and DDP it
+    closes a window every train.straggler_window_steps steps, judged on rank 0 by a
+    StragglerWatch (under FSDP rank 0 says why not: FSDP_NOTE)."""
     if ctx.world_size == 1 or cfg.straggler_fraction == 0:
+        return StepTimes(model, ctx, cfg.straggler_window_steps, None)
+    if cfg.strategy == "fsdp":
+        if ctx.is_main:
+            print(FSDP_NOTE, flush=True)
         return StepTimes(model, ctx, cfg.straggler_window_steps, None)
     nodes = rank_nodes(ctx, node_name())
     watch = StragglerWatch(

@@ -26,6 +26,7 @@ from trainflow.tasks.tracking.relay import Relay
 from trainflow.tasks.train.config import TrainConfig
 from trainflow.tasks.train.job import TrainingJob, TrainJobSpec
 from trainflow.tasks.train.stragglers import (
+    FSDP_NOTE,
     TAG,
     StragglerWatch,
     describe,
@@ -101,7 +102,7 @@ def dataset(tmp_path_factory: pytest.TempPathFactory) -> DatasetRef:
 
 
 def _run(
-    job_of: Any, dataset: DatasetRef, tmp: Path, fraction: float = 0.2
+    job_of: Any, dataset: DatasetRef, tmp: Path, fraction: float = 0.2, **train_args: Any
 ) -> tuple[list[str], dict[str, Any]]:
     """Train a 2-rank job logging into a new MLflow run, naming a rank slower than its peer
     by `fraction` over 3 windows of 2 steps; (the forwarded log lines, the run)."""
@@ -117,6 +118,7 @@ def _run(
         straggler_fraction=fraction,
         straggler_window_steps=2,
         straggler_windows=3,
+        **train_args,
     )
     out = tmp / "out"
     spec = TrainJobSpec(train=train, dataset=dataset, out_dir=out, tracking_uri=uri, run_id=run_id)
@@ -184,3 +186,25 @@ def test_a_rank_slow_in_compute_is_named_and_a_balanced_job_is_not(
     assert not [line for line in lines if "warning: straggler" in line], lines
     assert TAG not in run["tags"]
     assert len(run["metrics"]["rank_step_s/rank_1"]) == EPOCHS
+
+
+@pytest.mark.services
+@pytest.mark.timeout(300)
+def test_under_fsdp_the_per_rank_times_are_logged_and_rank_0_says_why_no_rank_is_named(
+    dataset: DatasetRef, tmp_path: Path
+) -> None:
+    # FSDP's collectives run inside the forward and backward passes: rank 0 waits for the
+    # late rank 1 there, in what counts as its compute.
+    lines, run = _run(
+        lambda spec: SlowRankJob(spec, rank=1, where="data", delay_s=DELAY_S),
+        dataset,
+        tmp_path,
+        strategy="fsdp",
+        model="mlp",
+    )
+    assert f"[rank0] {FSDP_NOTE}" in lines
+    assert not [line for line in lines if "warning: straggler" in line], lines
+    metrics = run["metrics"]
+    assert min(metrics["rank_data_wait_s/rank_1"]) >= DELAY_S
+    assert max(metrics["rank_data_wait_s/rank_0"]) < DELAY_S / 2
+    assert metrics["rank_comm_s/rank_0"] == [0.0] * EPOCHS
