@@ -8,7 +8,8 @@ time exceeds the median of the other ranks' by more than ``train.straggler_fract
 slow in that window; slow in ``train.straggler_windows`` windows in a row, it is named: one
 warning line in the job's log (forwarded to the command's output) and the train run's tag
 ``trainflow.straggler``, both saying the rank, its node and the part (data wait or compute)
-that exceeds the other ranks' median the most. A rank that recovers and is slow again is named again.
+that exceeds the other ranks' median the most. A rank that recovers and is slow again is
+named again.
 """
 
 from collections.abc import Callable
@@ -134,9 +135,10 @@ class StragglerWatch:
         text = describe(slow, self._nodes[slow.rank])
         self.named[slow.rank] = text
         span = self._windows * self._window_steps
+        ratio = slow.own_s / max(slow.median_own_s, 1e-9)
         self._say(
             f"warning: straggler {text}; its data wait + compute, "
-            f"{1000 * slow.own_s:.1f} ms a step, is {slow.own_s / max(slow.median_own_s, 1e-9):.1f}x the "
+            f"{1000 * slow.own_s:.1f} ms a step, is {ratio:.1f}x the "
             f"median of the other ranks' over the last {span} steps (to step {step})"
         )
         tag_run(self._journal, {TAG: "; ".join(self.named[r] for r in sorted(self.named))})
