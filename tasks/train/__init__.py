@@ -29,6 +29,8 @@ Modules:
     normalise          raw shard values to float32 at batch time.
     loop               the train and evaluation epochs: optimiser, schedule, metric sums.
     throughput         samples/s, step time, FLOPs and MFU per rank and per job.
+    step_times         each rank's steps split into data wait, compute and communication.
+    stragglers         a rank persistently slower than the others, named on rank 0.
     recorder           rank 0's per-epoch record written off the training path.
     checkpoint         atomic full-state checkpoints, resume look-up, best model.
     sharded_checkpoint DCP checkpoints of fsdp runs, resharded on load.

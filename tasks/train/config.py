@@ -108,6 +108,20 @@ class TrainConfig(StrictModel):
     time through each phase (the first step: compilation; the first evaluation; the first
     checkpoint save). The larger of this and hang_timeout_s applies."""
 
+    straggler_fraction: float = Field(0.2, ge=0.0, le=10.0)
+    """A rank whose own time a step (data wait + compute, tasks.train.step_times) exceeds the
+    median of the other ranks' by more than this fraction, for straggler_windows windows in a
+    row, is named as a straggler: a warning line in the job's log and the train run's tag
+    trainflow.straggler (rank, node, and the part that is slow). 0: no straggler detection
+    (per-rank step times are still logged every epoch)."""
+    straggler_windows: int = Field(3, ge=1, le=1000)
+    """Consecutive windows a rank must be slow in to be named (persistently slow, not a
+    hiccup)."""
+    straggler_window_steps: int = Field(50, ge=1, le=100_000)
+    """Steps of a window: every rank's step times are gathered into rank 0 (one all-gather of
+    four numbers) and compared every this many steps. A straggler is named after
+    straggler_windows x straggler_window_steps steps."""
+
     @field_validator("model_args")
     @classmethod
     def _json_object(cls, value: dict[str, Any]) -> dict[str, Any]:

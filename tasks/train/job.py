@@ -6,7 +6,7 @@ requeued, retried or re-submitted job continues where the last one stopped.
 
 import random
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -66,6 +66,7 @@ from trainflow.tasks.train.resume import announce_global_batch, global_batch, re
 from trainflow.tasks.train.sharded_checkpoint import ShardedSaver, find_resumable, full_weights
 from trainflow.tasks.train.sharded_init import build_on_rank, shard_from_rank0
 from trainflow.tasks.train.sharding import checkpoint_activations, sharding_units
+from trainflow.tasks.train.stragglers import step_timer
 from trainflow.tasks.train.throughput import (
     NO_FLOPS,
     RankClock,
@@ -157,6 +158,8 @@ class TrainingJob(submitit.helpers.Checkpointable):
             found = find_resumable(self.checkpoint_dir, cfg.strategy == "fsdp", dist)
             self._batch = global_batch(found, cfg.batch_size, dist)  # kept across world sizes
             trainer = self._trainer(model, dist, policy, len(train))
+            # Each rank's step times, compared every window on rank 0 (tasks.train.stragglers)
+            trainer = replace(trainer, timer=step_timer(cfg, trainer.model, dist, journal))
             progress = self._resume(trainer, found)
             if dist.is_main:
                 announce_global_batch(self._batch, progress.epoch, journal)
@@ -294,7 +297,8 @@ class TrainingJob(submitit.helpers.Checkpointable):
         metrics, progress.step = train_epoch(trainer, train, batches, progress.step, clock)
         samples = sum(int(b.shape[0]) for b in batches)
         steps = progress.step - first_step
-        metrics |= epoch_throughput(samples, steps, clock.seconds, dist, self._flops)
+        parts = trainer.timer.take_epoch()
+        metrics |= epoch_throughput(samples, steps, clock.seconds, dist, self._flops, parts)
         val_metrics = evaluate_split(
             trainer.model,
             val,

@@ -26,6 +26,7 @@ from trainflow.tasks.train.outputs import logits_of
 from trainflow.tasks.train.precision import PrecisionPolicy
 from trainflow.tasks.train.prefetch import Batch
 from trainflow.tasks.train.sharding import is_sharded
+from trainflow.tasks.train.step_times import NO_TIMER, StepTimer
 from trainflow.tasks.train.throughput import RankClock
 
 # Devices with fused AdamW/SGD kernels in torch >= 2.4.
@@ -60,6 +61,8 @@ class Trainer:
     accumulation: int = 1
     """Micro-batches per optimizer step: more than 1 when a run resumed on fewer ranks keeps
     its global batch (tasks.train.resume); their gradients add up before the step."""
+    timer: StepTimer = NO_TIMER
+    """Told when each step waits for data, starts and ends (tasks.train.step_times)."""
 
 
 def make_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
@@ -148,14 +151,16 @@ def train_epoch(
     sums = torch.zeros(objective.sums_size + 1, dtype=torch.float64, device=device)
     lr = cosine_lr(step, trainer.total_steps, trainer.peak_lr)
     start = time.perf_counter()
-    beat = trainer.heartbeat.beat
+    beat, timer = trainer.heartbeat.beat, trainer.timer
     fetched = iter(data.batches(batches, device))
     while True:
         beat("data", step)
+        timer.data()
         try:
             x, y = next(fetched)
         except StopIteration:
             break
+        timer.step()
         beat("step", step)
         lr = cosine_lr(step, trainer.total_steps, trainer.peak_lr)
         micro = itertools.chain([(x, y)], itertools.islice(fetched, trainer.accumulation - 1))
@@ -163,6 +168,7 @@ def train_epoch(
         sums[:-1] += step_sums
         sums[-1] += count
         step += 1
+        timer.done(step)
     if clock is not None:
         clock.stop()
     *totals, count = all_reduce_sum(sums, trainer.dist).tolist()

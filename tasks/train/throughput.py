@@ -19,7 +19,6 @@ import time
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -29,6 +28,7 @@ from trainflow.tasks.tracking.journal import Journal
 from trainflow.tasks.tracking.logger import tag_run
 from trainflow.tasks.train.distributed import DistContext
 from trainflow.tasks.train.outputs import is_transformers_model, logits_of
+from trainflow.tasks.train.step_times import PARTS, gather_rows
 
 # Dense (no sparsity) peak FLOP/s per GPU from the vendors' data sheets: (bf16/fp16 tensor
 # cores, fp32 without TF32). The first name that the device name contains wins.
@@ -153,31 +153,39 @@ def measured_cpu_peak(dtype: torch.dtype) -> float:
 
 
 def epoch_throughput(
-    samples: int, steps: int, seconds: float, ctx: DistContext, facts: FlopFacts
+    samples: int,
+    steps: int,
+    seconds: float,
+    ctx: DistContext,
+    facts: FlopFacts,
+    parts: list[float] | None = None,
 ) -> dict[str, float]:
-    """Gather every rank's (samples, steps, seconds) of the epoch (one small all-gather) and
-    return, on every rank, the per-rank spread, achieved FLOP/s and MFU as metrics."""
-    mine = torch.tensor([samples, steps, seconds], dtype=torch.float64, device=ctx.device)
-    rows = [mine]
-    if ctx.world_size > 1:
-        rows = [torch.empty_like(mine) for _ in range(ctx.world_size)]
-        dist.all_gather(rows, mine)
-    figures = [row.tolist() for row in rows]
-    return throughput_metrics(figures, facts.per_sample, facts.peak)
+    """Gather every rank's (samples, steps, seconds, and the epoch's seconds of data wait,
+    compute and communication: `parts`, tasks.train.step_times) of the epoch (one small
+    all-gather) and return, on every rank, the per-rank spread, each rank's step time and its
+    parts, achieved FLOP/s and MFU as metrics."""
+    row = [float(samples), float(steps), seconds, *(parts or [0.0, 0.0, 0.0])]
+    return throughput_metrics(gather_rows(row, ctx), facts.per_sample, facts.peak)
 
 
 def throughput_metrics(figures: list[list[float]], flops: float, peak: Peak) -> dict[str, float]:
-    """Metrics from per-rank [samples, steps, seconds]: samples/s and step time per rank as
-    min/median/max, the slowest rank, and (with a FLOP count) achieved FLOP/s and MFU."""
-    rates = [s / max(t, 1e-9) for s, _, t in figures]
-    step_s = [t / max(n, 1) for _, n, t in figures]
+    """Metrics from per-rank [samples, steps, seconds, (data_wait, compute, comm seconds)]:
+    samples/s and step time per rank as min/median/max, the slowest rank, every rank's step
+    time and its parts (`rank_step_s/rank_<r>`, `rank_<part>_s/rank_<r>`: one chart in the
+    MLflow UI puts ranks side by side), and (with a FLOP count) achieved FLOP/s and MFU."""
+    rates = [f[0] / max(f[2], 1e-9) for f in figures]
+    step_s = [f[2] / max(f[1], 1) for f in figures]
     metrics = {
         **_spread("rank_samples_per_s", rates),
         **_spread("rank_step_time_s", step_s),
         "slowest_rank": float(rates.index(min(rates))),
     }
+    for rank, f in enumerate(figures):
+        metrics[f"rank_step_s/rank_{rank}"] = step_s[rank]
+        for part, total in zip(PARTS, f[3:], strict=False):
+            metrics[f"rank_{part}_s/rank_{rank}"] = total / max(f[1], 1)
     if flops > 0:
-        total = sum(s for s, _, _ in figures) / max(max(t for _, _, t in figures), 1e-9)
+        total = sum(f[0] for f in figures) / max(max(f[2] for f in figures), 1e-9)
         metrics["achieved_flops_per_s"] = flops * total
         metrics["model_flops_per_sample"] = flops
         if peak.flops_per_s:
