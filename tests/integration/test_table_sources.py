@@ -89,7 +89,7 @@ def test_bad_table_input_is_one_line_before_any_job(tmp_path: Path) -> None:
     data = tmp_path / "num.parquet"
     pq.write_table(numeric_table(100), data)
     base = {"path": str(data), "inputs": ["f0", "f1"], "target": "label"}
-    cases = {
+    cases: dict[str, tuple[dict[str, object], str]] = {
         "a missing column": ({"target": "class"}, "no column 'class'"),
         "a column of the wrong type": ({"inputs": ["f0", "name"]}, "column 'name' (an input)"),
         "no tokenizer folder": (
