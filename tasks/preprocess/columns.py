@@ -131,34 +131,33 @@ def _is_numeric_list(kind: "pa.DataType") -> bool:
     )
 
 
-def table_arrays(table: "pa.Table", spec: ColumnSpec, where: str) -> tuple[np.ndarray, np.ndarray]:
-    """(inputs, targets) of one part's table, read on a dask worker."""
+def table_arrays(table: "pa.Table", spec: ColumnSpec) -> tuple[np.ndarray, np.ndarray]:
+    """(inputs, targets) of one part's table, read on a dask worker; DataError (which the
+    caller prefixes with the part and the source) for nulls or too little text."""
     for name in spec.columns:
         nulls = table.column(name).null_count
         if nulls:
-            raise DataError(
-                f"{where}: column {name!r} has {nulls} empty (null) values: fill or drop them"
-            )
+            raise DataError(f"column {name!r} has {nulls} empty (null) values: fill or drop them")
     if spec.tokenizer is not None:
         texts = table.column(spec.inputs[0]).to_pylist()
-        return pack(texts, spec.tokenizer, spec.context, where)
+        return pack(texts, spec.tokenizer, spec.context)
     assert spec.target is not None
-    return _features(table, spec.inputs, where), _target(table.column(spec.target))
+    return _features(table, spec.inputs), _target(table.column(spec.target))
 
 
-def _features(table: "pa.Table", inputs: tuple[str, ...], where: str) -> np.ndarray:
+def _features(table: "pa.Table", inputs: tuple[str, ...]) -> np.ndarray:
     """(n, F) float32 of numeric columns, or (n, D) of one column of numeric lists."""
-    import pyarrow as pa
+    import pyarrow.compute as pc
 
     column = table.column(inputs[0])
     if len(inputs) == 1 and _is_numeric_list(column.type):
-        lengths = np.asarray(pa.compute.list_value_length(column))
+        lengths = np.asarray(pc.list_value_length(column))
         if len(lengths) and (lengths.min() != lengths.max()):
             raise DataError(
-                f"{where}: the lists of column {inputs[0]!r} have {lengths.min()} to "
+                f"the lists of column {inputs[0]!r} have {lengths.min()} to "
                 f"{lengths.max()} values: every row's list must have the same length"
             )
-        values = pa.compute.list_flatten(column).to_numpy(zero_copy_only=False)
+        values = pc.list_flatten(column).to_numpy(zero_copy_only=False)
         return values.astype(np.float32).reshape(len(lengths), -1)
     out = np.empty((table.num_rows, len(inputs)), np.float32)
     for i, name in enumerate(inputs):

@@ -72,7 +72,7 @@ class SavedDataset:
         """The range's named columns as (inputs, targets), on a dask worker."""
         start, stop = part
         table = self._dataset().select_columns(self.spec.columns).with_format("arrow")[start:stop]
-        return table_arrays(table, self.spec, f"{self.where}: rows {start}:{stop}")
+        return table_arrays(table, self.spec)
 
     def _dataset(self) -> "datasets.Dataset":
         """The memory-mapped dataset (loaded once per process); DataError when not one."""

@@ -99,7 +99,7 @@ class ParquetFiles:
         import pyarrow.parquet as pq
 
         table = pq.ParquetFile(part.file).read_row_group(part.index, columns=self.spec.columns)
-        return table_arrays(table, self.spec, f"{self.where}: {part}")
+        return table_arrays(table, self.spec)
 
 
 def _file_digest(file: str) -> str:

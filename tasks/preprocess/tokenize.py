@@ -101,19 +101,17 @@ def _configured_eos(folder: Path) -> str | None:
     return token if isinstance(token, str) else None
 
 
-def pack(
-    texts: list[Any], info: TokenizerInfo, context: int, where: str
-) -> tuple[np.ndarray, np.ndarray]:
+def pack(texts: list[Any], info: TokenizerInfo, context: int) -> tuple[np.ndarray, np.ndarray]:
     """(windows (n, context) int64, the same windows shifted by one token) of the documents
     `texts`, each followed by the end-of-text id; DataError when they fill no window."""
-    tokenizer = load_tokenizer(info.folder, where)
+    tokenizer = load_tokenizer(info.folder, f"the tokenizer {info.folder!r}")
     encoded = tokenizer.encode_batch_fast(texts, add_special_tokens=False)
     eos = np.array([info.eos_id], np.int64)
     flat = np.concatenate([a for e in encoded for a in (np.asarray(e.ids, np.int64), eos)])
     n = (len(flat) - 1) // context
     if n < 1:
         raise DataError(
-            f"{where}: {len(flat)} tokens, fewer than one window of source_args.context="
+            f"{len(flat)} tokens, fewer than one window of source_args.context="
             f"{context} + 1: lower context, or put more rows in each part"
         )
     x = flat[: n * context].reshape(n, context)
