@@ -110,13 +110,13 @@ def _require_numeric(name: str, kind: "pa.DataType", where: str, what: str) -> N
 
     if pa.types.is_integer(kind) or pa.types.is_floating(kind):
         return
-    advice = (
-        ": to model text, give source_args.tokenizer (a folder)"
-        if pa.types.is_string(kind) or pa.types.is_large_string(kind)
-        else ""
-    )
-    if what == "the target" and (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
-        advice = ": store class labels as integers 0..k-1"
+    advice = ""
+    if pa.types.is_string(kind) or pa.types.is_large_string(kind):
+        advice = (
+            ": store class labels as integers 0..k-1"
+            if what == "the target"
+            else ": to model text, give source_args.tokenizer (a folder)"
+        )
     raise DataError(f"{where}: column {name!r} ({what}) is {kind}, not a number{advice}")
 
 

@@ -15,7 +15,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from tests.tables import numeric_table, stdlib_documents, train_tokenizer, write_text_parquet
-from trainflow.flows.pipeline import pipeline
+from trainflow.flows.pipeline import PipelineSummary, pipeline
 
 pytestmark = pytest.mark.integration
 
@@ -31,6 +31,12 @@ def _metrics(uri: str, parent: str) -> dict[str, dict[str, float]]:
 
 
 def test_a_language_model_trains_on_parquet_text_with_a_tokenizer_folder(tmp_path: Path) -> None:
+    train_on_parquet_text(tmp_path, [])
+
+
+def train_on_parquet_text(tmp_path: Path, extra: list[str]) -> PipelineSummary:
+    """The whole pipeline on a Parquet file of text with a tokenizer folder (overrides
+    `extra` on top), checked: it learnt, with the tokenizer's vocabulary."""
     docs = stdlib_documents(count=60, max_chars=4000)
     tokenizer = train_tokenizer(tmp_path / "tokenizer", docs, vocab=300)
     data = write_text_parquet(tmp_path / "data" / "text.parquet", docs, rows_per_group=15)
@@ -44,6 +50,7 @@ def test_a_language_model_trains_on_parquet_text_with_a_tokenizer_folder(tmp_pat
             "train.model=token_conv",
             "train.objective=sequence",
             "train.epochs=2",
+            *extra,
         ],
     )
     assert summary.headline == "test_perplexity"
@@ -54,6 +61,7 @@ def test_a_language_model_trains_on_parquet_text_with_a_tokenizer_folder(tmp_pat
     (manifest,) = (tmp_path / "work" / "datasets").glob("*/manifest.json")
     written = json.loads(manifest.read_text())
     assert written["num_classes"] == 300 and written["shape"] == [32]
+    return summary
 
 
 def test_a_classifier_trains_on_a_saved_hugging_face_dataset(tmp_path: Path) -> None:
