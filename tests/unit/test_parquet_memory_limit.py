@@ -86,6 +86,7 @@ def _write_parquet(file: Path) -> int:
     return groups * ROWS_PER_GROUP
 
 
+@pytest.mark.services  # a process with a dask cluster, ~1 GB of disk written
 def test_a_parquet_dataset_twice_the_memory_limit_preprocesses_inside_it(
     limited_group: Path, tmp_path: Path
 ) -> None:

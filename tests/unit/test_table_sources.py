@@ -67,6 +67,7 @@ def _all_rows(ref: DatasetRef) -> tuple[np.ndarray, np.ndarray]:
     return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
 
 
+@pytest.mark.services  # a dask cluster
 def test_parquet_text_is_tokenized_on_the_workers_and_packed_into_windows(
     dask_cpu: tuple[distributed.Client, Backend],
     tmp_path: Path,
@@ -89,6 +90,7 @@ def test_parquet_text_is_tokenized_on_the_workers_and_packed_into_windows(
     assert spec.output_shape(2) == (2, CONTEXT, 300)
 
 
+@pytest.mark.services  # a dask cluster
 def test_numeric_parquet_reads_only_the_named_columns(
     dask_cpu: tuple[distributed.Client, Backend], tmp_path: Path
 ) -> None:
@@ -131,6 +133,7 @@ def _spoil_column(file: Path, column: str) -> None:
             handle.write(b"\xff" * chunk.total_compressed_size)
 
 
+@pytest.mark.services  # a dask cluster
 def test_a_saved_dataset_is_read_in_row_ranges_of_its_split(
     dask_cpu: tuple[distributed.Client, Backend], tmp_path: Path, docs: list[str], tokenizer: Path
 ) -> None:
@@ -167,6 +170,7 @@ def test_a_saved_dataset_is_read_in_row_ranges_of_its_split(
         probe_spec(PreprocessConfig(source="hf_dataset", source_args={**args, "split": None}))
 
 
+@pytest.mark.services  # a dask cluster
 def test_the_tokenizer_is_part_of_the_datasets_identity(
     dask_cpu: tuple[distributed.Client, Backend],
     tmp_path: Path,
