@@ -69,12 +69,16 @@ def user_modules(cfg: PipelineConfig, model: ModelReport) -> list[str]:
     """The modules of the user's plug-ins (model, data source) whose code the run snapshots
     (cluster.snapshot)."""
     from trainflow.tasks.plugins import resolve
+    from trainflow.tasks.preprocess.plugin_source import BUILTINS
     from trainflow.tasks.preprocess.plugin_source import GROUP as SOURCE_GROUP
 
     modules = [model.module]
-    if cfg.preprocess.is_plugin:
+    if cfg.preprocess.is_plugin:  # a built-in's module is trainflow's: never snapshot
         source = resolve(
-            cfg.preprocess.source, setting="preprocess.source", group=SOURCE_GROUP, builtins={}
+            cfg.preprocess.source,
+            setting="preprocess.source",
+            group=SOURCE_GROUP,
+            builtins=BUILTINS,
         )
         modules.append(source.target.partition(":")[0])
     return modules

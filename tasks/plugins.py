@@ -16,7 +16,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
-from trainflow.errors import ConfigError
+from trainflow.errors import ConfigError, DataError
 
 
 class PluginError(ConfigError):
@@ -67,11 +67,11 @@ def resolve(ref: str, *, setting: str, group: str, builtins: Mapping[str, str]) 
 def call(resolved: Resolved, what: str, *args: Any, **kwargs: Any) -> Any:
     """resolved.obj(*args, **kwargs); an exception raised in it becomes one PluginError line
     naming `what` (e.g. "the model factory 'my_models:build'"), the user's file and line.
-    A ConfigError (trainflow's own one-line refusal, e.g. a built-in model refusing the data)
-    passes unchanged."""
+    A ConfigError or DataError (trainflow's own one-line refusal, e.g. a built-in model
+    refusing the data, a built-in source its arguments) passes unchanged."""
     try:
         return resolved.obj(*args, **kwargs)
-    except ConfigError:
+    except (ConfigError, DataError):
         raise
     except Exception as exc:
         raise PluginError(

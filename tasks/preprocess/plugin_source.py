@@ -34,7 +34,11 @@ GROUP = "trainflow.sources"
 """Entry-point group under which installed packages register source plug-ins by name."""
 SCRATCH = ".raw-part-{index:05d}.npy"
 """A part's inputs as a worker staged them (deleted once the shards are written)."""
-BUILTINS = {"arrays": "trainflow.tasks.preprocess.array_source:ArrayFiles"}
+BUILTINS = {
+    "arrays": "trainflow.tasks.preprocess.array_source:ArrayFiles",
+    "parquet": "trainflow.tasks.preprocess.parquet_source:ParquetFiles",
+    "hf_dataset": "trainflow.tasks.preprocess.hf_source:SavedDataset",
+}
 """Built-in sources through this seam, registered like a user's. mnist, folder, npz and
 synthetic are not ported: they keep their own listing and worker code (GPU decoding, npz
 staging in shard order, lazy generation)."""
@@ -47,7 +51,8 @@ class Source(Protocol):
 
     Optional attribute `classes: list[str]`: class names (classification: target i means
     classes[i]) or the vocabulary (sequence data); without it the classes or vocabulary are
-    0..max(target).
+    0..max(target). Optional attribute `num_classes: int | None`: the vocabulary's size where
+    its entries go unnamed (a tokenizer's: every id it can give, not only those in the data).
     """
 
     def parts(self) -> list[Any]:
@@ -284,6 +289,9 @@ def classes_of(
 ) -> tuple[list[str], int | None]:
     """Class names and the number of classes (or vocabulary size); ([], None) for floats."""
     names = getattr(plugin.source, "classes", None)
+    size = getattr(plugin.source, "num_classes", None)
+    if names is None and isinstance(size, int):
+        return [], size
     if names is not None:
         names = [str(n) for n in names]
         return names, len(names)

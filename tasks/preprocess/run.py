@@ -32,7 +32,7 @@ from trainflow.tasks.preprocess.npz_staging import (
     probe_npz,
     stage_in_shard_order,
 )
-from trainflow.tasks.preprocess.plugin_source import plan_plugin
+from trainflow.tasks.preprocess.plugin_source import PartRows, plan_plugin
 from trainflow.tasks.preprocess.raw import RawSource
 from trainflow.tasks.preprocess.ref import DatasetRef
 from trainflow.tasks.preprocess.sources import load_source
@@ -205,7 +205,9 @@ def _write_dataset(
         name: _shard_groups(name, idx, source.labels, cfg.shard_size, images)
         for name, idx in splits.items()
     }
-    if isinstance(images, NpzFiles):  # each file read once, its rows written in shard order
+    # Each file (or plug-in part) read once, its rows written in shard order: shards gather
+    # rows from every part, which under a memory limit read each row from disk on its own.
+    if isinstance(images, NpzFiles | PartRows):
         images, tasks = stage_in_shard_order(client, images, tasks, out, _gather)
     # Sent once to every worker: tasks then carry only their row numbers (or file names).
     handle = client.scatter(images, broadcast=True, hash=False)
