@@ -61,6 +61,16 @@ CASES = {
         "test perplexity",
         {"char_transformer.py", "stdlib_text.py"},
     ),
+    "hf_finetune": Example(
+        "hf_finetune",
+        "finetune.toml",
+        "hf",
+        ["train.epochs=2"],
+        {"test_perplexity", "test_token_accuracy", "test_loss"},
+        {"token_accuracy_by_position.png", "huggingface"},
+        "test perplexity",
+        set(),  # a built-in source and model: no user code to snapshot
+    ),
 }
 
 
@@ -78,6 +88,10 @@ def run_example(name: str, tmp_path: Path, extra: list[str]) -> Ran:
     case = CASES[name]
     file = tomllib.loads((EXAMPLES / case.folder / case.experiment).read_text())
     assert file["train"]["model"] == case.model
+    prepare = EXAMPLES / case.folder / "prepare.py"
+    if prepare.exists():  # the example makes its inputs first (as its run.sh does)
+        made = subprocess.run([sys.executable, str(prepare)], capture_output=True, text=True)
+        assert made.returncode == 0, made.stderr[-3000:]
     argv = [str(Path(sys.executable).with_name("trainflow")), "run", case.experiment]
     for item in [
         f"workdir={tmp_path / 'work'}",
@@ -130,8 +144,13 @@ def check_example(name: str, ran: Ran) -> None:
     test, base = evaluate.data.metrics, baselines(name, ran.dataset)
     if name == "diabetes":  # R² over the same test rows: higher is a smaller squared error
         assert test["test_r2"] > base["train mean"] + 0.3, (test, base)
+    elif name == "hf_finetune":  # fine-tuning improved the saved base model
+        assert test["test_perplexity"] < 0.9 * base["base model, before fine-tuning"], (test, base)
+        assert test["test_perplexity"] < base["unigram token frequencies"], (test, base)
     else:  # the train split's byte frequencies, scored on the same test windows
         assert test["test_perplexity"] < base["unigram byte frequencies"], (test, base)
+    if not case.user_files:
+        return
     snapshot = ran.parent.data.tags["code_snapshot_hash"]
     assert train.data.tags["code_snapshot_hash"] == snapshot
     code = {a.path.rsplit("/", 1)[-1] for a in _walk(client, ran.parent.info.run_id, "code")}
