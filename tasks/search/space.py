@@ -13,6 +13,7 @@ a list there is a choice. Each parameter becomes an Optuna distribution (the sam
 """
 
 import json
+import math
 import re
 from collections.abc import Mapping
 from typing import Any, Literal
@@ -48,14 +49,16 @@ class Param(BaseModel):
         return self.kind in ("loguniform", "logint")
 
     def samples(self) -> list[Any]:
-        """Values to build a config with when checking the key: both bounds (and a midpoint
-        for floats, so an int key given a float range is caught), or every choice."""
+        """Values to build a config with when checking the key: both bounds (and, for a
+        float range, the float just above low, so an int key given one is caught), or every
+        choice."""
         if self.kind == "choice":
             return list(self.choices)
         assert self.low is not None and self.high is not None
         if self.kind in ("int", "logint"):
             return [int(self.low), int(self.high)]
-        return [float(self.low), float(self.high), (float(self.low) + float(self.high)) / 2.5]
+        low, high = float(self.low), float(self.high)
+        return [low, high, math.nextafter(low, high)]  # never integral: an int key refuses it
 
     def distribution(self) -> Any:
         """The Optuna distribution the sampler draws this key from."""
