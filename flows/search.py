@@ -10,7 +10,13 @@ from typing import Any
 from prefect import flow, get_run_logger
 
 from trainflow.errors import ConfigError, JobError
-from trainflow.flows.config import PipelineConfig, _as_mapping, build_config, flatten
+from trainflow.flows.config import (
+    PipelineConfig,
+    _as_mapping,
+    build_config,
+    config_hash,
+    flatten,
+)
 from trainflow.flows.error_output import quiet_user_errors
 from trainflow.flows.pipeline import (
     PipelineSummary,
@@ -183,7 +189,12 @@ def run_search(
         best_cfg = base.model_copy(update={"train": trial_train(base.train, best.params)})
         ckpt = CheckpointRef.model_validate(best.user_attrs[CHECKPOINT_ATTR])
         runs.tag(
-            runs.parent_id, {"best_trial": str(best.number), "best_params": json.dumps(best.params)}
+            runs.parent_id,
+            {
+                "best_trial": str(best.number),
+                "best_params": json.dumps(best.params),
+                "config_hash": config_hash(best_cfg),
+            },
         )
         get_run_logger().info("best trial %d: %s", best.number, best.params)
         result = evaluate_stage(

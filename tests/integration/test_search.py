@@ -1,0 +1,67 @@
+"""`trainflow sweep --space`: a search on the local executor, trials pulled by two array
+tasks of two ranks each, losing trials pruned, the best evaluated and registered."""
+
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+from optuna.trial import TrialState
+
+from trainflow.flows import cli
+from trainflow.tasks.search.config import SearchConfig
+from trainflow.tasks.search.study import make_ref, open_study
+
+pytestmark = pytest.mark.integration
+
+GOOD, BAD = (0.005, 0.003, 0.004), (3.0, 5.0)
+"""Learning rates that learn the tiny preset's data in 2 epochs, and that cannot."""
+
+
+def test_a_search_prunes_losing_trials_and_registers_the_best(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    space = f"train.lr=choice({','.join(map(str, GOOD + BAD))})"
+    # Known-good trials first (Optuna's enqueue_trial, as a user seeds a study): the median
+    # rule then has complete trials to prune the bad ones against.
+    cfg = SearchConfig(space={"train.lr": space.partition("=")[2]}, study="tiny-search")
+    study = open_study(make_ref(cfg, tmp_path, "local", "tiny", "val_accuracy", True))
+    for lr in (0.005, 0.003, 3.0, 5.0, 3.0, 0.004):
+        study.enqueue_trial({"train.lr": lr})
+    argv = ["sweep", "--preset", "tiny", "--set", f"workdir={tmp_path}", "--space", space]
+    argv += ["--trials", "6", "--parallel", "2", "--pruner", "median"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    trials = open_study(make_ref(cfg, tmp_path, "local", "tiny", "val_accuracy", True)).trials
+    assert len(trials) == 6
+    assert {t.params["train.lr"] for t in trials} == set(GOOD + BAD)
+    bad = [t for t in trials if t.params["train.lr"] in BAD]
+    good = [t for t in trials if t.params["train.lr"] in GOOD]
+    assert all(t.state == TrialState.COMPLETE for t in good)
+    pruned = [t for t in bad if t.state == TrialState.PRUNED]
+    assert pruned, [(t.params, t.state, t.intermediate_values) for t in bad]
+    assert all(list(t.intermediate_values) == [1] for t in pruned)  # stopped after epoch 1
+    assert "== trials of study tiny-search ==" in out
+    assert f"trial {pruned[0].number:>3}: pruned at epoch 1" in out
+    best = max(good, key=lambda t: (t.value, -t.number))
+    assert f"best: trial {best.number} {{'train.lr': {best.params['train.lr']}}}" in out
+    parent_id = next(line.split()[-1] for line in out.splitlines() if "parent run id" in line)
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    parent = client.get_run(parent_id)
+    assert parent.data.tags["best_trial"] == str(best.number)
+    kids = client.search_runs(
+        [parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent_id}'"
+    )
+    by_name = {r.info.run_name: r for r in kids}
+    assert sorted(by_name) == ["evaluate", "preprocess"] + [f"trial[{i}]" for i in range(6)]
+    for trial in trials:
+        run = by_name[f"trial[{trial.number}]"]
+        assert run.info.status == "FINISHED"
+        assert run.data.params["search.train.lr"] == str(trial.params["train.lr"])
+        points = client.get_metric_history(run.info.run_id, "val_accuracy")
+        if trial.state == TrialState.PRUNED:
+            assert run.data.tags["trial_state"] == "pruned at epoch 1" and len(points) == 1
+        else:
+            assert run.data.tags["trial_state"] == "complete" and len(points) == 2
+    assert "model version   trainflow-classifier v1 (now the champion)" in out
+    version = client.get_model_version("trainflow-classifier", "1")
+    assert version.tags["config_hash"] == parent.data.tags["config_hash"]
