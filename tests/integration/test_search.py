@@ -9,7 +9,7 @@ from optuna.trial import TrialState
 
 from trainflow.flows import cli
 from trainflow.tasks.search.config import SearchConfig
-from trainflow.tasks.search.study import make_ref, open_study
+from trainflow.tasks.search.study import OVER_BUDGET_ATTR, make_ref, open_study
 
 pytestmark = pytest.mark.integration
 
@@ -31,7 +31,8 @@ def test_a_search_prunes_losing_trials_and_registers_the_best(
     argv += ["--trials", "6", "--parallel", "2", "--pruner", "median"]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
-    trials = open_study(make_ref(cfg, tmp_path, "local", "tiny", "val_accuracy", True)).trials
+    study = open_study(make_ref(cfg, tmp_path, "local", "tiny", "val_accuracy", True))
+    trials = [t for t in study.trials if not t.user_attrs.get(OVER_BUDGET_ATTR)]
     assert len(trials) == 6
     assert {t.params["train.lr"] for t in trials} == set(GOOD + BAD)
     bad = [t for t in trials if t.params["train.lr"] in BAD]
