@@ -2,8 +2,8 @@
 
 While the array runs, the study is read every few seconds and each trial that ended is said
 in one line. A cancelled search (Ctrl-C, a Prefect cancellation) cancels the array, fails
-its running trials in Optuna and queues their retries (a rerun of the search resumes them
-from their checkpoints), and marks their MLflow runs KILLED.
+its running trials in Optuna and marks their MLflow runs KILLED (each task does so for its
+trial as it stops; what a task killed outright left RUNNING, the flow does).
 """
 
 import threading
@@ -20,7 +20,7 @@ from trainflow.cluster.config import ClusterConfig
 from trainflow.cluster.executor import make_executor
 from trainflow.cluster.jobs import wait_for_jobs
 from trainflow.cluster.slurm_checks import check_cluster
-from trainflow.tasks.search.study import StudyRef, open_storage, open_study
+from trainflow.tasks.search.study import StudyRef, open_study
 from trainflow.tasks.search.trial_runs import RUN_ATTR, close_trial_run
 from trainflow.tasks.search.trial_worker import SearchJob, TrialWorker
 
@@ -112,27 +112,23 @@ def search_task(
         except BaseException:
             stopped = fail_running(job.study, job.base.tracking_uri)
             if stopped:
-                logger.warning("trials %s were running: failed, queued to resume", stopped)
+                logger.warning("trials %s were running: failed (cancelled)", stopped)
             raise
 
 
 def fail_running(ref: StudyRef, tracking_uri: str | None) -> list[int]:
-    """After a cancellation: the study's running trials failed and queued again (as a lost
-    task's are: RetryHeartbeatStaleTrialCallback, so a rerun resumes them from their
-    checkpoints), their MLflow runs KILLED. The trial numbers."""
+    """After a cancellation: the study's trials still running failed, their MLflow runs
+    KILLED. The trial numbers."""
     import optuna
     from optuna.trial import TrialState
 
     study = open_study(ref)
-    retry = open_storage(ref).get_heartbeat_stale_trial_callback()
     stopped = []
     for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         try:
             study.tell(trial.number, state=TrialState.FAIL)
         except (RuntimeError, ValueError, optuna.exceptions.UpdateFinishedTrialError):
             continue  # it ended meanwhile
-        if retry is not None:
-            retry(study, trial)
         stopped.append(trial.number)
         run_id = trial.user_attrs.get(RUN_ATTR)
         if tracking_uri and run_id:

@@ -176,10 +176,14 @@ class _Leader:
         hook = _Pruning(trial, ref.metric)
         try:
             ref_ = _train(spec, hook, run_id)
-        except BaseException as exc:
+        except Exception as exc:  # Optuna fails the trial (catch=Exception); the next follows
             if run_id and uri:
                 close_trial_run(uri, run_id, "failed", "FAILED")
             raise JobError(f"trial {trial.number} failed: {exc}") from exc
+        except KeyboardInterrupt:  # the search was cancelled: Optuna fails the trial
+            if run_id and uri:
+                close_trial_run(uri, run_id, "killed (cancelled)", "KILLED")
+            raise
         if hook.pruned_at:
             if run_id and uri:
                 close_trial_run(uri, run_id, f"pruned at epoch {hook.pruned_at}", "FINISHED")

@@ -1,6 +1,11 @@
 """`trainflow sweep --space`: a search on the local executor, trials pulled by two array
 tasks of two ranks each, losing trials pruned, the best evaluated and registered."""
 
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -66,3 +71,51 @@ def test_a_search_prunes_losing_trials_and_registers_the_best(
     assert "model version   trainflow-classifier v1 (now the champion)" in out
     version = client.get_model_version("trainflow-classifier", "1")
     assert version.tags["config_hash"] == parent.data.tags["config_hash"]
+
+
+def test_sigterm_cancels_the_array_and_leaves_no_trial_running(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    argv = [sys.executable, "-m", "trainflow.flows.cli", "sweep", "--preset", "tiny"]
+    argv += ["--set", f"workdir={tmp_path}", "--set", "train.epochs=5000"]
+    argv += ["--set", "cluster.ranks_per_node=1", "--space", "train.lr=loguniform(1e-3,1e-2)"]
+    argv += ["--trials", "4", "--parallel", "2", "--pruner", "none"]
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
+    try:
+        _wait_for_line(proc, "epoch 2/5000", limit_s=300)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 130
+    finally:
+        proc.kill()
+    cfg = SearchConfig(space={"train.lr": "loguniform(1e-3,1e-2)"}, study="tiny-search")
+    trials = open_study(make_ref(cfg, tmp_path, "local", "tiny", "val_accuracy", True)).trials
+    assert trials and not [t for t in trials if t.state == TrialState.RUNNING]
+    assert [t for t in trials if t.state == TrialState.FAIL and t.intermediate_values]
+    time.sleep(2)  # no task or rank of the search survives
+    left = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True)
+    assert left.stdout.strip() == "", left.stdout
+    assert not list((tmp_path / "active_jobs").glob("*.json"))
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("trainflow")
+    assert exp is not None
+    runs = {r.info.run_name: r for r in client.search_runs([exp.experiment_id])}
+    assert runs["tiny-search"].info.status == "KILLED"
+    for trial in trials:
+        run = runs[f"trial[{trial.number}]"]
+        assert run.info.status == "KILLED", (trial.number, run.data.tags)
+        assert run.data.tags["trial_state"] == "killed (cancelled)"
+
+
+def _wait_for_line(proc: subprocess.Popen[str], needle: str, limit_s: float) -> list[str]:
+    lines: list[str] = []
+    deadline = time.monotonic() + limit_s
+    assert proc.stdout is not None
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line and proc.poll() is not None:
+            break
+        lines.append(line)
+        if needle in line:
+            return lines
+    raise AssertionError(f"{needle!r} never appeared:\n{''.join(lines[-30:])}")
