@@ -147,6 +147,7 @@ def run_search(
 ) -> SearchSummary:
     """The search body for a validated and checked config (must run inside a flow)."""
     from trainflow.flows.pipeline import train_spec
+    from trainflow.tasks.search.plots import log_study_plots
     from trainflow.tasks.search.task import ended_trials, search_task, trial_line
     from trainflow.tasks.search.trial_worker import CHECKPOINT_ATTR, SearchJob, trial_train
     from trainflow.tasks.tracking.pipeline_runs import PipelineRuns
@@ -177,6 +178,9 @@ def run_search(
         with timed(t, "train"):
             outcomes = search_task(job, parallel, base.cluster, run_dir / "jobs", base.workdir)
         study = open_study(ref)
+        log_study_plots(
+            runs.client, runs.parent_id, study, run_dir / "plots", get_run_logger().warning
+        )
         complete = [
             t_
             for t_ in study.get_trials()

@@ -11,5 +11,6 @@ Modules:
     study         StudyRef; storage with heartbeats and retries, sampler, pruner, the budget.
     trial_worker  the array task: asks for a trial, trains it, reports each epoch, tells.
     trial_runs    a trial's MLflow child run, opened and closed by the array task.
+    plots         Optuna's history, intermediate-value and importance plots on the parent run.
     task          the Prefect @task: submit the array, say each trial that ended, cancel.
 """

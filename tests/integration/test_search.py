@@ -69,6 +69,9 @@ def test_a_search_prunes_losing_trials_and_registers_the_best(
         else:
             assert run.data.tags["trial_state"] == "complete" and len(points) == 2
     assert "model version   trainflow-classifier v1 (now the champion)" in out
+    plots = {a.path for a in client.list_artifacts(parent_id, "plots")}
+    for name in ("optimization_history", "intermediate_values", "param_importances"):
+        assert f"plots/search_{name}.png" in plots
     version = client.get_model_version("trainflow-classifier", "1")
     assert version.tags["config_hash"] == parent.data.tags["config_hash"]
 
