@@ -1,12 +1,15 @@
 """Prefect entry of a search's training: the array of trial-pulling tasks, watched.
 
-While the array runs, the study is read every few seconds and each trial that ended is said
-in one line. A cancelled search (Ctrl-C, a Prefect cancellation) cancels the array, fails
-its running trials in Optuna and marks their MLflow runs KILLED (each task does so for its
-trial as it stops; what a task killed outright left RUNNING, the flow does).
+While the array runs, the study is read every few seconds (as the tasks' log lines are
+forwarded) and each trial that ended is said in one line; a Prefect progress artifact shows
+the trials done, pruned, failed and running, and the best so far.
+
+A cancelled search (Ctrl-C, a Prefect cancellation) cancels the array, fails its running
+trials in Optuna and marks their MLflow runs KILLED (each task does so for its trial as it
+stops; what a task killed outright left RUNNING, the flow does).
 """
 
-import threading
+import time
 from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
@@ -20,9 +23,10 @@ from trainflow.cluster.config import ClusterConfig
 from trainflow.cluster.executor import make_executor
 from trainflow.cluster.jobs import wait_for_jobs
 from trainflow.cluster.slurm_checks import check_cluster
-from trainflow.tasks.search.study import StudyRef, open_study
+from trainflow.tasks.search.study import OVER_BUDGET_ATTR, StudyRef, open_study
 from trainflow.tasks.search.trial_runs import RUN_ATTR, close_trial_run
 from trainflow.tasks.search.trial_worker import SearchJob, TrialWorker
+from trainflow.tasks.tracking.progress import TrialProgress
 
 WATCH_S = 2.0
 """How often the flow reads the study for trials that ended."""
@@ -48,8 +52,6 @@ def trial_line(trial: Any, metric: str) -> str:
 def ended_trials(study: Any) -> list[Any]:
     """The study's trials that ended (complete, pruned, failed), in order; those asked for
     after the budget was spent (never trained) left out."""
-    from trainflow.tasks.search.study import OVER_BUDGET_ATTR
-
     return [
         t
         for t in study.get_trials(deepcopy=False)
@@ -57,38 +59,59 @@ def ended_trials(study: Any) -> list[Any]:
     ]
 
 
+def progress_of(study: Any, metric: str) -> tuple[dict[str, int], str]:
+    """The study's trials per state (complete, pruned, failed, running) and its best value."""
+    counts: dict[str, int] = {}
+    for trial in study.get_trials(deepcopy=False):
+        if trial.user_attrs.get(OVER_BUDGET_ATTR) or trial.state.name == "WAITING":
+            continue
+        state = {"COMPLETE": "complete", "PRUNED": "pruned", "RUNNING": "running"}
+        key = state.get(trial.state.name, "failed")
+        counts[key] = counts.get(key, 0) + 1
+    best = ""
+    if counts.get("complete"):
+        best = f"{metric} {study.best_value:.4f} (trial {study.best_trial.number})"
+    return counts, best
+
+
 class StudyWatch:
-    """Says each trial that ended once, from a thread reading the study every WATCH_S."""
+    """Says each trial that ended once and updates the progress artifact: read from the study
+    as the array's log lines are forwarded (at most every WATCH_S), and once at the end."""
 
-    def __init__(self, ref: StudyRef, say: Callable[[str], None]) -> None:
-        self.ref, self.say = ref, say
-        self.seen: set[int] = set()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="study-watch", daemon=True)
+    def __init__(
+        self, ref: StudyRef, say: Callable[[str], None], progress: TrialProgress | None = None
+    ) -> None:
+        self.ref, self.say, self.progress = ref, say, progress
+        self.seen = {t.number for t in ended_trials(open_study(ref))}  # earlier runs'
+        self._last = time.monotonic()
 
-    def __enter__(self) -> "StudyWatch":
-        self.seen = {t.number for t in ended_trials(open_study(self.ref))}  # earlier runs'
-        self._thread.start()
-        return self
+    def watching(self, log: Callable[[str], None]) -> Callable[[str], None]:
+        """`log`, then a look at the study when WATCH_S have passed since the last."""
 
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.poll()
+        def log_and_poll(line: str) -> None:
+            log(line)
+            if time.monotonic() - self._last >= WATCH_S:
+                self.poll()
+
+        return log_and_poll
 
     def poll(self) -> None:
-        """Say the trials that ended since the last poll."""
-        for trial in ended_trials(open_study(self.ref)):
+        """Say the trials that ended since the last poll; update the progress artifact. A
+        database that does not answer is one warning, tried again at the next poll."""
+        self._last = time.monotonic()
+        try:
+            study = open_study(self.ref)
+            ended = ended_trials(study)
+            counts = progress_of(study, self.ref.metric)
+        except Exception as exc:
+            self.say(f"warning: cannot read the study: {type(exc).__name__}: {exc}"[:400])
+            return
+        for trial in ended:
             if trial.number not in self.seen:
                 self.seen.add(trial.number)
                 self.say(trial_line(trial, self.ref.metric))
-
-    def _run(self) -> None:
-        while not self._stop.wait(WATCH_S):
-            try:
-                self.poll()
-            except Exception as exc:  # the database busy or away: said, tried again
-                self.say(f"warning: cannot read the study: {type(exc).__name__}: {exc}")
+        if self.progress is not None:
+            self.progress(*counts)
 
 
 @task(name="search-array", cache_policy=NO_CACHE, persist_result=False)
@@ -107,8 +130,12 @@ def search_task(
         for job_id in ids:
             watched.enter_context(registry.watching(workdir, job_id, cluster.executor, job_dir))
         try:
-            with StudyWatch(job.study, logger.info):
-                return wait_for_jobs(jobs, logger.info)
+            watch = StudyWatch(
+                job.study, logger.info, TrialProgress(job.study.trials, logger.warning)
+            )
+            outcomes = wait_for_jobs(jobs, watch.watching(logger.info))
+            watch.poll()
+            return outcomes
         except BaseException:
             stopped = fail_running(job.study, job.base.tracking_uri)
             if stopped:

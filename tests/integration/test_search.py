@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 from optuna.trial import TrialState
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
 from trainflow.flows import cli
 from trainflow.tasks.search.config import SearchConfig
@@ -69,6 +71,16 @@ def test_a_search_prunes_losing_trials_and_registers_the_best(
         else:
             assert run.data.tags["trial_state"] == "complete" and len(points) == 2
     assert "model version   trainflow-classifier v1 (now the champion)" in out
+    # Prefect's progress artifact ended at the whole budget, with the study's counts.
+    done = f"{len(trials) - len(pruned)} complete, {len(pruned)} pruned, 0 failed"
+    expected = f"search: {done}, 0 running of 6 trials; best val_accuracy {best.value:.4f} "
+    expected += f"(trial {best.number})"
+    found = ArtifactFilter(key=ArtifactFilterKey(any_=["search-progress"]))
+    with get_client(sync_client=True) as prefect:
+        shown = prefect.read_artifacts(artifact_filter=found, limit=50)
+    assert [a for a in shown if a.description == expected and float(str(a.data)) == 100.0], [
+        a.description for a in shown
+    ]
     plots = {a.path for a in client.list_artifacts(parent_id, "plots")}
     for name in ("optimization_history", "intermediate_values", "param_importances"):
         assert f"plots/search_{name}.png" in plots
