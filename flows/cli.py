@@ -58,7 +58,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     sw = sub.add_parser(
         "sweep",
-        help="train a grid of configs as one job array, evaluate the best",
+        help="train a grid (--grid) or search a space (--space) as one job array, evaluate "
+        "the best",
         parents=[common, config_args],
     )
     sw.add_argument(
@@ -68,6 +69,7 @@ def _parser() -> argparse.ArgumentParser:
         metavar="KEY=[V1,V2,...]",
         help="a train.* key and its values as a JSON list (repeatable: the grid is the product)",
     )
+    _search_args(sw)
     sub.add_parser("presets", help="list the named presets")
     clu = sub.add_parser("cluster", help="a dev Slurm cluster of N nodes on this machine")
     clu.add_argument("action", choices=["up", "down", "status"])
@@ -86,6 +88,29 @@ def _parser() -> argparse.ArgumentParser:
     ui.add_argument("--host", default="127.0.0.1", help="interface to bind (0.0.0.0: all)")
     ui.add_argument("--port", type=int, default=5000, help="port to listen on")
     return parser
+
+
+def _search_args(sw: argparse.ArgumentParser) -> None:
+    """The search mode of `trainflow sweep` (docs/search.md)."""
+    sw.add_argument(
+        "--space",
+        action="append",
+        default=[],
+        metavar="KEY=KIND(ARGS)",
+        help="search instead of a grid: a train.* key and its values, e.g. "
+        "train.lr=loguniform(1e-4,1e-1), train.width=int(16,128), "
+        "train.batch_size=choice(32,64,128) (repeatable)",
+    )
+    sw.add_argument("--trials", type=int, default=16, help="search: trials in the budget")
+    sw.add_argument("--parallel", type=int, default=2, help="search: trials trained at once")
+    sw.add_argument("--sampler", choices=["tpe", "grid", "random"], default="tpe")
+    sw.add_argument("--pruner", choices=["asha", "median", "none"], default="asha")
+    sw.add_argument(
+        "--storage",
+        help="search: the study's database URL (default: SQLite under the workdir; Slurm: "
+        "e.g. postgresql+psycopg://user:password@host/db)",
+    )
+    sw.add_argument("--study", help="search: study name (the same name continues the study)")
 
 
 def _ui_args(cfg: PipelineConfig, port: int, host: str = "127.0.0.1") -> list[str]:
@@ -199,8 +224,63 @@ def _cleanup(cfg: PipelineConfig) -> int:
     return 1 if any(not cancelled for _, cancelled in orphans) else 0
 
 
+def _search(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
+    from trainflow.flows.search import build_search
+    from trainflow.tasks.search.config import SearchConfig
+    from trainflow.tasks.search.space import parse_space
+
+    if args.grid:
+        raise ConfigError("pass --grid or --space, not both (a grid is --sampler grid)")
+    try:
+        cfg = SearchConfig(
+            space={p.key: p.text() for p in parse_space(args.space)},
+            trials=args.trials,
+            parallel=args.parallel,
+            sampler=args.sampler,
+            pruner=args.pruner,
+            storage=args.storage,
+            study=args.study,
+        )
+    except ValidationError as err:
+        first = err.errors()[0]
+        raise ConfigError(f"--{first['loc'][0]}: {first['msg']}") from None
+    base, ref, model = build_search(args.preset, args.overrides, cfg, args.experiment)
+    print(model.line(), flush=True)
+    print(f"study {ref.name} in {ref.storage.split('@')[-1]}: {ref.trials} trials", flush=True)
+    _prepare_flow_process()
+    from trainflow.flows.search import checked_search
+
+    try:
+        summary = checked_search(
+            base,
+            ref,
+            cfg.parallel,
+            model,
+            args.preset,
+            args.overrides,
+            args.space,
+            args.experiment,
+        )
+    except KeyboardInterrupt:
+        print("trainflow: interrupted; the search tasks were cancelled", file=sys.stderr)
+        return 130
+    except Exception as err:
+        return _refused(err)
+    print(f"\n== trials of study {summary.study} ==")
+    for line in summary.trials:
+        print(line)
+    print(f"best: trial {summary.best_trial} {summary.best_params}")
+    _print_summary(summary, base)
+    return 0
+
+
 def _sweep(args: argparse.Namespace) -> int:
     from trainflow.flows.config import build_sweep, parse_override
+
+    if args.space:
+        return _search(args)
     from trainflow.flows.preflight import preflight
 
     grid = {".".join(path): value for path, value in map(parse_override, args.grid)}

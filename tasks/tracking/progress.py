@@ -1,5 +1,5 @@
 """Progress of the long stages as Prefect progress artifacts: training, updated each epoch,
-and preprocessing, by shard-writing tasks done.
+preprocessing, by shard-writing tasks done, and a search, by trials ended.
 
 The flow side learns how far a job got from what the job already writes for resuming: one
 checkpoint per epoch, renamed into place (``epoch-NNNNNN.pt``), on the filesystem that the
@@ -23,6 +23,8 @@ TRAIN_KEY = "train-progress"
 """Key of the train stage's progress artifact (Prefect: lowercase letters, digits, dashes)."""
 PREPROCESS_KEY = "preprocess-progress"
 """Key of the preprocess stage's progress artifact."""
+SEARCH_KEY = "search-progress"
+"""Key of a search's progress artifact (tasks.search)."""
 
 
 class _Artifact(ABC):
@@ -127,3 +129,33 @@ class EpochProgress(_Artifact):
 
     def _description(self) -> str:
         return f"training: epoch {self._epoch} of {self._epochs} checkpointed"
+
+
+class TrialProgress(_Artifact):
+    """A search's trials: the share of the budget ended, and how many completed, were pruned,
+    failed or are running, with the best value so far, in its description."""
+
+    def __init__(self, trials: int, warn: Callable[[str], None]) -> None:
+        self._trials = trials
+        self._counts: dict[str, int] = {}
+        self._best = ""
+        super().__init__(SEARCH_KEY, "search", warn)
+
+    @property
+    def percent(self) -> float:
+        """Share of the budget's trials that ended, 0 to 100."""
+        ended = sum(n for state, n in self._counts.items() if state != "running")
+        return 100.0 * min(ended, self._trials) / self._trials
+
+    def __call__(self, counts: dict[str, int], best: str) -> None:
+        """The study's trials per state (complete, pruned, failed, running) and its best."""
+        if (counts, best) != (self._counts, self._best):
+            self._counts, self._best = dict(counts), best
+            self._update()
+
+    def _description(self) -> str:
+        states = ("complete", "pruned", "failed", "running")
+        done = ", ".join(f"{self._counts.get(s, 0)} {s}" for s in states)
+        return f"search: {done} of {self._trials} trials" + (
+            f"; best {self._best}" if self._best else ""
+        )

@@ -8,7 +8,7 @@ import random
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import submitit
 import torch
@@ -99,11 +99,24 @@ class TrainJobSpec(BaseModel):
     """With a run: seconds between system metrics samples of each node; 0: none."""
 
 
-class TrainingJob(submitit.helpers.Checkpointable):
-    """Trains `spec.train` on `spec.dataset` in this rank; returns rank 0's best checkpoint."""
+class EpochEnd(Protocol):
+    """Told of every epoch's metrics on every rank once the epoch is recorded (a search
+    reports them to its study: tasks.search); True stops the training there. All ranks must
+    return the same answer (the metrics are equal on all ranks; a decision made on one rank
+    is broadcast)."""
 
-    def __init__(self, spec: TrainJobSpec) -> None:
+    def __call__(self, epoch: int, metrics: dict[str, float], dist: DistContext) -> bool:
+        """Whether to stop after `epoch`."""
+        ...
+
+
+class TrainingJob(submitit.helpers.Checkpointable):
+    """Trains `spec.train` on `spec.dataset` in this rank; returns rank 0's best checkpoint.
+    `epoch_end`: called after each epoch, may stop the training early (a pruned trial)."""
+
+    def __init__(self, spec: TrainJobSpec, epoch_end: EpochEnd | None = None) -> None:
         self.spec = spec
+        self.epoch_end = epoch_end
 
     @property
     def data_spec(self) -> DataSpec:
@@ -180,7 +193,7 @@ class TrainingJob(submitit.helpers.Checkpointable):
 
     def checkpoint(self, *args: Any, **kwargs: Any) -> submitit.helpers.DelayedSubmission:
         """On timeout or preemption: requeue a fresh job; it resumes from disk by itself."""
-        return submitit.helpers.DelayedSubmission(type(self)(self.spec))
+        return submitit.helpers.DelayedSubmission(type(self)(self.spec, self.epoch_end))
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -269,6 +282,10 @@ class TrainingJob(submitit.helpers.Checkpointable):
                     self._record_sharded(trainer, progress, metrics, logger, recorder, saver)
                 elif trainer.dist.is_main:
                     self._record(trainer, progress, metrics, logger, recorder)
+                if self.epoch_end is not None and self.epoch_end(
+                    progress.epoch, metrics, trainer.dist
+                ):
+                    break
         except BaseException:
             if saver is not None:
                 saver.settle()

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 TASKS = Path(__file__).resolve().parents[2] / "tasks"
-STAGES = ["preprocess", "train", "evaluate", "tracking", "objectives"]
+STAGES = ["preprocess", "train", "evaluate", "tracking", "objectives", "search"]
 
 
 def mapped(folder: Path) -> list[str]:
