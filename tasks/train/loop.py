@@ -8,6 +8,7 @@ queue every step.
 import math
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -109,28 +110,50 @@ def _train_step(trainer: Trainer, x: torch.Tensor, y: torch.Tensor, lr: float) -
     return trainer.objective.sums(output.detach(), y)
 
 
+class EpochStop(Protocol):
+    """Tells the loop where to stop early (tasks.train.time_limit) and takes the sums so far."""
+
+    carried: list[float]
+    """Metric sums (count last) of the epoch's batches done before this call, all ranks'."""
+
+    def should_stop(self, step: int) -> bool:
+        """Whether to stop before `step`; asked on every rank at every step with a batch left."""
+        ...
+
+    def stopped(self, done: int, totals: list[float]) -> None:
+        """The loop stopped after `done` of its batches, with these all-rank sums."""
+        ...
+
+
 def train_epoch(
     trainer: Trainer,
     data: Split,
     batches: list[torch.Tensor],
     step: int,
     clock: RankClock | None = None,
+    stop: EpochStop | None = None,
 ) -> tuple[dict[str, float], int]:
     """Train over `batches` starting at global `step`; returns (metrics, next step).
 
     Metrics: train_<the objective's metrics> (train_loss, train_accuracy...), samples_per_s
     (all ranks together), lr. `clock` stops when this rank's last step is done, before the
-    ranks meet (tasks.train.throughput).
+    ranks meet (tasks.train.throughput). `stop`: the epoch may end early (a time limit); its
+    sums of the batches an earlier attempt did count too (rank 0 adds them).
     """
     device = trainer.dist.device
     trainer.model.train()
     objective = trainer.objective
     sums = torch.zeros(objective.sums_size + 1, dtype=torch.float64, device=device)
+    if stop is not None and stop.carried and trainer.dist.is_main:
+        sums += torch.tensor(stop.carried, dtype=torch.float64, device=device)
+    done = 0
     lr = cosine_lr(step, trainer.total_steps, trainer.peak_lr)
     start = time.perf_counter()
     beat = trainer.heartbeat.beat
     fetched = iter(data.batches(batches, device))
     while True:
+        if stop is not None and done < len(batches) and stop.should_stop(step):
+            break
         beat("data", step)
         try:
             x, y = next(fetched)
@@ -141,9 +164,12 @@ def train_epoch(
         sums[:-1] += _train_step(trainer, x, y, lr)
         sums[-1] += y.shape[0]
         step += 1
+        done += 1
     if clock is not None:
         clock.stop()
     *totals, count = all_reduce_sum(sums, trainer.dist).tolist()
+    if stop is not None and done < len(batches):
+        stop.stopped(done, [*totals, count])
     elapsed = time.perf_counter() - start
     metrics = {f"train_{k}": v for k, v in objective.metrics(totals).items()}
     metrics |= {"samples_per_s": count / max(elapsed, 1e-9), "lr": lr}

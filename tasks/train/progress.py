@@ -26,6 +26,7 @@ MAY_CHANGE_ON_RESUME = {
     "epochs",
     "hang_timeout_s",
     "hang_first_step_s",
+    "time_limit_margin_s",
     "log_every_epochs",
     "device",
     "precision",
@@ -56,6 +57,12 @@ class Progress:
     best_epoch: int = 0
     logged_epochs: int = 0
     """Epochs whose metrics reached the logger's flush: later ones are re-logged on resume."""
+    epoch_batches: int = 0
+    """Batches (per rank) of epoch `epoch + 1` done: a checkpoint before a time limit."""
+    epoch_sums: list[float] = field(default_factory=list)
+    """Those batches' training metric sums, all ranks together (the loop's, count last)."""
+    timing: dict[str, float] = field(default_factory=dict)
+    """What the time-limit watch measured (tasks.train.time_limit.Estimates)."""
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> "Progress":
