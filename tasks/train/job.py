@@ -268,13 +268,6 @@ class TrainingJob(submitit.helpers.Checkpointable):
         self.saved_step = progress.step
         if trainer.dist.is_main:
             print(f"resuming from {path} after epoch {progress.epoch}", flush=True)
-            if self.attempt > 1:
-                within = f", batch {progress.epoch_batches}" if progress.epoch_batches else ""
-                print(
-                    f"attempt {self.attempt} continues from step {progress.step} "
-                    f"(epoch {progress.epoch + 1}{within})",
-                    flush=True,
-                )
         return progress
 
     def _run_identity(self) -> dict[str, Any]:

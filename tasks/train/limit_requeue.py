@@ -72,6 +72,13 @@ class LimitRequeue:
             ctx, job.spec.signal_delay_s, cfg.time_limit_margin_s, cfg.strategy != "fsdp"
         )
         limit.estimates = Estimates.from_state(progress.timing)
+        if ctx.is_main and job.attempt > 1:
+            within = f", batch {progress.epoch_batches}" if progress.epoch_batches else ""
+            print(
+                f"attempt {job.attempt} continues from step {progress.step} "
+                f"(epoch {progress.epoch + 1}{within})",
+                flush=True,
+            )
         return cls(job, limit, progress.step)
 
     def epoch(self, progress: Progress, steps: int) -> EpochLimit:
