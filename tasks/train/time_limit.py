@@ -1,8 +1,7 @@
 """Time limits never cost work: checkpoint at a step boundary before the limit, then requeue.
 
 A job with a time limit (Slurm's, or the local executor's) learns once per attempt when it
-must have finished: the limit less the requeue signal's delay (`cluster.signal_delay_s`: the
-signal is the backstop, it must not come first) less `train.time_limit_margin_s`. Rank 0 then
+must have finished: the limit less `train.time_limit_margin_s`. Rank 0 then
 plans from what it measures as it goes: the seconds a step takes, the last checkpoint save
 and the last validation pass. At planned step boundaries (a few per epoch, more as the limit
 nears) rank 0 broadcasts its plan, so every rank stops at the same step: the job checkpoints
@@ -13,12 +12,20 @@ The plan (`plan`): when the rest of the epoch, its validation and its checkpoint
 time left, nothing happens before the epoch's end (a look again once half the slack is
 spent); else the job stops after as many steps as leave time for one save, and looks again
 halfway there, with fresher measurements.
+
+The requeue signal (`cluster.signal_delay_s` before the limit; Slurm checks limits every 30 s
+and sends it up to that much earlier) is the backstop: rank 0 holds a time limit's signal
+until its own deadline (`hold_limit_signal`) and lets it act only if the job has not stopped
+by then. A signal far from the limit is a preemption and acts at once.
 """
 
 import os
+import signal
 import subprocess
+import threading
 import time
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import Any, NoReturn
 
 import torch
@@ -30,7 +37,13 @@ SAVE_FACTOR = 1.5
 """A save is planned to take this many times the last one measured."""
 FIRST_SAVE_S = 5.0
 """What a save is taken to cost before one was measured (no checkpoint written yet)."""
+SIGNAL_EARLY_S = 45.0
+"""How much earlier than its delay a time limit's requeue signal may come (Slurm checks limits
+every 30 s), with slack: a signal within this of `signal_delay_s` before the limit is the
+limit's, one earlier a preemption's."""
 LOCAL_TIMEOUT_ENV = "SUBMITIT_LOCAL_TIMEOUT_S"
+_requeueing = threading.Event()
+"""Set once the job requeues itself: its own signal is never held."""
 LOCAL_SIGNAL_ENV = "SUBMITIT_LOCAL_SIGNAL_DELAY_S"
 
 
@@ -180,7 +193,8 @@ class TimeLimit:
             left = seconds_left()
             if left is not None:
                 limit.limit_at = time.monotonic() + left
-                limit.deadline = limit.limit_at - signal_delay(signal_delay_s) - margin_s
+                limit.deadline = limit.limit_at - margin_s
+                hold_limit_signal(limit, signal_delay(signal_delay_s))
         return limit
 
     def remaining_s(self) -> float | None:
@@ -247,6 +261,7 @@ def requeue_now(is_main: bool) -> NoReturn:
     from trainflow.tasks.train.early_signal import preemption_signal
 
     if is_main:
+        _requeueing.set()  # the job's own signal: not held (hold_limit_signal)
         os.kill(os.getpid(), preemption_signal())
     while True:  # the handler exits this process (rank 0); Slurm or the guard ends the others
         time.sleep(0.5)
@@ -270,3 +285,41 @@ class EpochLimit:
     def stopped(self, done: int, totals: list[float]) -> None:
         """The loop stopped after `done` batches, with these all-rank sums."""
         self.done, self.totals = done, totals
+
+
+def hold_limit_signal(limit: TimeLimit, delay_s: float) -> None:
+    """In rank 0's main thread: hold a time limit's requeue signal until `limit`'s deadline.
+
+    The handler in place (submitit's, which checkpoints and requeues at once) stays the one
+    that acts: a signal that comes while the deadline is ahead and the limit near is re-sent
+    when the deadline passes (the job has normally stopped and requeued by then); any other
+    signal (a preemption, or one past the deadline) goes to that handler at once.
+    """
+    from trainflow.tasks.train.early_signal import preemption_signal
+
+    sig = preemption_signal()
+    acting = signal.getsignal(sig)
+    if not callable(acting):
+        return
+
+    def holding(signum: int, frame: FrameType | None) -> None:
+        remaining, until_limit = limit.remaining_s(), limit.until_limit_s()
+        if (
+            not _requeueing.is_set()
+            and remaining is not None
+            and until_limit is not None
+            and remaining > 1.0
+            and until_limit <= delay_s + SIGNAL_EARLY_S
+        ):
+            print(
+                f"time limit in {time_text(until_limit)}: requeue signal held for "
+                f"{time_text(remaining)}, until the planned checkpoint",
+                flush=True,
+            )
+            timer = threading.Timer(remaining, os.kill, (os.getpid(), signum))
+            timer.daemon = True
+            timer.start()
+            return
+        acting(signum, frame)
+
+    signal.signal(sig, holding)

@@ -42,9 +42,9 @@ def test_a_job_reads_its_time_left_from_squeue(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(900)
 def test_a_job_needing_several_time_limits_ends_as_one_without(tmp_path: Path) -> None:
-    dataset = write_dataset(tmp_path / "data", n_train=12288, n_val=256)
+    dataset = write_dataset(tmp_path / "data", n_train=8192, n_val=256)
     train = TrainConfig(
-        epochs=2,
+        epochs=8,
         batch_size=64,
         precision="fp32",
         model="resnet",
