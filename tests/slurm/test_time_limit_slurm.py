@@ -44,7 +44,7 @@ def test_a_job_reads_its_time_left_from_squeue(tmp_path: Path) -> None:
 def test_a_job_needing_several_time_limits_ends_as_one_without(tmp_path: Path) -> None:
     dataset = write_dataset(tmp_path / "data", n_train=8192, n_val=256)
     train = TrainConfig(
-        epochs=12,
+        epochs=16,
         batch_size=64,
         precision="fp32",
         model="resnet",
@@ -52,7 +52,7 @@ def test_a_job_needing_several_time_limits_ends_as_one_without(tmp_path: Path) -
         time_limit_margin_s=5,
     )
     spec = TrainJobSpec(
-        train=train, dataset=dataset, out_dir=tmp_path / "slurm", signal_delay_s=20, max_requeues=1
+        train=train, dataset=dataset, out_dir=tmp_path / "slurm", signal_delay_s=20, max_requeues=0
     )
     slurm = ClusterConfig(
         executor="slurm", nodes=2, ranks_per_node=1, timeout_min=1, signal_delay_s=20
