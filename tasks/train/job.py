@@ -94,8 +94,8 @@ class TrainJobSpec(BaseModel):
     """With a run: seconds between system metrics samples of each node; 0: none."""
     signal_delay_s: int = Field(0, ge=0)
     """Seconds before a Slurm time limit that the requeue signal comes (cluster.signal_delay_s):
-    the job plans to have checkpointed by then (the local executor's delay is read from its
-    environment)."""
+    such a signal is the limit's, held by rank 0 until its own planned checkpoint; one earlier
+    is a preemption's (the local executor's delay is read from its environment)."""
     max_requeues: int = Field(3, ge=0)
     """Attempts in a row that reach a time limit without a new checkpoint before the job
     fails (cluster.max_requeues); attempts that made progress do not count."""

@@ -50,8 +50,7 @@ class StalledAtTimeLimit(Exception):
             f"{stalled} attempts in a row reached their time limit without a new checkpoint "
             f"(still at {where}; cluster.max_requeues={max_requeues}): not requeued again. "
             "Start-up, a few steps and one checkpoint save must fit in cluster.timeout_min "
-            "less cluster.signal_delay_s and train.time_limit_margin_s: raise "
-            "cluster.timeout_min or lower the other two"
+            "less train.time_limit_margin_s: raise cluster.timeout_min or lower the margin"
         )
 
 
