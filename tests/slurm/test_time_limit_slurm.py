@@ -15,6 +15,7 @@ from tests.unit.datasets import write_dataset
 from trainflow.cluster.config import ClusterConfig
 from trainflow.cluster.executor import make_executor
 from trainflow.cluster.jobs import wait_for_job
+from trainflow.errors import JobError
 from trainflow.tasks.train.checkpoint import latest_checkpoint, load_state
 from trainflow.tasks.train.config import TrainConfig
 from trainflow.tasks.train.job import TrainingJob, TrainJobSpec
@@ -76,3 +77,23 @@ def test_a_job_needing_several_time_limits_ends_as_one_without(tmp_path: Path) -
         torch.testing.assert_close(got["model"][name], tensor, rtol=0, atol=1e-6, msg=name)
     for a, b in zip(got["history"], want["history"], strict=True):
         assert _untimed(a) == pytest.approx(_untimed(b), abs=1e-6)
+
+
+@pytest.mark.timeout(600)
+def test_attempts_without_progress_fail_after_max_requeues(tmp_path: Path) -> None:
+    dataset = write_dataset(tmp_path / "data")
+    # A margin longer than the limit: every attempt stops before its first step.
+    train = TrainConfig(epochs=2, batch_size=64, precision="fp32", time_limit_margin_s=3600)
+    spec = TrainJobSpec(
+        train=train, dataset=dataset, out_dir=tmp_path / "run", signal_delay_s=20, max_requeues=1
+    )
+    slurm = ClusterConfig(executor="slurm", nodes=2, ranks_per_node=1, timeout_min=1)
+    lines: list[str] = []
+    job = make_executor(slurm, tmp_path / "jobs").submit(TrainingJob(spec))
+    with pytest.raises(JobError) as failed:
+        wait_for_job(job, lines.append)
+    assert "2 attempts in a row reached their time limit without a new checkpoint" in str(
+        failed.value
+    )
+    assert "cluster.max_requeues=1" in str(failed.value)
+    assert sum("attempt 2 continues from step 0" in ln for ln in lines) == 1

@@ -110,7 +110,7 @@ def _spec(dataset: DatasetRef, out: Path, **train: object) -> TrainJobSpec:
         device="cpu",
         model="resnet",
         width=16,
-        **settings,  # type: ignore[arg-type]
+        **settings,
     )
     return TrainJobSpec(train=cfg, dataset=dataset, out_dir=out, max_requeues=0)
 
