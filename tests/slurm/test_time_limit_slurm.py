@@ -45,7 +45,7 @@ def test_a_job_reads_its_time_left_from_squeue(tmp_path: Path) -> None:
 def test_a_job_needing_several_time_limits_ends_as_one_without(tmp_path: Path) -> None:
     dataset = write_dataset(tmp_path / "data", n_train=8192, n_val=256)
     train = TrainConfig(
-        epochs=16,
+        epochs=12,
         batch_size=64,
         precision="fp32",
         model="resnet",
