@@ -19,7 +19,13 @@ from trainflow.cluster.executor import make_executor
 from trainflow.cluster.jobs import wait_for_job
 from trainflow.errors import JobError
 from trainflow.tasks.preprocess.ref import DatasetRef
-from trainflow.tasks.train.checkpoint import latest_checkpoint, load_state, save_checkpoint
+from trainflow.tasks.train.checkpoint import (
+    checkpoint_epoch,
+    checkpoints,
+    latest_checkpoint,
+    load_state,
+    save_checkpoint,
+)
 from trainflow.tasks.train.checkpoint import training_state as full_state
 from trainflow.tasks.train.config import TrainConfig
 from trainflow.tasks.train.job import TrainingJob, TrainJobSpec
@@ -169,3 +175,13 @@ def test_attempts_without_progress_fail_after_max_requeues(
     assert "cluster.max_requeues=1" in message
     assert sum("attempt 2 continues from step 0" in ln for ln in lines) == 1
     assert latest_checkpoint(spec.out_dir / "checkpoints") is None  # nothing saved at step 0
+
+
+def test_a_checkpoint_inside_an_epoch_sorts_between_the_epochs_around_it(tmp_path: Path) -> None:
+    for epoch, batches in ((3, 0), (3, 40), (3, 7)):
+        save_checkpoint({"epoch": epoch, "epoch_batches": batches, "step": 0}, tmp_path)
+    newest = checkpoints(tmp_path)
+    assert [p.name for p in newest] == ["epoch-000003+000040.pt", "epoch-000003+000007.pt"]
+    assert checkpoint_epoch(newest[0]) == 3  # epochs done, for the progress artifact
+    save_checkpoint({"epoch": 4, "epoch_batches": 0, "step": 0}, tmp_path)
+    assert [p.name for p in checkpoints(tmp_path)] == ["epoch-000004.pt", "epoch-000003+000040.pt"]
