@@ -128,7 +128,6 @@ class TrainingJob(submitit.helpers.Checkpointable):
 
     def __call__(self) -> CheckpointRef | None:
         """Set up, resume if a checkpoint exists, train the remaining epochs, clean up."""
-        deliver_held_signal()  # a requeue signal that came during start-up: requeue now
         spec, cfg = self.spec, self.spec.train
         # Progress for this rank's guard (cluster.rank_guard): a rank silent for longer than
         # its phase allows is declared hung, its stacks dumped, and the job restarted.
@@ -144,6 +143,10 @@ class TrainingJob(submitit.helpers.Checkpointable):
             opened(run_out if dist.is_main else None, "rank0") as journal,
             EpochRecorder() as recorder,  # exits first: its logger's last flush is journaled
         ):
+            # The time limit read, its requeue signal held (tasks.train.limit_requeue), then a
+            # requeue signal that came during start-up acts: a preemption's requeues now.
+            self._requeue = LimitRequeue.for_job(self, dist)
+            deliver_held_signal()
             torch.manual_seed(cfg.seed)
             random.seed(cfg.seed)
             policy = resolve_precision(cfg.precision, dist.device)
@@ -168,7 +171,7 @@ class TrainingJob(submitit.helpers.Checkpointable):
                 )
             trainer = self._trainer(model, dist, policy, len(train))
             progress = self._resume(trainer)
-            self._requeue = LimitRequeue.for_job(self, dist, progress)
+            self._requeue.resumed(progress)
             logger = recorder.closing(make_logger(journal, spec.out_dir))
             relog(progress, logger, self.spec.out_dir)
             self._train(trainer, train, val, progress, logger, recorder)

@@ -60,25 +60,31 @@ class LimitRequeue:
 
     job: "TrainingJob"
     limit: TimeLimit
-    start_step: int
+    start_step: int = -1
+    """The step the attempt started training at (-1 while it starts)."""
 
     @classmethod
-    def for_job(cls, job: "TrainingJob", ctx: DistContext, progress: Progress) -> "LimitRequeue":
-        """The watch of this attempt (none for fsdp, whose checkpoints are per epoch: there
-        the requeue signal alone saves the work of the finished epochs)."""
+    def for_job(cls, job: "TrainingJob", ctx: DistContext) -> "LimitRequeue":
+        """The watch of this attempt, from its start (none for fsdp, whose checkpoints are per
+        epoch: there the requeue signal alone saves the work of the finished epochs)."""
         cfg = job.spec.train
         limit = TimeLimit.for_job(
             ctx, job.spec.signal_delay_s, cfg.time_limit_margin_s, cfg.strategy != "fsdp"
         )
-        limit.estimates = Estimates.from_state(progress.timing)
-        if ctx.is_main and job.attempt > 1:
+        return cls(job, limit)
+
+    def resumed(self, progress: Progress) -> None:
+        """The attempt starts training at `progress` (what it resumed, if anything): the
+        measurements of the attempts before, and a line from the second attempt on."""
+        self.start_step = progress.step
+        self.limit.estimates = Estimates.from_state(progress.timing)
+        if self.limit.ctx.is_main and self.job.attempt > 1:
             within = f", batch {progress.epoch_batches}" if progress.epoch_batches else ""
             print(
-                f"attempt {job.attempt} continues from step {progress.step} "
+                f"attempt {self.job.attempt} continues from step {progress.step} "
                 f"(epoch {progress.epoch + 1}{within})",
                 flush=True,
             )
-        return cls(job, limit, progress.step)
 
     def epoch(self, progress: Progress, steps: int) -> EpochLimit:
         """The loop's stop for an epoch (or what is left of it) of `steps` steps."""
