@@ -87,7 +87,9 @@ def test_attempts_without_progress_fail_after_max_requeues(tmp_path: Path) -> No
     spec = TrainJobSpec(
         train=train, dataset=dataset, out_dir=tmp_path / "run", signal_delay_s=20, max_requeues=1
     )
-    slurm = ClusterConfig(executor="slurm", nodes=2, ranks_per_node=1, timeout_min=1)
+    slurm = ClusterConfig(
+        executor="slurm", nodes=2, ranks_per_node=1, timeout_min=1, signal_delay_s=20
+    )
     lines: list[str] = []
     job = make_executor(slurm, tmp_path / "jobs").submit(TrainingJob(spec))
     with pytest.raises(JobError) as failed:
