@@ -102,8 +102,8 @@ class LimitRequeue:
             left = time_text(self.limit.until_limit_s() or 0.0)
             est = self.limit.estimates
             if progress.step in (job.saved_step, self.start_step):  # nothing new to save
-                print(f"time limit in {left}: nothing new since the checkpoint of step "
-                      f"{progress.step}, requeueing", flush=True)  # fmt: skip
+                print(f"time limit in {left}: no step done since step {progress.step}, "
+                      "requeueing", flush=True)  # fmt: skip
             else:
                 print(
                     f"time limit in {left}: checkpointing at step {progress.step} (save takes "
