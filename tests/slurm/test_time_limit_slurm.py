@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.slow_steps import SlowSteps
 from tests.unit.datasets import write_dataset
 from trainflow.cluster.config import ClusterConfig
 from trainflow.cluster.executor import make_executor
@@ -45,7 +46,7 @@ def test_a_job_reads_its_time_left_from_squeue(tmp_path: Path) -> None:
 def test_a_job_needing_several_time_limits_ends_as_one_without(tmp_path: Path) -> None:
     dataset = write_dataset(tmp_path / "data", n_train=8192, n_val=256)
     train = TrainConfig(
-        epochs=12,
+        epochs=4,
         batch_size=64,
         precision="fp32",
         model="resnet",
@@ -59,7 +60,8 @@ def test_a_job_needing_several_time_limits_ends_as_one_without(tmp_path: Path) -
         executor="slurm", nodes=2, ranks_per_node=1, timeout_min=1, signal_delay_s=20
     )
     lines: list[str] = []
-    job = make_executor(slurm, tmp_path / "jobs-slurm").submit(TrainingJob(spec))
+    # 256 steps of at least 0.2 s each: more than one attempt's time on a fast machine too.
+    job = make_executor(slurm, tmp_path / "jobs-slurm").submit(SlowSteps(spec, 0.2))
     assert isinstance(wait_for_job(job, lines.append), CheckpointRef)
     resumed = [ln for ln in lines if " continues from step " in ln]
     assert len(resumed) > spec.max_requeues, "\n".join(lines)  # progress never counts

@@ -13,6 +13,7 @@ import pytest
 import submitit
 import torch
 
+from tests.slow_steps import SlowSteps
 from tests.unit.datasets import write_dataset
 from trainflow.cluster.config import ClusterConfig
 from trainflow.cluster.executor import make_executor
@@ -103,7 +104,6 @@ def test_squeue_time_left_is_read_in_all_its_forms() -> None:
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory: pytest.TempPathFactory) -> DatasetRef:
-    # 12288 samples: an epoch of this resnet takes about as long as an attempt's budget here.
     return write_dataset(tmp_path_factory.mktemp("data") / "ds", n_train=12288, n_val=256)
 
 
@@ -135,7 +135,9 @@ def test_a_job_longer_than_its_time_limit_ends_as_one_without(
 ) -> None:
     lines: list[str] = []
     spec = _spec(dataset, tmp_path / "limited")
-    job = _executor(tmp_path / "jobs-limited", 40).submit(TrainingJob(spec))
+    # 96 steps an epoch of at least 0.25 s each: an epoch outlasts what an attempt has left
+    # after its start-up, on a fast machine too.
+    job = _executor(tmp_path / "jobs-limited", 40).submit(SlowSteps(spec, 0.25))
     ref = wait_for_job(job, lines.append)
     assert isinstance(ref, CheckpointRef)
     stops = [ln for ln in lines if "checkpointing at step" in ln]
