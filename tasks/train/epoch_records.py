@@ -6,7 +6,8 @@ the recorder's thread while the next epoch trains (tasks.train.recorder).
 
 import time
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any, Protocol
 
 from trainflow.tasks.objectives import is_better
 from trainflow.tasks.tracking.logger import MetricLogger
@@ -17,6 +18,7 @@ from trainflow.tasks.train.checkpoint import (
     save_checkpoint,
     training_state,
 )
+from trainflow.tasks.train.job_spec import TrainJobSpec
 from trainflow.tasks.train.log_lines import progress_line
 from trainflow.tasks.train.loop import Trainer
 from trainflow.tasks.train.progress import Progress, best_meta
@@ -24,12 +26,27 @@ from trainflow.tasks.train.recorder import EpochRecorder
 from trainflow.tasks.train.sharded_checkpoint import ShardedSaver, full_weights
 from trainflow.tasks.train.time_limit import Estimates
 
-if TYPE_CHECKING:
-    from trainflow.tasks.train.job import TrainingJob
+
+class EpochJob(Protocol):
+    """What this module needs of the training job (tasks.train.job.TrainingJob)."""
+
+    spec: TrainJobSpec
+    attempt: int
+    stalled: int
+    saved_step: int
+
+    @property
+    def checkpoint_dir(self) -> Path: ...
+
+    def _run_identity(self) -> dict[str, Any]: ...
+
+    def _decide(
+        self, trainer: Trainer, progress: Progress, metrics: dict[str, float]
+    ) -> tuple[bool, dict[str, Any] | None]: ...
 
 
 def decide(
-    job: "TrainingJob", trainer: Trainer, progress: Progress, metrics: dict[str, float]
+    job: EpochJob, trainer: Trainer, progress: Progress, metrics: dict[str, float]
 ) -> tuple[bool, dict[str, Any] | None]:
     """(whether this epoch flushes the logger, best.pt's meta when this epoch is the best
     so far, else None); updates `progress` accordingly."""
@@ -48,7 +65,7 @@ def decide(
 
 
 def record(
-    job: "TrainingJob",
+    job: EpochJob,
     trainer: Trainer,
     progress: Progress,
     metrics: dict[str, float],
@@ -83,7 +100,7 @@ def record(
 
 
 def record_sharded(
-    job: "TrainingJob",
+    job: EpochJob,
     trainer: Trainer,
     progress: Progress,
     metrics: dict[str, float],

@@ -12,10 +12,12 @@ many time limits as it needs.
 
 import time
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, NoReturn
+from pathlib import Path
+from typing import Any, NoReturn, Protocol
 
 from trainflow.tasks.train.checkpoint import save_checkpoint, training_state
 from trainflow.tasks.train.distributed import DistContext
+from trainflow.tasks.train.job_spec import TrainJobSpec
 from trainflow.tasks.train.loop import Trainer
 from trainflow.tasks.train.progress import Progress
 from trainflow.tasks.train.recorder import EpochRecorder
@@ -28,8 +30,24 @@ from trainflow.tasks.train.time_limit import (
     time_text,
 )
 
-if TYPE_CHECKING:
-    from trainflow.tasks.train.job import TrainingJob
+
+class RequeuedJob(Protocol):
+    """What this module needs of the training job (tasks.train.job.TrainingJob)."""
+
+    spec: TrainJobSpec
+    attempt: int
+    stalled: int
+    saved_step: int
+
+    @property
+    def checkpoint_dir(self) -> Path: ...
+
+    def _run_identity(self) -> dict[str, Any]: ...
+
+    def _decide(
+        self, trainer: Trainer, progress: Progress, metrics: dict[str, float]
+    ) -> tuple[bool, dict[str, Any] | None]: ...
+
 
 NEAR_LIMIT_S = 60.0
 """A requeue signal this close to the point where the job must have checkpointed (or later)
@@ -58,13 +76,13 @@ class StalledAtTimeLimit(Exception):
 class LimitRequeue:
     """One attempt's time-limit watch, and where the attempt started."""
 
-    job: "TrainingJob"
+    job: RequeuedJob
     limit: TimeLimit
     start_step: int = -1
     """The step the attempt started training at (-1 while it starts)."""
 
     @classmethod
-    def for_job(cls, job: "TrainingJob", ctx: DistContext) -> "LimitRequeue":
+    def for_job(cls, job: RequeuedJob, ctx: DistContext) -> "LimitRequeue":
         """The watch of this attempt, from its start (none for fsdp, whose checkpoints are per
         epoch: there the requeue signal alone saves the work of the finished epochs)."""
         cfg = job.spec.train
@@ -119,7 +137,7 @@ class LimitRequeue:
                 job.saved_step = progress.step
         requeue_now(trainer.dist.is_main)
 
-    def stalled_after(self, job: "TrainingJob") -> int:
+    def stalled_after(self, job: RequeuedJob) -> int:
         """Attempts in a row, this one included, that ended at their time limit without a new
         checkpoint (for rank 0's `checkpoint`, at the requeue signal)."""
         if job.saved_step > self.start_step:
