@@ -165,8 +165,10 @@ class ClusterConfig(StrictModel):
     last checkpoint, in the same MLflow run; on Slurm away from the lost node when the other
     nodes can hold the job. A rank that raises is never restarted."""
     max_requeues: int = Field(3, ge=0, le=100)
-    """How often a Slurm job may be requeued after a timeout before it fails (submitit's
-    max_num_timeout; preemptions do not count)."""
+    """How many attempts in a row may reach their time limit without a new checkpoint before
+    the training job fails instead of requeueing again. Attempts that checkpointed progress
+    and preemptions do not count: a job runs to its end across as many time limits as it
+    needs."""
     dask: DaskConfig = DaskConfig()
     """The dask cluster for preprocessing."""
 

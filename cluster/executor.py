@@ -15,6 +15,9 @@ from trainflow.cluster.config import ClusterConfig
 from trainflow.cluster.job_folder import prepare_job_folder, private_umask, seal_files
 from trainflow.cluster.srun_executor import AllocationExecutor
 
+SUBMITIT_MAX_TIMEOUTS = 10_000
+"""submitit's own bound on requeues after a time limit: far above any job's need."""
+
 
 def make_executor(cfg: ClusterConfig, folder: Path) -> submitit.Executor:
     """The executor cfg.executor names, with the job's resources set.
@@ -32,7 +35,7 @@ def make_executor(cfg: ClusterConfig, folder: Path) -> submitit.Executor:
     if cfg.executor == "allocation":
         return _allocation_executor(cfg, folder)
     restore_sigint()
-    executor = TrainflowLocalExecutor(folder)
+    executor = TrainflowLocalExecutor(folder, max_num_timeout=SUBMITIT_MAX_TIMEOUTS)
     executor.peer_timeout_s = cfg.peer_timeout_s
     executor.update_parameters(
         nodes=1,
@@ -112,11 +115,22 @@ def restore_sigint() -> None:
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+def array_executor(cfg: ClusterConfig, folder: Path) -> submitit.Executor:
+    """The executor of a job array (a sweep's elements, a search's tasks): their callables
+    track no progress per attempt, so submitit's own count bounds their requeues at time
+    limits: every requeue counts against cluster.max_requeues, as a preemption's does."""
+    executor = make_executor(cfg, folder)
+    if isinstance(executor, submitit.core.core.PicklingExecutor):  # Slurm, local, allocation
+        executor.max_num_timeout = cfg.max_requeues
+    return executor
+
+
 def _slurm_executor(cfg: ClusterConfig, folder: Path) -> submitit.SlurmExecutor:
     """A SlurmExecutor whose sbatch options come from cfg (checked by cluster.slurm_checks)."""
-    # max_num_timeout: requeues after timeouts; then submitit fails the job ("timed-out too
-    # many times") instead of requeueing forever.
-    executor = TrainflowSlurmExecutor(folder, max_num_timeout=cfg.max_requeues)
+    # submitit would count every timeout and fail the job after max_num_timeout of them, even
+    # ones that made progress. The training job counts only attempts without progress
+    # (cluster.max_requeues, tasks.train.limit_requeue), so submitit's bound is only a backstop.
+    executor = TrainflowSlurmExecutor(folder, max_num_timeout=SUBMITIT_MAX_TIMEOUTS)
     executor.peer_timeout_s = cfg.peer_timeout_s
     executor.update_parameters(**slurm_parameters(cfg))
     return executor

@@ -186,6 +186,8 @@ def train_spec(
         tracking_uri=tracking_uri,
         run_id=run_id,
         system_metrics_interval_s=cfg.tracking.system_metrics_interval_s,
+        signal_delay_s=cfg.cluster.signal_delay_s,
+        max_requeues=cfg.cluster.max_requeues,
     )
 
 

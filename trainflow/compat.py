@@ -38,10 +38,7 @@ def shield_submitit_requeue(requeue: Callable[[str], None]) -> None:
 
     def _requeue(self: SlurmJobEnvironment, countdown: int) -> None:
         requeue(self.job_id)
-        logger.get_logger().info(
-            f"Requeued job {self.job_id} ({countdown} remaining timeouts; scontrol shielded "
-            "from SIGTERM)"
-        )
+        logger.get_logger().info(f"Requeued job {self.job_id} (scontrol shielded from SIGTERM)")
 
     SlurmJobEnvironment._requeue = _requeue  # type: ignore[method-assign]
 

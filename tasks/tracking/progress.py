@@ -17,7 +17,7 @@ from uuid import UUID
 
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
-from trainflow.tasks.train.checkpoint import checkpoints
+from trainflow.tasks.train.checkpoint import checkpoint_epoch, checkpoints
 
 TRAIN_KEY = "train-progress"
 """Key of the train stage's progress artifact (Prefect: lowercase letters, digits, dashes)."""
@@ -125,7 +125,7 @@ class EpochProgress(_Artifact):
 
     def _done(self) -> int:
         newest = checkpoints(self._dir)
-        return int(newest[0].stem.split("-")[1]) if newest else 0
+        return checkpoint_epoch(newest[0]) if newest else 0
 
     def _description(self) -> str:
         return f"training: epoch {self._epoch} of {self._epochs} checkpointed"

@@ -10,6 +10,10 @@ Modules:
     ref                CheckpointRef, the stage's output.
     task               the Prefect @tasks: submit (one job or an array), forward logs, wait.
     job                TrainingJob, the callable submitit runs once per rank.
+    job_spec           TrainJobSpec, what a training job is given.
+    epoch_records      what an epoch leaves: logged metrics, best.pt, checkpoint, its line.
+    time_limit         the time-limit watch: measured times, rank 0's plan, its broadcast.
+    limit_requeue      checkpoint where the watch stops, requeue; attempts without progress.
     sweep              a sweep's job array and the choice of its best element.
     early_signal       a requeue signal that arrives while a rank starts is held, not fatal.
     distributed        process group set-up and tear-down (gloo | nccl), DDP.

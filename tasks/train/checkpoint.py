@@ -24,7 +24,10 @@ from trainflow.errors import DataError
 from trainflow.tasks.hashing import sha256_file
 
 _NAME = "epoch-{epoch:06d}.pt"
-_PATTERN = re.compile(r"^epoch-(\d{6})\.pt$")
+_MID_NAME = "epoch-{epoch:06d}+{batches:06d}.pt"
+"""A checkpoint taken inside an epoch (before a time limit): `epoch` epochs done, then
+`batches` of the next epoch's batches (per rank)."""
+_PATTERN = re.compile(r"^epoch-(\d{6})(?:\+(\d{6}))?\.pt$")
 _HASH_SUFFIX = ".sha256"
 KEEP = 2
 """Checkpoints kept on disk: the newest, and one to fall back to when it is unreadable."""
@@ -145,7 +148,9 @@ def save_checkpoint(state: dict[str, Any], directory: Path) -> Path:
     Keeps the KEEP newest checkpoints and deletes older ones, their hashes and stale
     temporary files of interrupted writes.
     """
-    path = directory / _NAME.format(epoch=int(state["epoch"]))
+    epoch, batches = int(state["epoch"]), int(state.get("epoch_batches", 0))
+    name = _MID_NAME if batches else _NAME
+    path = directory / name.format(epoch=epoch, batches=batches)
     atomic_save(state, path, hash_file=True)
     kept = {p.name for p in checkpoints(directory)[:KEEP]} | {path.name}
     kept |= {name + _HASH_SUFFIX for name in kept}
@@ -157,11 +162,22 @@ def save_checkpoint(state: dict[str, Any], directory: Path) -> Path:
 
 
 def checkpoints(directory: Path) -> list[Path]:
-    """The checkpoints in directory, newest (highest epoch) first; [] when there is none."""
+    """The checkpoints in directory, newest (highest epoch, then batches into the next) first;
+    [] when there is none."""
     if not directory.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := _PATTERN.match(p.name))]
+    found = [
+        ((int(m.group(1)), int(m.group(2) or 0)), p)
+        for p in directory.iterdir()
+        if (m := _PATTERN.match(p.name))
+    ]
     return [p for _, p in sorted(found, reverse=True)]
+
+
+def checkpoint_epoch(path: Path) -> int:
+    """The epochs done when the checkpoint at `path` was written (from its name)."""
+    match = _PATTERN.match(path.name)
+    return int(match.group(1)) if match else 0
 
 
 def latest_checkpoint(directory: Path) -> Path | None:

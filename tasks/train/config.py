@@ -103,6 +103,12 @@ class TrainConfig(StrictModel):
     checkpoint as after a lost rank (cluster.max_restarts). A checkpoint save may take the
     larger of this and 4 times the longest save so far. 0: no hang detection. At least 2 (the
     guard looks once a second)."""
+    time_limit_margin_s: float = Field(10.0, ge=0.0, le=3600.0)
+    """Under a time limit (Slurm's cluster.timeout_min, or the local executor's), the job
+    checkpoints at a step boundary early enough that its save (1.5 times the last one
+    measured) ends this many seconds before the limit, then requeues and continues exactly
+    where it stopped. Covers the requeue itself and a step slower than measured. Not under
+    train.strategy=fsdp (its checkpoints are per epoch: the requeue signal alone acts)."""
     hang_first_step_s: float = Field(1800.0, ge=0.0, le=86_400.0)
     """Seconds a rank may make no progress while it starts (model, data, resume) and the first
     time through each phase (the first step: compilation; the first evaluation; the first

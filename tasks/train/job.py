@@ -6,32 +6,23 @@ requeued, retried or re-submitted job continues where the last one stopped.
 
 import random
 import time
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
 import submitit
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 
 from trainflow.cluster.heartbeat import NO_HEARTBEAT, Heartbeat
 from trainflow.cluster.snapshot import code_first
 from trainflow.errors import ConfigError
-from trainflow.tasks.objectives import Objective, is_better, make_objective
-from trainflow.tasks.preprocess.ref import DatasetRef, dataset_spec
+from trainflow.tasks.objectives import Objective, make_objective
+from trainflow.tasks.preprocess.ref import dataset_spec
 from trainflow.tasks.spec import DataSpec
 from trainflow.tasks.tracking.journal import opened
 from trainflow.tasks.tracking.logger import MetricLogger, make_logger
 from trainflow.tasks.tracking.system_metrics import node_monitor
-from trainflow.tasks.train.checkpoint import (
-    Resumable,
-    host_copy,
-    rng_state,
-    save_best_weights,
-    save_checkpoint,
-    training_state,
-)
-from trainflow.tasks.train.config import TrainConfig
+from trainflow.tasks.train.checkpoint import Resumable
 from trainflow.tasks.train.data import SplitData as Split
 from trainflow.tasks.train.data import accumulated_batches, load_split_to, steps_per_epoch
 from trainflow.tasks.train.distributed import (
@@ -41,8 +32,15 @@ from trainflow.tasks.train.distributed import (
     wrap_ddp,
 )
 from trainflow.tasks.train.early_signal import deliver_held_signal
+from trainflow.tasks.train.epoch_records import decide, record, record_sharded
 from trainflow.tasks.train.first_result import first_result
-from trainflow.tasks.train.log_lines import announce, progress_line
+from trainflow.tasks.train.job_spec import TrainJobSpec
+from trainflow.tasks.train.limit_requeue import (
+    LimitRequeue,
+    StalledAtTimeLimit,
+    StoppedForTimeLimit,
+)
+from trainflow.tasks.train.log_lines import announce
 from trainflow.tasks.train.loop import Trainer, evaluate_split, make_optimizer, train_epoch
 from trainflow.tasks.train.model_plugins import build_model, resolve_factory
 from trainflow.tasks.train.models import (
@@ -54,7 +52,6 @@ from trainflow.tasks.train.models import (
 from trainflow.tasks.train.precision import PrecisionPolicy, resolve_precision
 from trainflow.tasks.train.progress import (
     Progress,
-    best_meta,
     check_same_run,
     finish_run,
     relog,
@@ -63,7 +60,7 @@ from trainflow.tasks.train.progress import (
 from trainflow.tasks.train.recorder import EpochRecorder
 from trainflow.tasks.train.ref import CheckpointRef
 from trainflow.tasks.train.resume import announce_global_batch, global_batch, restore
-from trainflow.tasks.train.sharded_checkpoint import ShardedSaver, find_resumable, full_weights
+from trainflow.tasks.train.sharded_checkpoint import ShardedSaver, find_resumable
 from trainflow.tasks.train.sharded_init import build_on_rank, shard_from_rank0
 from trainflow.tasks.train.sharding import checkpoint_activations, sharding_units
 from trainflow.tasks.train.stragglers import step_timer
@@ -73,30 +70,6 @@ from trainflow.tasks.train.throughput import (
     announce_flops,
     epoch_throughput,
 )
-
-
-class TrainJobSpec(BaseModel):
-    """Everything a training job needs; small and picklable (it travels to the cluster)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    train: TrainConfig
-    """What to train and how."""
-    dataset: DatasetRef
-    """The preprocessed dataset to train on."""
-    out_dir: Path
-    """Folder of this run's checkpoints/, best.pt and history.json (reused on resume)."""
-    cpus_per_task: int = Field(1, ge=1)
-    """torch threads per rank."""
-    tracking_uri: str | None = None
-    """MLflow tracking URI; with run_id, rank 0 logs per-epoch metrics there."""
-    run_id: str | None = None
-    """MLflow run to log into (created by the flow, continued on resume)."""
-    code: list[Path] = []
-    """Folders of the run's snapshot of the user's code (cluster.snapshot): every rank of
-    every attempt puts them first on sys.path before it builds the model."""
-    system_metrics_interval_s: float = Field(0.0, ge=0.0)
-    """With a run: seconds between system metrics samples of each node; 0: none."""
 
 
 class EpochEnd(Protocol):
@@ -112,11 +85,26 @@ class EpochEnd(Protocol):
 
 class TrainingJob(submitit.helpers.Checkpointable):
     """Trains `spec.train` on `spec.dataset` in this rank; returns rank 0's best checkpoint.
-    `epoch_end`: called after each epoch, may stop the training early (a pruned trial)."""
 
-    def __init__(self, spec: TrainJobSpec, epoch_end: EpochEnd | None = None) -> None:
+    `epoch_end`: called after each epoch, may stop the training early (a pruned trial).
+    `attempt` counts this job's runs (a requeue starts the next); `stalled`, the attempts
+    before this one in a row that reached a time limit without a new checkpoint.
+    """
+
+    saved_step: int = -1
+    """The step of the newest checkpoint this attempt wrote or resumed from (-1: none)."""
+
+    def __init__(
+        self,
+        spec: TrainJobSpec,
+        epoch_end: EpochEnd | None = None,
+        attempt: int = 1,
+        stalled: int = 0,
+    ) -> None:
         self.spec = spec
         self.epoch_end = epoch_end
+        self.attempt = attempt
+        self.stalled = stalled
 
     @property
     def data_spec(self) -> DataSpec:
@@ -130,7 +118,6 @@ class TrainingJob(submitit.helpers.Checkpointable):
 
     def __call__(self) -> CheckpointRef | None:
         """Set up, resume if a checkpoint exists, train the remaining epochs, clean up."""
-        deliver_held_signal()  # a requeue signal that came during start-up: requeue now
         spec, cfg = self.spec, self.spec.train
         # Progress for this rank's guard (cluster.rank_guard): a rank silent for longer than
         # its phase allows is declared hung, its stacks dumped, and the job restarted.
@@ -146,6 +133,10 @@ class TrainingJob(submitit.helpers.Checkpointable):
             opened(run_out if dist.is_main else None, "rank0") as journal,
             EpochRecorder() as recorder,  # exits first: its logger's last flush is journaled
         ):
+            # The time limit read, its requeue signal held (tasks.train.limit_requeue), then a
+            # requeue signal that came during start-up acts: a preemption's requeues now.
+            self._requeue = LimitRequeue.for_job(self, dist)
+            deliver_held_signal()
             torch.manual_seed(cfg.seed)
             random.seed(cfg.seed)
             policy = resolve_precision(cfg.precision, dist.device)
@@ -174,6 +165,7 @@ class TrainingJob(submitit.helpers.Checkpointable):
             # Each rank's step times, compared every window on rank 0 (tasks.train.stragglers)
             trainer = replace(trainer, timer=step_timer(cfg, trainer.model, dist, journal))
             progress = self._resume(trainer, found)
+            self._requeue.resumed(progress)
             if dist.is_main:
                 announce_global_batch(self._batch, progress.epoch, journal)
             logger = recorder.closing(make_logger(journal, spec.out_dir))
@@ -192,8 +184,19 @@ class TrainingJob(submitit.helpers.Checkpointable):
         return result
 
     def checkpoint(self, *args: Any, **kwargs: Any) -> submitit.helpers.DelayedSubmission:
-        """On timeout or preemption: requeue a fresh job; it resumes from disk by itself."""
-        return submitit.helpers.DelayedSubmission(type(self)(self.spec, self.epoch_end))
+        """On timeout or preemption (submitit calls this in rank 0, from its signal handler):
+        requeue a fresh job, the next attempt; it resumes from disk by itself.
+
+        StalledAtTimeLimit instead when this is the attempt past cluster.max_requeues in a row
+        that reached its time limit without writing a checkpoint."""
+        requeue = getattr(self, "_requeue", None)
+        stalled = requeue.stalled_after(self) if requeue is not None else self.stalled + 1
+        if stalled > self.spec.max_requeues:
+            raise StalledAtTimeLimit(stalled, self.spec.max_requeues, self.saved_step)
+        fresh = object.__new__(type(self))  # the spec and a subclass's own settings, no state
+        fresh.__dict__.update({k: v for k, v in vars(self).items() if not k.startswith("_")})
+        fresh.attempt, fresh.stalled, fresh.saved_step = self.attempt + 1, stalled, -1
+        return submitit.helpers.DelayedSubmission(fresh)
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -250,6 +253,9 @@ class TrainingJob(submitit.helpers.Checkpointable):
         sharded, epochs = self.spec.train.strategy == "fsdp", self.spec.train.epochs
         progress = restore(trainer, found, self._run_identity(), epochs, sharded)
         progress.data_world = data_world
+        # a checkpoint before a time limit adds the steps done of the next epoch
+        progress.step += progress.epoch_batches
+        self.saved_step = progress.step
         return progress
 
     def _run_identity(self) -> dict[str, Any]:
@@ -276,7 +282,10 @@ class TrainingJob(submitit.helpers.Checkpointable):
         saver = ShardedSaver(trainer.dist) if cfg.strategy == "fsdp" else None
         try:
             while progress.epoch < cfg.epochs:
-                metrics = self._run_epoch(trainer, train, val, progress)
+                try:
+                    metrics = self._run_epoch(trainer, train, val, progress)
+                except StoppedForTimeLimit:  # `progress` says where: save there, requeue
+                    self._requeue.checkpoint_and_requeue(trainer, progress, recorder)
                 trainer.heartbeat.beat("checkpoint", progress.step)
                 if saver is not None:
                     self._record_sharded(trainer, progress, metrics, logger, recorder, saver)
@@ -296,7 +305,8 @@ class TrainingJob(submitit.helpers.Checkpointable):
     def _run_epoch(
         self, trainer: Trainer, train: Split, val: Split, progress: Progress
     ) -> dict[str, float]:
-        """Train and validate one epoch; advances `progress` (on every rank)."""
+        """Train and validate one epoch; advances `progress` (on every rank). StoppedForTimeLimit
+        when the epoch stopped early for the time limit (`progress` then says where)."""
         cfg, dist = self.spec.train, trainer.dist
         epoch = progress.epoch + 1
         batches = accumulated_batches(
@@ -308,14 +318,21 @@ class TrainingJob(submitit.helpers.Checkpointable):
             dist.world_size,
             trainer.accumulation,
             drop_last=cfg.cuda_graphs,
-        )
+        )[progress.epoch_batches * trainer.accumulation :]  # after a time limit's checkpoint
         started, first_step = time.perf_counter(), progress.step
         clock = RankClock(dist.device)
-        metrics, progress.step = train_epoch(trainer, train, batches, progress.step, clock)
+        stop = self._requeue.epoch(progress, -(-len(batches) // trainer.accumulation))
+        metrics, progress.step = train_epoch(trainer, train, batches, progress.step, clock, stop)
+        if stop.done is not None:
+            progress.epoch_batches += stop.done
+            progress.epoch_sums = stop.totals
+            raise StoppedForTimeLimit
+        progress.epoch_batches, progress.epoch_sums = 0, []
         samples = sum(int(b.shape[0]) for b in batches)
         steps = progress.step - first_step
         parts = trainer.timer.take_epoch()
         metrics |= epoch_throughput(samples, steps, clock.seconds, dist, self._flops, parts)
+        validated = time.monotonic()
         val_metrics = evaluate_split(
             trainer.model,
             val,
@@ -327,6 +344,7 @@ class TrainingJob(submitit.helpers.Checkpointable):
             trainer.heartbeat,
         )
         metrics |= {f"val_{k}": v for k, v in val_metrics.items()}
+        self._requeue.limit.estimates.eval_s = time.monotonic() - validated
         metrics["epoch_time_s"] = time.perf_counter() - started
         progress.epoch = epoch
         progress.history.append({"epoch": epoch, "step": progress.step, **metrics})
@@ -340,44 +358,16 @@ class TrainingJob(submitit.helpers.Checkpointable):
         logger: MetricLogger,
         recorder: EpochRecorder,
     ) -> None:
-        """Rank 0's side effects of an epoch: log, best model, checkpoint, progress line.
-
-        Decided and snapshotted here, written by the recorder's thread while the next epoch
-        trains (tasks.train.recorder).
-        """
-        cfg, epoch = self.spec.train, progress.epoch
-        flush, best_meta = self._decide(trainer, progress, metrics)
-        extra = {**asdict(progress), "run": self._run_identity()}
-        state = host_copy(training_state(trainer.model, trainer.optimizer, trainer.scaler, extra))
-
-        def write() -> None:
-            logger.log(metrics, step=epoch)
-            if flush:
-                logger.flush()
-            if best_meta is not None:
-                save_best_weights(state["model"], self.spec.out_dir / "best.pt", best_meta)
-            save_checkpoint(state, self.checkpoint_dir)
-            print(f"epoch {epoch}/{cfg.epochs} {progress_line(metrics)}", flush=True)
-
-        recorder.submit(write)
+        """Rank 0's side effects of an epoch (tasks.train.epoch_records.record)."""
+        estimates = self._requeue.limit.estimates
+        record(self, trainer, progress, metrics, logger, recorder, estimates)
 
     def _decide(
         self, trainer: Trainer, progress: Progress, metrics: dict[str, float]
     ) -> tuple[bool, dict[str, Any] | None]:
-        """(whether this epoch flushes the logger, best.pt's meta when this epoch is the best
-        so far, else None); updates `progress` accordingly."""
-        cfg, epoch = self.spec.train, progress.epoch
-        flush = epoch % cfg.log_every_epochs == 0 or epoch == cfg.epochs
-        if flush:
-            progress.logged_epochs = epoch
-        select = f"val_{trainer.objective.select}"
-        value = metrics[select]
-        if progress.best_epoch == 0 or is_better(
-            trainer.objective, select, value, progress.best_metric
-        ):
-            progress.best_metric, progress.best_epoch = value, epoch
-            return flush, best_meta(self.spec.train, self.spec.dataset, progress)
-        return flush, None
+        """Whether this epoch flushes the logger, and best.pt's meta if it is the best so far
+        (tasks.train.epoch_records.decide)."""
+        return decide(self, trainer, progress, metrics)
 
     def _record_sharded(
         self,
@@ -388,26 +378,5 @@ class TrainingJob(submitit.helpers.Checkpointable):
         recorder: EpochRecorder,
         saver: ShardedSaver,
     ) -> None:
-        """An fsdp epoch's side effects, on every rank (the validation metrics, hence the
-        decisions, are the same on all): the best weights gathered whole into rank 0's best.pt,
-        the sharded checkpoint started by all ranks (written while the next epoch trains, one
-        in flight: ShardedSaver), then rank 0 logs and prints through the recorder."""
-        cfg, epoch, ctx = self.spec.train, progress.epoch, trainer.dist
-        flush, best_meta = self._decide(trainer, progress, metrics)
-        if best_meta is not None:
-            weights = full_weights(trainer.model)  # collective
-            if ctx.is_main:
-                save_best_weights(weights, self.spec.out_dir / "best.pt", best_meta)
-        extra = {**asdict(progress), "run": self._run_identity()}
-        train_state = {"scaler": trainer.scaler.state_dict(), "rng": rng_state(), **extra}
-        saver.save(trainer.model, trainer.optimizer, train_state, self.checkpoint_dir, epoch)
-        if not ctx.is_main:
-            return
-
-        def write() -> None:
-            logger.log(metrics, step=epoch)
-            if flush:
-                logger.flush()
-            print(f"epoch {epoch}/{cfg.epochs} {progress_line(metrics)}", flush=True)
-
-        recorder.submit(write)
+        """An fsdp epoch's side effects (tasks.train.epoch_records.record_sharded)."""
+        record_sharded(self, trainer, progress, metrics, logger, recorder, saver)

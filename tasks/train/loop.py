@@ -10,6 +10,7 @@ import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -132,28 +133,50 @@ def _train_step(
     return sums, count
 
 
+class EpochStop(Protocol):
+    """Tells the loop where to stop early (tasks.train.time_limit) and takes the sums so far."""
+
+    carried: list[float]
+    """Metric sums (count last) of the epoch's batches done before this call, all ranks'."""
+
+    def should_stop(self, step: int) -> bool:
+        """Whether to stop before `step`; asked on every rank at every step with a batch left."""
+        ...
+
+    def stopped(self, done: int, totals: list[float]) -> None:
+        """The loop stopped after `done` of its batches, with these all-rank sums."""
+        ...
+
+
 def train_epoch(
     trainer: Trainer,
     data: Split,
     batches: list[torch.Tensor],
     step: int,
     clock: RankClock | None = None,
+    stop: EpochStop | None = None,
 ) -> tuple[dict[str, float], int]:
     """Train over `batches` starting at global `step`; returns (metrics, next step).
 
     Metrics: train_<the objective's metrics> (train_loss, train_accuracy...), samples_per_s
     (all ranks together), lr. `clock` stops when this rank's last step is done, before the
-    ranks meet (tasks.train.throughput).
+    ranks meet (tasks.train.throughput). `stop`: the epoch may end early (a time limit); its
+    sums of the batches an earlier attempt did count too (rank 0 adds them).
     """
     device = trainer.dist.device
     trainer.model.train()
     objective = trainer.objective
     sums = torch.zeros(objective.sums_size + 1, dtype=torch.float64, device=device)
+    if stop is not None and stop.carried and trainer.dist.is_main:
+        sums += torch.tensor(stop.carried, dtype=torch.float64, device=device)
+    done, steps = 0, -(-len(batches) // trainer.accumulation)  # steps of micro-batches
     lr = cosine_lr(step, trainer.total_steps, trainer.peak_lr)
     start = time.perf_counter()
     beat, timer = trainer.heartbeat.beat, trainer.timer
     fetched = iter(data.batches(batches, device))
     while True:
+        if stop is not None and done < steps and stop.should_stop(step):
+            break
         beat("data", step)
         timer.data()
         try:
@@ -169,9 +192,12 @@ def train_epoch(
         sums[-1] += count
         step += 1
         timer.done(step)
+        done += 1
     if clock is not None:
         clock.stop()
     *totals, count = all_reduce_sum(sums, trainer.dist).tolist()
+    if stop is not None and done < steps:
+        stop.stopped(done, [*totals, count])
     elapsed = time.perf_counter() - start
     metrics = {f"train_{k}": v for k, v in objective.metrics(totals).items()}
     metrics |= {"samples_per_s": count / max(elapsed, 1e-9), "lr": lr}

@@ -29,6 +29,7 @@ MAY_CHANGE_ON_RESUME = {
     "straggler_fraction",
     "straggler_windows",
     "straggler_window_steps",
+    "time_limit_margin_s",
     "log_every_epochs",
     "device",
     "precision",
@@ -62,6 +63,13 @@ class Progress:
     data_world: int = 0
     """Ranks the run started on: its global batch is train.batch_size x data_world, kept when
     it resumes on fewer (tasks.train.resume). 0: not recorded (checkpoints written before)."""
+    epoch_batches: int = 0
+    """Steps of epoch `epoch + 1` done: a checkpoint before a time limit (a step is one batch
+    per rank, or `accumulation` micro-batches on a run kept to its global batch)."""
+    epoch_sums: list[float] = field(default_factory=list)
+    """Those batches' training metric sums, all ranks together (the loop's, count last)."""
+    timing: dict[str, float] = field(default_factory=dict)
+    """What the time-limit watch measured (tasks.train.time_limit.Estimates)."""
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> "Progress":

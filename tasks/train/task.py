@@ -12,7 +12,7 @@ from prefect.cache_policies import NO_CACHE
 
 from trainflow.cluster import registry
 from trainflow.cluster.config import ClusterConfig
-from trainflow.cluster.executor import make_executor
+from trainflow.cluster.executor import array_executor, make_executor
 from trainflow.cluster.jobs import wait_for_job, wait_for_jobs
 from trainflow.cluster.lost_ranks import RankLostError
 from trainflow.cluster.restarts import run_with_restarts
@@ -65,7 +65,7 @@ def train_array_task(
     checkpoint or its error text."""
     logger = get_run_logger()
     check_cluster(cluster)
-    executor = make_executor(cluster, job_dir)
+    executor = array_executor(cluster, job_dir)
     jobs = executor.map_array(ArrayTrainingJob(), specs)
     ids = [str(job.job_id) for job in jobs]
     logger.info("submitted %d training jobs as one array: %s", len(jobs), ", ".join(ids))

@@ -1,0 +1,148 @@
+"""The training job's side of a time limit: checkpoint where the watch stops, requeue, and
+count the attempts that reached their limit without progress.
+
+tasks.train.time_limit decides where to stop; this saves the state there (rank 0, mid-epoch
+if need be: the position, the epoch's metric sums so far and the RNG state go with it), says
+so in one line, and requeues through submitit (rank 0 signals itself, so submitit calls
+`TrainingJob.checkpoint`). That method asks `stalled_after` how many attempts in a row have now
+ended at a time limit without a new checkpoint: past `cluster.max_requeues` the job fails with
+StalledAtTimeLimit. Requeues that made progress never count, so a job runs to its end across as
+many time limits as it needs.
+"""
+
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, NoReturn, Protocol
+
+from trainflow.tasks.train.checkpoint import save_checkpoint, training_state
+from trainflow.tasks.train.distributed import DistContext
+from trainflow.tasks.train.job_spec import TrainJobSpec
+from trainflow.tasks.train.loop import Trainer
+from trainflow.tasks.train.progress import Progress
+from trainflow.tasks.train.recorder import EpochRecorder
+from trainflow.tasks.train.time_limit import (
+    SAVE_FACTOR,
+    EpochLimit,
+    Estimates,
+    TimeLimit,
+    requeue_now,
+    time_text,
+)
+
+
+class RequeuedJob(Protocol):
+    """What this module needs of the training job (tasks.train.job.TrainingJob)."""
+
+    spec: TrainJobSpec
+    attempt: int
+    stalled: int
+    saved_step: int
+
+    @property
+    def checkpoint_dir(self) -> Path: ...
+
+    def _run_identity(self) -> dict[str, Any]: ...
+
+    def _decide(
+        self, trainer: Trainer, progress: Progress, metrics: dict[str, float]
+    ) -> tuple[bool, dict[str, Any] | None]: ...
+
+
+NEAR_LIMIT_S = 60.0
+"""A requeue signal this close to the point where the job must have checkpointed (or later)
+is the time limit's; earlier, it is a preemption, which never counts as an attempt without
+progress (Slurm checks limits about every 30 s, so its signal comes up to that late)."""
+
+
+class StoppedForTimeLimit(Exception):
+    """An epoch stopped early at the time-limit watch's step (the job saves and requeues)."""
+
+
+class StalledAtTimeLimit(Exception):
+    """Attempts in a row reached their time limit without a new checkpoint."""
+
+    def __init__(self, stalled: int, max_requeues: int, step: int) -> None:
+        where = f"step {step}" if step >= 0 else "the start (no checkpoint yet)"
+        super().__init__(
+            f"{stalled} attempts in a row reached their time limit without a new checkpoint "
+            f"(still at {where}; cluster.max_requeues={max_requeues}): not requeued again. "
+            "Start-up, a few steps and one checkpoint save must fit in cluster.timeout_min "
+            "less train.time_limit_margin_s: raise cluster.timeout_min or lower the margin"
+        )
+
+
+@dataclass
+class LimitRequeue:
+    """One attempt's time-limit watch, and where the attempt started."""
+
+    job: RequeuedJob
+    limit: TimeLimit
+    start_step: int = -1
+    """The step the attempt started training at (-1 while it starts)."""
+
+    @classmethod
+    def for_job(cls, job: RequeuedJob, ctx: DistContext) -> "LimitRequeue":
+        """The watch of this attempt, from its start (none for fsdp, whose checkpoints are per
+        epoch: there the requeue signal alone saves the work of the finished epochs)."""
+        cfg = job.spec.train
+        limit = TimeLimit.for_job(
+            ctx, job.spec.signal_delay_s, cfg.time_limit_margin_s, cfg.strategy != "fsdp"
+        )
+        return cls(job, limit)
+
+    def resumed(self, progress: Progress) -> None:
+        """The attempt starts training at `progress` (what it resumed, if anything): the
+        measurements of the attempts before, and a line from the second attempt on."""
+        self.start_step = progress.step
+        self.limit.estimates = Estimates.from_state(progress.timing)
+        if self.limit.ctx.is_main and self.job.attempt > 1:
+            within = f", batch {progress.epoch_batches}" if progress.epoch_batches else ""
+            print(
+                f"attempt {self.job.attempt} continues from step {progress.step} "
+                f"(epoch {progress.epoch + 1}{within})",
+                flush=True,
+            )
+
+    def epoch(self, progress: Progress, steps: int) -> EpochLimit:
+        """The loop's stop for an epoch (or what is left of it) of `steps` steps."""
+        self.limit.start_epoch(progress.step, steps)
+        return EpochLimit(self.limit, list(progress.epoch_sums))
+
+    def checkpoint_and_requeue(
+        self, trainer: Trainer, progress: Progress, recorder: EpochRecorder
+    ) -> NoReturn:
+        """Save the state at this step boundary (rank 0; nothing when the newest checkpoint
+        is of this step), then requeue. Never returns: the attempt ends here."""
+        job = self.job
+        if trainer.dist.is_main:
+            recorder.wait()  # the last epoch's checkpoint is on disk first
+            left = time_text(self.limit.until_limit_s() or 0.0)
+            est = self.limit.estimates
+            if progress.step in (job.saved_step, self.start_step):  # nothing new to save
+                print(f"time limit in {left}: no step done since step {progress.step}, "
+                      "requeueing", flush=True)  # fmt: skip
+            else:
+                print(
+                    f"time limit in {left}: checkpointing at step {progress.step} (save takes "
+                    f"~{est.save_s * SAVE_FACTOR:.0f} s), requeueing",
+                    flush=True,
+                )
+                progress.timing = est.as_state()
+                extra = {**asdict(progress), "run": job._run_identity()}
+                state = training_state(trainer.model, trainer.optimizer, trainer.scaler, extra)
+                started = time.monotonic()
+                save_checkpoint(state, job.checkpoint_dir)
+                est.save_s = time.monotonic() - started
+                job.saved_step = progress.step
+        requeue_now(trainer.dist.is_main)
+
+    def stalled_after(self, job: RequeuedJob) -> int:
+        """Attempts in a row, this one included, that ended at their time limit without a new
+        checkpoint (for rank 0's `checkpoint`, at the requeue signal)."""
+        if job.saved_step > self.start_step:
+            return 0
+        remaining = self.limit.remaining_s()
+        if remaining is not None and remaining > NEAR_LIMIT_S:
+            return job.stalled  # a preemption: neither progress nor a stall
+        return job.stalled + 1
