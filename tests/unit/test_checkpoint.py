@@ -167,6 +167,8 @@ def test_a_resumed_job_logs_every_epoch_to_mlflow_exactly_once(
             for s in ("min", "median", "max")
         ),
         "slowest_rank",
+        # each rank's step time and its parts (tasks.train.step_times): one rank here
+        *(f"rank_{part}_s/rank_0" for part in ("step", "data_wait", "compute", "comm")),
         "achieved_flops_per_s",
         "model_flops_per_sample",
         "mfu",
