@@ -2,6 +2,7 @@
 built from a config or fine-tuned from a local `save_pretrained` folder.
 
 `train.model_args`:
+
 - ``model_type`` (e.g. "gpt2", "llama", "bert") and any keyword arguments of that
   architecture's config (``n_layer``, ``hidden_size``...): a new model, randomly initialised;
 - ``pretrained``: a local folder written by ``save_pretrained`` (config.json and weights):

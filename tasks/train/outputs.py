@@ -1,6 +1,7 @@
 """The one place a model's output becomes the logits tensor an objective reads.
 
 A model's forward pass may return:
+
 - a tensor: the logits (or values) themselves;
 - a mapping with a ``logits`` entry: a dict, or a Hugging Face ``ModelOutput`` (which is a
   mapping; ``CausalLMOutputWithCrossAttentions`` and the like);
