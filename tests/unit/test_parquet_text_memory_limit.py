@@ -13,16 +13,18 @@ independently, by `transformers`) are what every shard row must be.
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from mlflow.tracking import MlflowClient
 
 from tests.cgroups import drain_and_remove, own_memory_group
 from tests.tables import stdlib_documents, train_tokenizer
@@ -53,21 +55,29 @@ print(json.dumps({"counts": ref.counts, "path": str(ref.path)}))
 
 
 @pytest.fixture
-def limited_group() -> Iterator[Path]:
-    """A uniquely named memory cgroup limited to LIMIT (no swap beyond it), removed after."""
+def memory_groups() -> Iterator[Callable[[int], Path]]:
+    """Makes uniquely named memory cgroups, each limited to its `limit` (no swap beyond it);
+    removes them after."""
     parent = own_memory_group()
     if parent is None:
         pytest.skip("needs root and a writable cgroup v1 memory controller")
-    group = parent / f"trainflow-test-{uuid.uuid4().hex[:12]}"
-    group.mkdir()
-    try:
-        (group / "memory.limit_in_bytes").write_text(str(LIMIT))
+    made: list[Path] = []
+
+    def make(limit: int) -> Path:
+        group = parent / f"trainflow-test-{uuid.uuid4().hex[:12]}"
+        group.mkdir()
+        made.append(group)
+        (group / "memory.limit_in_bytes").write_text(str(limit))
         memsw = group / "memory.memsw.limit_in_bytes"
         if memsw.exists():
-            memsw.write_text(str(LIMIT))
-        yield group
+            memsw.write_text(str(limit))
+        return group
+
+    try:
+        yield make
     finally:
-        drain_and_remove(group)
+        for group in made:
+            drain_and_remove(group)
 
 
 def _group_windows(docs: list[str], tokenizer: Path) -> tuple[np.ndarray, np.ndarray]:
@@ -94,8 +104,9 @@ def _write_parquet(file: Path, docs: list[str], groups: int) -> None:
 
 @pytest.mark.services  # a process with a dask cluster, ~1.5 GB of disk written
 def test_parquet_text_larger_than_the_memory_limit_preprocesses_inside_it(
-    limited_group: Path, tmp_path: Path
+    memory_groups: Callable[[int], Path], tmp_path: Path
 ) -> None:
+    limited_group = memory_groups(LIMIT)
     docs = stdlib_documents(DOCS_PER_GROUP, 20000)
     tokenizer = train_tokenizer(tmp_path / "tok", docs, vocab=2000, kind="word")
     x, y = _group_windows(docs, tokenizer)
@@ -140,3 +151,95 @@ def test_parquet_text_larger_than_the_memory_limit_preprocesses_inside_it(
         for folder in (tmp_path / "out").glob("*"):
             for file in folder.glob("*.npy"):
                 file.unlink()
+
+
+PIPELINE_LIMIT = 896 << 20
+"""The whole pipeline's floor (tests/unit/test_memory_limit.py): the flow process with torch,
+MLflow, Prefect, the scheduler and training on the `debug` executor, and the dask worker."""
+
+
+def _pipeline_args(data: Path, tokenizer: Path, work: Path) -> list[str]:
+    args = {"path": str(data), "inputs": "text", "tokenizer": str(tokenizer), "context": CONTEXT}
+    sets = {
+        "workdir": work,
+        "preprocess.source": "parquet",
+        "preprocess.source_args": json.dumps(args),
+        "preprocess.shard_size": 4096,
+        "preprocess.val_fraction": 0.45,
+        "preprocess.test_fraction": 0.44,
+        "train.model": "token_conv",
+        "train.model_args": '{"dim": 16}',
+        "train.objective": "sequence",
+        "train.epochs": 1,
+        "train.batch_size": 64,
+        "train.device": "cpu",
+        "train.precision": "fp32",
+        "train.data_placement": "stream",
+        "train.test_after_training": "false",
+        "evaluate.batch_size": 64,
+        "cluster.executor": "debug",
+        "cluster.ranks_per_node": 1,
+        "cluster.dask.backend": "cpu",
+        "cluster.dask.n_workers": 1,
+    }
+    flags = [arg for key, value in sets.items() for arg in ("--set", f"{key}={value}")]
+    return [sys.executable, "-m", "trainflow.flows.cli", "run", *flags]
+
+
+@pytest.mark.services  # the whole pipeline in a process, ~1 GB of disk written
+def test_a_language_model_trains_on_parquet_text_larger_than_the_memory_limit(
+    memory_groups: Callable[[int], Path], tmp_path: Path, prefect_api: str
+) -> None:
+    docs = stdlib_documents(DOCS_PER_GROUP, 20000)
+    tokenizer = train_tokenizer(tmp_path / "tok", docs, vocab=300, kind="word")
+    x, _y = _group_windows(docs, tokenizer)
+    groups = -(-PIPELINE_LIMIT // (2 * x.nbytes))  # inputs and targets together
+    data = tmp_path / "text.parquet"
+    _write_parquet(data, docs, groups)
+    group = memory_groups(PIPELINE_LIMIT)
+    env = {
+        **os.environ,
+        "PREFECT_API_URL": prefect_api,
+        "PREFECT_HOME": str(tmp_path / "prefect-home"),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    }
+    env.pop("MLFLOW_TRACKING_URI", None)
+    procs = group / "cgroup.procs"
+    try:
+        done = subprocess.run(
+            _pipeline_args(data, tokenizer, tmp_path / "work"),
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            preexec_fn=lambda: procs.write_text(str(os.getpid())),
+        )
+        oom = (group / "memory.oom_control").read_text()
+        peak = int((group / "memory.max_usage_in_bytes").read_text())
+        assert done.returncode == 0, f"{oom}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+        assert "oom_kill 0" in oom or "oom_kill" not in oom
+        assert peak <= PIPELINE_LIMIT
+        (manifest,) = (tmp_path / "work" / "datasets").glob("*/manifest.json")
+        written = json.loads(manifest.read_text())
+        windows = sum(written["counts"].values())
+        assert windows == groups * len(x)
+        assert 2 * windows * CONTEXT * 8 > PIPELINE_LIMIT
+        client = MlflowClient(f"sqlite:///{tmp_path / 'work' / 'mlflow.db'}")
+        experiment = client.get_experiment_by_name("trainflow")
+        assert experiment is not None
+        runs = client.search_runs([experiment.experiment_id])
+        stages = {r.data.tags.get("stage"): r for r in runs}
+        assert {"preprocess", "train", "evaluate"} <= set(stages), sorted(map(str, stages))
+        assert all(r.info.status == "FINISHED" for r in runs)
+        perplexity = stages["evaluate"].data.metrics["test_perplexity"]
+        assert perplexity < 100  # 300 ids: nothing learnt is ~300
+        print(
+            f"parquet text {data.stat().st_size >> 20} MiB, {2 * windows * CONTEXT * 8 >> 20} "
+            f"MiB of windows, limit {PIPELINE_LIMIT >> 20} MiB, group peak {peak >> 20} MiB, "
+            f"test perplexity {perplexity:.1f}; "
+            + next((line for line in done.stdout.splitlines() if "stage seconds" in line), "")
+        )
+    finally:
+        data.unlink(missing_ok=True)
+        shutil.rmtree(tmp_path / "work" / "datasets", ignore_errors=True)
