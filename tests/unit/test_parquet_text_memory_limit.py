@@ -9,6 +9,12 @@ library's own source, tokenized on the worker by a word-level tokenizer trained 
 into windows of CONTEXT tokens: inputs and targets of 8 bytes a token, each about LIMIT in
 all. Every row group holds the same documents, so the windows a row group gives (tokenized
 independently, by `transformers`) are what every shard row must be.
+
+The second test runs the whole pipeline (`trainflow run`: preprocess, token_conv trained and
+evaluated on the `debug` executor in the flow process) on text whose windows outweigh the
+whole pipeline's floor, PIPELINE_LIMIT, inside a group so limited. It takes minutes (4.4 min
+here beside other tests; 8 min under a heavier load): under the limit the shards come back
+from disk, not from the page cache.
 """
 
 import json
