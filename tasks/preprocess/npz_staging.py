@@ -8,9 +8,10 @@ scratch file) is read once, sequentially, by one worker.
    the shard it belongs to (`.raw-<stem>.npy`, rows already in shard order).
 3. Shard-writing tasks then read their rows as one contiguous run (`StagedImages.take`).
 
-A source plug-in's parts are read (and staged whole, `.raw-part-*.npy`) before the split, for
-their targets; once split, step 2 moves each part's rows into the shards' scratch files the
-same way (`stage_part_rows`), and deletes the part's file.
+A source plug-in's parts are read (inputs and targets staged whole, `.raw-part-*.npy` and
+`.raw-part-*.y.npy`) before the split; once split, step 2 moves each part's rows of both into
+the shards' scratch files the same way (`stage_part_rows`, targets to `.raw-<stem>.y.npy`), and
+deletes the part's files: the shard-writing tasks then read the targets from there too.
 
 Before, each file was staged whole and shard tasks gathered their (shuffled) rows from all
 staged files: with more data than page cache every row came from disk on its own (measured:
@@ -18,6 +19,7 @@ staged files: with more data than page cache every row came from disk on its own
 and written sequentially, or as whole rows, once per step.
 """
 
+import dataclasses
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -87,6 +89,9 @@ class StagedImages(FourDimImages):
     """First global row of each file, plus the total count at the end."""
     sample_shape: tuple[int, ...]
     dtype: np.dtype
+    targets: "StagedImages | None" = None
+    """A plug-in's targets staged beside the inputs (same rows), which the shard-writing tasks
+    write; None where the shards' targets come from the client (npz labels)."""
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -131,13 +136,18 @@ def _pread_into(path: str, offset: int, out: np.ndarray) -> None:
 
 
 def create_staged(
-    out: Path, shards: list[Shard], sample_shape: tuple[int, ...], dtype: np.dtype
+    out: Path,
+    shards: list[Shard],
+    sample_shape: tuple[int, ...],
+    dtype: np.dtype,
+    suffix: str = ".npy",
 ) -> StagedImages:
-    """One empty (sparse) scratch .npy per shard, sized for its rows, in `out`."""
+    """One empty (sparse) scratch file `.raw-<stem><suffix>` per shard, sized for its rows,
+    in `out`."""
     paths, offsets = [], []
     row_bytes = dtype.itemsize * int(np.prod(sample_shape))
     for shard in shards:
-        path = out / f".raw-{shard.stem}.npy"
+        path = out / f".raw-{shard.stem}{suffix}"
         header: dict[str, Any] = {
             "descr": np.lib.format.dtype_to_descr(dtype),
             "fortran_order": False,
@@ -167,9 +177,16 @@ def stage_npz_rows(file: str, count: int, dest: np.ndarray, staged: StagedImages
     _scatter_rows(rows, dest, staged)
 
 
-def stage_part_rows(file: str, dest: np.ndarray, staged: StagedImages) -> None:
-    """Move the rows of one part's scratch .npy to staged rows dest (read once, sequentially,
-    through a read-only mapping), then delete it; on a worker."""
+def stage_part_rows(file: str, target_file: str, dest: np.ndarray, staged: StagedImages) -> None:
+    """Move the rows of one part's scratch .npy files (inputs, and targets when staged) to
+    staged rows dest (each read once, sequentially, through a read-only mapping), then delete
+    them; on a worker."""
+    _move_rows(file, dest, staged)
+    if staged.targets is not None:
+        _move_rows(target_file, dest, staged.targets)
+
+
+def _move_rows(file: str, dest: np.ndarray, staged: StagedImages) -> None:
     rows = np.load(file, mmap_mode="r")
     _scatter_rows(rows, dest, staged)
     del rows
@@ -230,6 +247,10 @@ def stage_in_shard_order(
     same shard groups over staged rows."""
     shards = [shard for name in groups for group in groups[name] for shard in group]
     staged = create_staged(out, shards, files.shape[1:], files.dtype)
+    if isinstance(files, PartRows) and files.target_files:
+        shape, dtype = files.target_shape, np.dtype(files.target_dtype)
+        targets = create_staged(out, shards, shape, dtype, suffix=".y.npy")
+        staged = dataclasses.replace(staged, targets=targets)
     dest = np.empty(len(files), np.int64)
     for k, shard in enumerate(shards):
         dest[shard.rows] = staged.starts[k] + np.arange(len(shard.rows))
@@ -242,9 +263,10 @@ def stage_in_shard_order(
         ]
     else:
         first = np.asarray(files.starts)
+        target_files = files.target_files or ("",) * len(files.files)
         tasks = [
-            (stage_part_rows, file, dest[first[i] : first[i + 1]])
-            for i, file in enumerate(files.files)
+            (stage_part_rows, file, target, dest[first[i] : first[i + 1]])
+            for i, (file, target) in enumerate(zip(files.files, target_files, strict=True))
         ]
     futures = [client.submit(run_guarded, *task, staged, pure=False) for task in tasks]
     gather(client, [futures])

@@ -8,8 +8,11 @@ Everything after that is the built-in sources' path: validation, splitting, shar
 hash, caching, streaming to the ranks. A part that cannot be read, or whose arrays are
 unusable, fails the stage with one line naming the part and the source.
 
-The client holds only the targets (as the npz source holds its labels); inputs stay on the
-workers' disks until the shard-writing tasks take their rows.
+Inputs and targets stay on the workers' disks (staged beside each other) until the
+shard-writing tasks take their rows: the client gets each part's shapes, dtypes and id range,
+and the targets themselves only when they are one class per sample (the split is stratified by
+class, as the npz source's labels are). Token windows' targets, as large as the inputs, never
+pass through the client.
 """
 
 import hashlib
@@ -34,6 +37,8 @@ GROUP = "trainflow.sources"
 """Entry-point group under which installed packages register source plug-ins by name."""
 SCRATCH = ".raw-part-{index:05d}.npy"
 """A part's inputs as a worker staged them (deleted once the shards are written)."""
+SCRATCH_TARGETS = ".raw-part-{index:05d}.y.npy"
+"""A part's targets as a worker staged them (deleted once the shards are written)."""
 BUILTINS = {
     "arrays": "trainflow.tasks.preprocess.array_source:ArrayFiles",
     "parquet": "trainflow.tasks.preprocess.parquet_source:ParquetFiles",
@@ -142,24 +147,48 @@ def _call(plugin: PluginSource, what: str, fn: Any, *args: Any) -> Any:
 
 @dataclass(frozen=True)
 class PartInfo:
-    """What a worker read from one part: its staged inputs and its targets."""
+    """What a worker read from one part: where it staged its inputs and targets, their shapes
+    and dtypes, and the targets themselves only when they are one class per sample."""
 
     name: str
     file: str
     shape: tuple[int, ...]
     dtype: str
-    targets: np.ndarray
+    target_file: str
+    target_shape: tuple[int, ...]
+    target_dtype: str
+    classes: np.ndarray | None
+    """The targets when they are (n,) integer classes (the client splits by class), else None."""
     max_id: int
     """Largest input id (integer inputs), else -1."""
+    target_range: tuple[int, int]
+    """(smallest, largest) target of integer targets, else (0, 0)."""
 
 
 def read_part(plugin: PluginSource, part: Any, index: int, scratch: str) -> PartInfo:
-    """Read one part on a worker, check its arrays and stage its inputs to a scratch file."""
+    """Read one part on a worker, check its arrays and stage inputs and targets to scratch
+    files beside each other; only class targets come back to the client."""
     x, y = read_arrays(plugin, part)
     file = str(Path(scratch) / SCRATCH.format(index=index))
     np.save(file, np.ascontiguousarray(x), allow_pickle=False)
+    target_file = str(Path(scratch) / SCRATCH_TARGETS.format(index=index))
+    np.save(target_file, np.ascontiguousarray(y), allow_pickle=False)
     max_id = int(x.max()) if x.dtype == np.int64 else -1
-    return PartInfo(str(part), file, x.shape, x.dtype.str, y, max_id)
+    integer = np.issubdtype(y.dtype, np.integer)
+    span = (int(y.min()), int(y.max())) if integer else (0, 0)
+    classes = y if integer and y.ndim == 1 else None
+    return PartInfo(
+        str(part),
+        file,
+        x.shape,
+        x.dtype.str,
+        target_file,
+        y.shape,
+        y.dtype.str,
+        classes,
+        max_id,
+        span,
+    )
 
 
 def read_arrays(plugin: PluginSource, part: Any) -> tuple[np.ndarray, np.ndarray]:
@@ -210,6 +239,11 @@ class PartRows:
     """Global row of each part's first row, plus N at the end."""
     sample_shape: tuple[int, ...]
     sample_dtype: str
+    target_files: tuple[str, ...] = ()
+    """Each part's staged targets (staged into the shards with the inputs)."""
+    target_shape: tuple[int, ...] = ()
+    """A target's shape (() for one class or value per sample)."""
+    target_dtype: str = "int64"
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -255,17 +289,73 @@ def plan_plugin(
         for i, part in enumerate(parts)
     ]
     infos: list[PartInfo] = gather(client, [futures])[0]
-    targets = _agree(infos, plugin)
-    starts = np.concatenate([[0], np.cumsum([i.shape[0] for i in infos])]).tolist()
+    _agree(infos, plugin)
+    starts = tuple(np.concatenate([[0], np.cumsum([i.shape[0] for i in infos])]).tolist())
     first = infos[0]
-    rows = PartRows(tuple(i.file for i in infos), tuple(starts), first.shape[1:], first.dtype)
+    files, target_files = tuple(i.file for i in infos), tuple(i.target_file for i in infos)
+    rows = PartRows(
+        files,
+        starts,
+        first.shape[1:],
+        first.dtype,
+        target_files,
+        first.target_shape[1:],
+        first.target_dtype,
+    )
+    targets: np.ndarray | TargetSummary
+    if first.classes is not None:
+        targets = np.concatenate([i.classes for i in infos if i.classes is not None])
+    else:
+        low = min(i.target_range[0] for i in infos)
+        high = max(i.target_range[1] for i in infos)
+        targets = TargetSummary(starts[-1], first.target_shape[1:], first.target_dtype, low, high)
     classes, num_classes = classes_of(plugin, targets, max(i.max_id for i in infos))
     return RawSource(rows, targets, classes, num_classes)
 
 
-def _agree(infos: list[PartInfo], plugin: PluginSource) -> np.ndarray:
-    """All parts' targets; DataError naming a part whose shapes or dtypes differ from the
-    first part's."""
+@dataclass(frozen=True)
+class TargetSummary:
+    """What the client knows of targets that stay on the workers (ids per position, float
+    values): their count, sample shape, dtype and range. Quacks as the array would for
+    validation, splitting and the manifest; the values themselves are never here."""
+
+    count: int
+    sample_shape: tuple[int, ...]
+    sample_dtype: str
+    low: int
+    """Smallest target (integer targets), else 0."""
+    high: int
+    """Largest target (integer targets), else 0."""
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """`(N, *sample_shape)`."""
+        return (self.count, *self.sample_shape)
+
+    @property
+    def ndim(self) -> int:
+        """1 + the sample's axes."""
+        return 1 + len(self.sample_shape)
+
+    @property
+    def dtype(self) -> np.dtype:
+        """int64 or float32."""
+        return np.dtype(self.sample_dtype)
+
+    def __len__(self) -> int:
+        return self.count
+
+    def min(self) -> int:
+        """The smallest target (integer targets)."""
+        return self.low
+
+    def max(self) -> int:
+        """The largest target (integer targets)."""
+        return self.high
+
+
+def _agree(infos: list[PartInfo], plugin: PluginSource) -> None:
+    """DataError naming a part whose shapes or dtypes differ from the first part's."""
     first = infos[0]
     for info in infos[1:]:
         for what, mine, theirs in (
@@ -277,15 +367,14 @@ def _agree(infos: list[PartInfo], plugin: PluginSource) -> np.ndarray:
                     f"{plugin.describe(info.name)}: {what} of sample shape and dtype {mine} "
                     f"differ from {theirs} in part {first.name!r}: every part must agree"
                 )
-    return np.concatenate([i.targets for i in infos])
 
 
 def _target_kind(info: PartInfo) -> tuple[tuple[int, ...], str]:
-    return info.targets.shape[1:], info.targets.dtype.str
+    return info.target_shape[1:], info.target_dtype
 
 
 def classes_of(
-    plugin: PluginSource, targets: np.ndarray, max_input_id: int
+    plugin: PluginSource, targets: "np.ndarray | TargetSummary", max_input_id: int
 ) -> tuple[list[str], int | None]:
     """Class names and the number of classes (or vocabulary size); ([], None) for floats."""
     names = getattr(plugin.source, "classes", None)

@@ -52,6 +52,37 @@ class LazyImages(Protocol):
         ...
 
 
+class LazyTargets(Protocol):
+    """Targets that stay on the workers' disks: what the client knows of them."""
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """(N, ...)."""
+        ...
+
+    @property
+    def ndim(self) -> int:
+        """1 + the sample's axes."""
+        ...
+
+    @property
+    def dtype(self) -> np.dtype:
+        """int64 or float32."""
+        ...
+
+    def __len__(self) -> int:
+        """N."""
+        ...
+
+    def min(self) -> int:
+        """The smallest target (integer targets)."""
+        ...
+
+    def max(self) -> int:
+        """The largest target (integer targets)."""
+        ...
+
+
 @dataclass(frozen=True)
 class RawSource:
     """Raw samples as the preprocess stage reads them: lazy except for in-memory sources.
@@ -62,8 +93,9 @@ class RawSource:
     images: "np.ndarray | LazyImages"
     """Inputs (N, ...): (N, C, H, W) uint8 or float32 images, (N, F) float32 features or
     (N, T) int64 token ids; in memory, on disk or generated on demand."""
-    labels: np.ndarray
-    """Targets (N, ...): int64 classes (N,), int64 ids per position (N, T), float32 values."""
+    labels: "np.ndarray | LazyTargets"
+    """Targets (N, ...): int64 classes (N,), int64 ids per position (N, T), float32 values;
+    a plug-in's targets other than classes stay on the workers (only their summary here)."""
     classes: list[str]
     """Class names; label i is classes[i] (empty for float targets or unnamed ids)."""
     num_classes: int | None = None

@@ -33,7 +33,7 @@ from trainflow.tasks.preprocess.npz_staging import (
     stage_in_shard_order,
 )
 from trainflow.tasks.preprocess.plugin_source import PartRows, plan_plugin
-from trainflow.tasks.preprocess.raw import RawSource
+from trainflow.tasks.preprocess.raw import LazyTargets, RawSource
 from trainflow.tasks.preprocess.ref import DatasetRef
 from trainflow.tasks.preprocess.sources import load_source
 from trainflow.tasks.preprocess.validate import is_class_labels, validate_raw
@@ -138,7 +138,9 @@ def plan_source(cfg: PreprocessConfig, client: distributed.Client, scratch: Path
     return load_source(cfg)
 
 
-def split_indices(labels: np.ndarray, cfg: PreprocessConfig) -> dict[str, np.ndarray]:
+def split_indices(
+    targets: "np.ndarray | LazyTargets", cfg: PreprocessConfig
+) -> dict[str, np.ndarray]:
     """Deterministic, disjoint train/val/test indices, stratified by class (test >= 1), in the
     order the split's shards hold them: shuffled, then each shard's share (cfg.shard_size
     samples) in the source's order.
@@ -154,9 +156,12 @@ def split_indices(labels: np.ndarray, cfg: PreprocessConfig) -> dict[str, np.nda
     the whole test 75 -> 64 CPU s, one run each on the 2-core AMD EPYC).
     """
     rng = np.random.default_rng(cfg.seed)
-    n = len(labels)
-    if not is_class_labels(labels):
-        labels = np.zeros(n, np.int64)
+    n = len(targets)
+    labels = (
+        targets
+        if isinstance(targets, np.ndarray) and is_class_labels(targets)
+        else np.zeros(n, np.int64)
+    )
     n_test = max(1, round(n * cfg.test_fraction))
     n_val = round(n * cfg.val_fraction)
     # Each sample's rank within its shuffled class, spread over [0, 1): cutting the sorted
@@ -250,11 +255,16 @@ def _merge_moments(parts: list[Moments | None], channels: int, normalised: bool)
 
 
 def _shard_groups(
-    split: str, idx: np.ndarray, labels: np.ndarray, shard_size: int, images: ImageRows
+    split: str,
+    idx: np.ndarray,
+    labels: "np.ndarray | LazyTargets",
+    shard_size: int,
+    images: ImageRows,
 ) -> list[list[Shard]]:
-    """The shards of a split (shard_size samples each), grouped into tasks of ~TASK_BYTES."""
+    """The shards of a split (shard_size samples each), grouped into tasks of ~TASK_BYTES;
+    targets that stay on the workers are not sent with them."""
     shards = [
-        Shard(f"{split}-{i:05d}", rows, labels[rows])
+        Shard(f"{split}-{i:05d}", rows, labels[rows] if isinstance(labels, np.ndarray) else None)
         for i, rows in enumerate(idx[s : s + shard_size] for s in range(0, len(idx), shard_size))
     ]
     per_task = max(1, len(shards) // _task_count(len(idx), images)) if shards else 1

@@ -3,7 +3,7 @@
 import numpy as np
 
 from trainflow.errors import DataError
-from trainflow.tasks.preprocess.raw import RawData, RawSource
+from trainflow.tasks.preprocess.raw import LazyTargets, RawData, RawSource
 
 MIN_SAMPLES = 10
 _CHECK_ROWS = 4096  # rows per finiteness check: bounded temporaries at any data size
@@ -24,7 +24,7 @@ def validate_raw(raw: RawData | RawSource, origin: str, images: bool = True) -> 
         _check_ids(raw, origin)
 
 
-def is_class_labels(targets: np.ndarray) -> bool:
+def is_class_labels(targets: "np.ndarray | LazyTargets") -> bool:
     """True for one integer class per sample: (N,) integers."""
     return targets.ndim == 1 and np.issubdtype(targets.dtype, np.integer)
 
@@ -86,6 +86,8 @@ def _check_ids(raw: RawData | RawSource, origin: str) -> None:
 
 
 def _check_labels(raw: RawData | RawSource, origin: str) -> None:
+    if not isinstance(raw.labels, np.ndarray):  # plug-ins send class targets to the client
+        raise TypeError(f"{origin}: class labels must reach the client as an array")
     if not np.issubdtype(raw.labels.dtype, np.integer):
         raise DataError(f"{origin}: labels have dtype {raw.labels.dtype}; expected integers")
     n_classes = len(raw.classes)

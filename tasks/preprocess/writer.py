@@ -86,11 +86,12 @@ def stage(images: np.ndarray, folder: Path) -> MappedImages:
 
 @dataclass(frozen=True)
 class Shard:
-    """One output shard: its file stem, the source rows it holds (in order) and their labels."""
+    """One output shard: its file stem, the source rows it holds (in order) and their labels
+    (None where the targets stay on the workers: `targets_of` the images gives them)."""
 
     stem: str
     rows: np.ndarray
-    labels: np.ndarray
+    labels: np.ndarray | None
 
 
 @dataclass(frozen=True)
@@ -140,12 +141,24 @@ def write_shards(
             raw = _raw_blocks(images, shard.rows, xp)
             blocks = _with_moments(raw, xp, add) if moments else map(to_numpy, raw)
             x_sha = _write_npy(out / x_name, x_shape, np.dtype(images.dtype), blocks, flusher)
-            labels = np.ascontiguousarray(shard.labels)  # int64 classes/ids or float32
+            labels = np.ascontiguousarray(_targets(images, shard))  # int64 or float32
             y_sha = _write_npy(out / y_name, labels.shape, labels.dtype, iter([labels]), flusher)
             entries.append(
                 {"x": x_name, "y": y_name, "n": len(labels), "x_sha256": x_sha, "y_sha256": y_sha}
             )
     return entries, (total[0] if moments else None)
+
+
+def _targets(images: ImageRows, shard: Shard) -> np.ndarray:
+    """The shard's targets: staged beside the inputs on the workers (source plug-ins), else
+    the labels the client sent with the shard."""
+    staged = getattr(images, "targets", None)
+    if staged is not None:
+        taken: np.ndarray = staged.take(shard.rows, np)
+        return taken
+    if shard.labels is None:
+        raise RuntimeError(f"shard {shard.stem} has neither staged targets nor labels")
+    return shard.labels
 
 
 def _raw_blocks(images: ImageRows, rows: np.ndarray, xp: ModuleType) -> Iterator[Any]:
