@@ -70,8 +70,10 @@ def train_tokenizer(texts: list[str], folder: Path) -> PreTrainedTokenizerFast:
     return fast
 
 
-def pretrain(texts: list[str], tokenizer: PreTrainedTokenizerFast, folder: Path) -> None:
-    """A small GPT-2 trained briefly on `texts`, saved with its tokenizer."""
+def pretrain(
+    texts: list[str], tokenizer: PreTrainedTokenizerFast, folder: Path, steps: int
+) -> None:
+    """A small GPT-2 trained for `steps` steps on `texts`, saved with its tokenizer."""
     torch.manual_seed(0)
     ids: list[int] = []
     for text in texts:
@@ -93,7 +95,7 @@ def pretrain(texts: list[str], tokenizer: PreTrainedTokenizerFast, folder: Path)
     model = GPT2LMHeadModel(config)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     start = time.monotonic()
-    for step in range(120):
+    for step in range(steps):
         batch = torch.randint(0, n, (16,))
         loss = torch.nn.functional.cross_entropy(
             model(x[batch]).logits.flatten(0, 1), y[batch].flatten()
@@ -111,6 +113,7 @@ def pretrain(texts: list[str], tokenizer: PreTrainedTokenizerFast, folder: Path)
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--force", action="store_true", help="make everything again")
+    parser.add_argument("--steps", type=int, default=120, help="pretraining steps of the base")
     args = parser.parse_args()
     data, tok_dir, base = (
         HERE / "data" / "docstrings.parquet",
@@ -125,7 +128,7 @@ def main() -> None:
     print(f"data: {data} ({len(finetune)} docstrings)")
     tokenizer = train_tokenizer(finetune + docstrings("a", "m"), tok_dir)
     print(f"tokenizer: {tok_dir} ({len(tokenizer)} tokens)")
-    pretrain(docstrings("a", "m"), tokenizer, base)
+    pretrain(docstrings("a", "m"), tokenizer, base, args.steps)
 
 
 if __name__ == "__main__":
