@@ -178,8 +178,9 @@ def test_a_rank_slow_in_compute_is_named_and_a_balanced_job_is_not(
     )
     host = socket.gethostname()
     warnings = [line for line in lines if "warning: straggler" in line]
-    assert len(warnings) == 1, lines
-    assert warnings[0].startswith(f"[rank0] warning: straggler rank 1 on node {host}: compute")
+    assert warnings, lines  # once per streak: a slow run may make more than one
+    named = f"[rank0] warning: straggler rank 1 on node {host}: compute"
+    assert all(w.startswith(named) for w in warnings), warnings
     assert run["tags"][TAG].startswith(f"rank 1 on node {host}: compute ")
 
     lines, run = _run(TrainingJob, dataset, tmp_path / "balanced", fraction=4.0)
