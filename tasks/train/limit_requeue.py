@@ -12,12 +12,11 @@ many time limits as it needs.
 
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
-from typing import Any, NoReturn, Protocol
+from typing import NoReturn
 
 from trainflow.tasks.train.checkpoint import save_checkpoint, training_state
 from trainflow.tasks.train.distributed import DistContext
-from trainflow.tasks.train.job_spec import TrainJobSpec
+from trainflow.tasks.train.epoch_records import EpochJob
 from trainflow.tasks.train.loop import Trainer
 from trainflow.tasks.train.progress import Progress
 from trainflow.tasks.train.recorder import EpochRecorder
@@ -30,23 +29,8 @@ from trainflow.tasks.train.time_limit import (
     time_text,
 )
 
-
-class RequeuedJob(Protocol):
-    """What this module needs of the training job (tasks.train.job.TrainingJob)."""
-
-    spec: TrainJobSpec
-    attempt: int
-    stalled: int
-    saved_step: int
-
-    @property
-    def checkpoint_dir(self) -> Path: ...
-
-    def _run_identity(self) -> dict[str, Any]: ...
-
-    def _decide(
-        self, trainer: Trainer, progress: Progress, metrics: dict[str, float]
-    ) -> tuple[bool, dict[str, Any] | None]: ...
+RequeuedJob = EpochJob
+"""What this module needs of the training job: what epoch_records needs."""
 
 
 NEAR_LIMIT_S = 60.0
