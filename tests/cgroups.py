@@ -4,8 +4,14 @@ import contextlib
 import errno
 import os
 import signal
+import subprocess
 import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+
+import pytest
 
 V1 = Path("/sys/fs/cgroup/memory")
 
@@ -56,3 +62,66 @@ def drain_and_remove(group: Path, wait_s: float = 60.0) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(int(pid), signal.SIGKILL)
     remove_group(group)
+
+
+@contextlib.contextmanager
+def memory_groups() -> Iterator[Callable[[int], Path]]:
+    """Makes uniquely named memory cgroups under this process's, each limited to its `limit`
+    in bytes (memory and memory+swap); drains and removes them after. Skips the test where no
+    group can be made (not root, no writable cgroup v1 memory controller)."""
+    parent = own_memory_group()
+    if parent is None:
+        pytest.skip("needs root and a writable cgroup v1 memory controller")
+    made: list[Path] = []
+
+    def make(limit: int) -> Path:
+        group = parent / f"trainflow-test-{uuid.uuid4().hex[:12]}"
+        group.mkdir()
+        made.append(group)
+        (group / "memory.limit_in_bytes").write_text(str(limit))
+        memsw = group / "memory.memsw.limit_in_bytes"
+        if memsw.exists():
+            memsw.write_text(str(limit))
+        return group
+
+    try:
+        yield make
+    finally:
+        for group in made:
+            drain_and_remove(group)
+
+
+@dataclass(frozen=True)
+class GroupRun:
+    """A command that ran inside a memory group, and what the group recorded."""
+
+    done: "subprocess.CompletedProcess[str]"
+    oom: str
+    """memory.oom_control after the run."""
+    peak: int
+    """memory.max_usage_in_bytes: the group's peak, page cache included."""
+
+    def assert_held(self, limit: int) -> None:
+        """The command succeeded, nothing was OOM-killed and the peak stayed under `limit`."""
+        detail = f"{self.oom}\n{self.done.stdout[-2000:]}\n{self.done.stderr[-3000:]}"
+        assert self.done.returncode == 0, detail
+        assert "oom_kill 0" in self.oom or "oom_kill" not in self.oom, detail
+        assert self.peak <= limit, f"group peak {self.peak >> 20} MiB > {limit >> 20} MiB"
+
+
+def run_in_group(
+    group: Path, argv: list[str], cwd: Path, env: dict[str, str], timeout: float
+) -> GroupRun:
+    """Run `argv` with its process (and so all it starts) inside `group`."""
+    procs = group / "cgroup.procs"
+    done = subprocess.run(
+        argv,
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        preexec_fn=lambda: procs.write_text(str(os.getpid())),
+    )
+    oom = (group / "memory.oom_control").read_text()
+    return GroupRun(done, oom, int((group / "memory.max_usage_in_bytes").read_text()))

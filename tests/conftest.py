@@ -9,10 +9,12 @@ import os
 import shutil
 import signal
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+
+from tests import cgroups
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("MLFLOW_ENABLE_ASYNC_LOGGING", "false")
@@ -137,3 +139,11 @@ def prefect_api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
                 os.environ.pop("PREFECT_API_URL", None)
             else:
                 os.environ["PREFECT_API_URL"] = previous
+
+
+@pytest.fixture
+def memory_groups() -> Iterator[Callable[[int], Path]]:
+    """Makes memory cgroups limited to a given number of bytes, removed after the test
+    (tests.cgroups.memory_groups; skips where no cgroup v1 memory group can be made)."""
+    with cgroups.memory_groups() as make:
+        yield make

@@ -20,17 +20,15 @@ against the MLP's 8 and 1.3).
 import json
 import os
 import shutil
-import subprocess
 import sys
-import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 from mlflow.tracking import MlflowClient
 
-from tests.cgroups import drain_and_remove, own_memory_group
+from tests.cgroups import run_in_group
 
 ROOT = Path(__file__).resolve().parents[2]
 LIMIT = 896 << 20
@@ -44,24 +42,6 @@ with the resnet; the MLP's activations are smaller still.)"""
 SAMPLE = (192, 8, 8)  # 12 KiB a sample
 FILE_BYTES = 64 << 20
 DATA_BYTES = 3 * LIMIT
-
-
-@pytest.fixture
-def limited_group() -> Iterator[Path]:
-    """A uniquely named memory cgroup limited to LIMIT (no swap beyond it), removed after."""
-    parent = own_memory_group()
-    if parent is None:
-        pytest.skip("needs root and a writable cgroup v1 memory controller")
-    group = parent / f"trainflow-test-{uuid.uuid4().hex[:12]}"
-    group.mkdir()
-    try:
-        (group / "memory.limit_in_bytes").write_text(str(LIMIT))
-        memsw = group / "memory.memsw.limit_in_bytes"
-        if memsw.exists():
-            memsw.write_text(str(LIMIT))
-        yield group
-    finally:
-        drain_and_remove(group)
 
 
 @pytest.fixture
@@ -119,10 +99,9 @@ def _run_args(raw: Path, work: Path) -> list[str]:
 
 @pytest.mark.services
 def test_whole_pipeline_on_data_3x_the_memory_limit(
-    limited_group: Path, folder: Path, prefect_api: str
+    memory_groups: Callable[[int], Path], folder: Path, prefect_api: str
 ) -> None:
     tmp_path = folder
-    procs = limited_group / "cgroup.procs"
     samples = _write_npz(tmp_path / "raw")
     assert samples * int(np.prod(SAMPLE)) >= 3 * LIMIT
     env = {
@@ -132,20 +111,10 @@ def test_whole_pipeline_on_data_3x_the_memory_limit(
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
     }
     env.pop("MLFLOW_TRACKING_URI", None)
-    done = subprocess.run(
-        _run_args(tmp_path / "raw", tmp_path / "work"),
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        preexec_fn=lambda: procs.write_text(str(os.getpid())),
-    )
-    oom = (limited_group / "memory.oom_control").read_text()
-    peak = int((limited_group / "memory.max_usage_in_bytes").read_text())
-    assert done.returncode == 0, f"{oom}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
-    assert "oom_kill 0" in oom or "oom_kill" not in oom
-    assert peak <= LIMIT
+    group = memory_groups(LIMIT)
+    limited = run_in_group(group, _run_args(tmp_path / "raw", tmp_path / "work"), ROOT, env, 900)
+    limited.assert_held(LIMIT)
+    done, peak = limited.done, limited.peak
     # A dataset this large is preprocessed by a worker process (with its memory limit).
     assert "on dask (numpy backend, 1 worker process, 1 thread, http" in done.stdout + done.stderr
     # Every sample was sharded, and the val and test splits are each larger than the limit.

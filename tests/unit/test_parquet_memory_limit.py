@@ -12,10 +12,8 @@ shared with other jobs).
 
 import json
 import os
-import subprocess
 import sys
-import uuid
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tests.cgroups import drain_and_remove, own_memory_group
+from tests.cgroups import run_in_group
 
 ROOT = Path(__file__).resolve().parents[2]
 LIMIT = 384 << 20
@@ -50,24 +48,6 @@ print(json.dumps({"counts": ref.counts, "path": str(ref.path)}))
 """
 
 
-@pytest.fixture
-def limited_group() -> Iterator[Path]:
-    """A uniquely named memory cgroup limited to LIMIT (no swap beyond it), removed after."""
-    parent = own_memory_group()
-    if parent is None:
-        pytest.skip("needs root and a writable cgroup v1 memory controller")
-    group = parent / f"trainflow-test-{uuid.uuid4().hex[:12]}"
-    group.mkdir()
-    try:
-        (group / "memory.limit_in_bytes").write_text(str(LIMIT))
-        memsw = group / "memory.memsw.limit_in_bytes"
-        if memsw.exists():
-            memsw.write_text(str(LIMIT))
-        yield group
-    finally:
-        drain_and_remove(group)
-
-
 def _write_parquet(file: Path) -> int:
     """Row groups of (features, label, unused) totalling DATA_BYTES of features; the row count."""
     rng = np.random.default_rng(0)
@@ -88,27 +68,19 @@ def _write_parquet(file: Path) -> int:
 
 @pytest.mark.services  # a process with a dask cluster, ~1 GB of disk written
 def test_a_parquet_dataset_twice_the_memory_limit_preprocesses_inside_it(
-    limited_group: Path, tmp_path: Path
+    memory_groups: Callable[[int], Path], tmp_path: Path
 ) -> None:
     data = tmp_path / "big.parquet"
     rows = _write_parquet(data)
     assert rows * FEATURES * 4 >= 2 * LIMIT
-    procs = limited_group / "cgroup.procs"
+    group = memory_groups(LIMIT)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     try:
-        done = subprocess.run(
-            [sys.executable, "-c", SCRIPT, str(data), str(tmp_path / "out")],
-            cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
-            capture_output=True,
-            text=True,
-            timeout=300,
-            preexec_fn=lambda: procs.write_text(str(os.getpid())),
+        limited = run_in_group(
+            group, [sys.executable, "-c", SCRIPT, str(data), str(tmp_path / "out")], ROOT, env, 300
         )
-        oom = (limited_group / "memory.oom_control").read_text()
-        peak = int((limited_group / "memory.max_usage_in_bytes").read_text())
-        assert done.returncode == 0, f"{oom}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
-        assert "oom_kill 0" in oom or "oom_kill" not in oom
-        assert peak <= LIMIT
+        limited.assert_held(LIMIT)
+        done, peak = limited.done, limited.peak
         result = json.loads(done.stdout.strip().splitlines()[-1])
         assert sum(result["counts"].values()) == rows  # every row, in shards
         shards = sorted(Path(result["path"]).glob("*.x.npy"))

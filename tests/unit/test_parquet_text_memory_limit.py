@@ -20,10 +20,8 @@ from disk, not from the page cache.
 import json
 import os
 import shutil
-import subprocess
 import sys
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +30,7 @@ import pyarrow.parquet as pq
 import pytest
 from mlflow.tracking import MlflowClient
 
-from tests.cgroups import drain_and_remove, own_memory_group
+from tests.cgroups import run_in_group
 from tests.tables import stdlib_documents, train_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -58,32 +56,6 @@ with dask_client(dask) as (client, backend):
     ref = run_preprocess(cfg, Path(sys.argv[2]), client, backend, fingerprint(cfg))
 print(json.dumps({"counts": ref.counts, "path": str(ref.path)}))
 """.replace("CONTEXT", str(CONTEXT))
-
-
-@pytest.fixture
-def memory_groups() -> Iterator[Callable[[int], Path]]:
-    """Makes uniquely named memory cgroups, each limited to its `limit` (no swap beyond it);
-    removes them after."""
-    parent = own_memory_group()
-    if parent is None:
-        pytest.skip("needs root and a writable cgroup v1 memory controller")
-    made: list[Path] = []
-
-    def make(limit: int) -> Path:
-        group = parent / f"trainflow-test-{uuid.uuid4().hex[:12]}"
-        group.mkdir()
-        made.append(group)
-        (group / "memory.limit_in_bytes").write_text(str(limit))
-        memsw = group / "memory.memsw.limit_in_bytes"
-        if memsw.exists():
-            memsw.write_text(str(limit))
-        return group
-
-    try:
-        yield make
-    finally:
-        for group in made:
-            drain_and_remove(group)
 
 
 def _group_windows(docs: list[str], tokenizer: Path) -> tuple[np.ndarray, np.ndarray]:
@@ -119,22 +91,13 @@ def test_parquet_text_larger_than_the_memory_limit_preprocesses_inside_it(
     groups = -(-TOKEN_BYTES // x.nbytes)
     data = tmp_path / "text.parquet"
     _write_parquet(data, docs, groups)
-    procs = limited_group / "cgroup.procs"
+    argv = [sys.executable, "-c", SCRIPT, str(data), str(tmp_path / "out"), str(tokenizer)]
     try:
-        done = subprocess.run(
-            [sys.executable, "-c", SCRIPT, str(data), str(tmp_path / "out"), str(tokenizer)],
-            cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
-            capture_output=True,
-            text=True,
-            timeout=240,
-            preexec_fn=lambda: procs.write_text(str(os.getpid())),
+        limited = run_in_group(
+            limited_group, argv, ROOT, {**os.environ, "PYTHONPATH": str(ROOT)}, 240
         )
-        oom = (limited_group / "memory.oom_control").read_text()
-        peak = int((limited_group / "memory.max_usage_in_bytes").read_text())
-        assert done.returncode == 0, f"{oom}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
-        assert "oom_kill 0" in oom or "oom_kill" not in oom
-        assert peak <= LIMIT
+        limited.assert_held(LIMIT)
+        done, peak = limited.done, limited.peak
         result = json.loads(done.stdout.strip().splitlines()[-1])
         assert sum(result["counts"].values()) == groups * len(x)  # every window, in shards
         target_of = {row.tobytes(): target.tobytes() for row, target in zip(x, y, strict=True)}
@@ -210,22 +173,11 @@ def test_a_language_model_trains_on_parquet_text_larger_than_the_memory_limit(
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
     }
     env.pop("MLFLOW_TRACKING_URI", None)
-    procs = group / "cgroup.procs"
     try:
-        done = subprocess.run(
-            _pipeline_args(data, tokenizer, tmp_path / "work"),
-            cwd=ROOT,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=600,
-            preexec_fn=lambda: procs.write_text(str(os.getpid())),
-        )
-        oom = (group / "memory.oom_control").read_text()
-        peak = int((group / "memory.max_usage_in_bytes").read_text())
-        assert done.returncode == 0, f"{oom}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
-        assert "oom_kill 0" in oom or "oom_kill" not in oom
-        assert peak <= PIPELINE_LIMIT
+        argv = _pipeline_args(data, tokenizer, tmp_path / "work")
+        limited = run_in_group(group, argv, ROOT, env, 600)
+        limited.assert_held(PIPELINE_LIMIT)
+        done, peak = limited.done, limited.peak
         (manifest,) = (tmp_path / "work" / "datasets").glob("*/manifest.json")
         written = json.loads(manifest.read_text())
         windows = sum(written["counts"].values())
