@@ -16,16 +16,14 @@ saved tensors of a weight's shape that are not parameters.
 """
 
 import json
-import os
-import socket
-import subprocess
 import sys
-import tempfile
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from bench.ranks import run_ranks
 
 DIM, LAYERS, HEADS, CONTEXT, VOCAB = 256, 8, 8, 64, 96
 BATCH = 8
@@ -113,21 +111,7 @@ def _rank(rank: int, world: int, port: int, way: str, out: str) -> None:
 
 
 def _measure(way: str, world: int = 2) -> dict[str, Any]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "records"
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        argv = [sys.executable, "-m", "bench.p10_fsdp_precision"]
-        procs = [
-            subprocess.Popen([*argv, str(r), str(world), str(port), way, str(out)], env=env)
-            for r in range(world)
-        ]
-        codes = [p.wait() for p in procs]
-        if any(codes):
-            raise RuntimeError(f"P10 {way}: rank exit codes {codes}")
-        records: list[dict[str, Any]] = json.loads(out.read_text())
+    records = run_ranks("bench.p10_fsdp_precision", world, [way], f"P10 {way}")
     return {
         "losses": records[0]["losses"],
         "saved_mib": max(r["saved_bytes"] for r in records) / 2**20,

@@ -17,17 +17,16 @@ and FSDP all-gathers every block twice a step, so its step-time ratio says littl
 import json
 import os
 import re
-import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from bench.ranks import run_ranks
 
 DIM, LAYERS, HEADS, CONTEXT, VOCAB = 512, 16, 8, 32, 96
 BATCH = 4
@@ -111,32 +110,7 @@ def _current_rss() -> int:
 
 
 def _measure(strategy: str, world: int) -> dict[str, Any]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "records"
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        procs = [
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "bench.p9_fsdp",
-                    str(r),
-                    str(world),
-                    str(port),
-                    strategy,
-                    str(out),
-                ],
-                env=env,
-            )
-            for r in range(world)
-        ]
-        codes = [p.wait() for p in procs]
-        if any(codes):
-            raise RuntimeError(f"P9 {strategy} on {world} ranks: rank exit codes {codes}")
-        records: list[dict[str, Any]] = json.loads(out.read_text())
+    records = run_ranks("bench.p9_fsdp", world, [strategy], f"P9 {strategy} on {world} ranks")
     return {
         "params": records[0]["params"],
         "model_state_mib": max(r["model_state_bytes"] for r in records) / 2**20,
