@@ -14,8 +14,8 @@ Every step is split on the rank's own clock (``time.perf_counter``, a few calls 
   a collective's time the same way (the waiting ranks are the victims, not the cause).
   Under FSDP and on one rank it is 0: FSDP's all-gathers and reduce-scatters, and the waits
   for slower ranks in them, run inside the forward and backward passes and count as compute
-  (a data-slow rank's peers then show as compute-slow as it is: detection is off under FSDP,
-  tasks.train.stragglers).
+  (a data-slow rank's peers then show as compute-slow as it is: under FSDP a straggler is
+  judged by its data wait alone, tasks.train.stragglers).
 - compute: the rest of the step (forward, backward, optimizer) minus communication.
 
 On a GPU these are host times (the host queues kernels ahead of the device and waits where it

@@ -10,6 +10,13 @@ warning line in the job's log (forwarded to the command's output) and the train 
 ``trainflow.straggler``, both saying the rank, its node and the part (data wait or compute)
 that exceeds the other ranks' median the most. A rank that recovers and is slow again is
 named again.
+
+Under FSDP the parameter gathers and gradient reductions run inside the forward and backward
+passes, so a rank waiting for a late peer does it in what counts as its compute: every rank's
+compute takes as long as the slowest one's, and only the data wait can tell ranks apart. There
+a rank is slow when its data wait exceeds the other ranks' median data wait by more than
+``train.straggler_fraction`` of their median step (data wait + compute); a rank slow in its
+compute is not found (FSDP_NOTE says so in the job's log).
 """
 
 from collections.abc import Callable
@@ -29,10 +36,9 @@ TAG = "trainflow.straggler"
 """The train run's tag naming the stragglers found."""
 _LABELS = ("data wait", "compute")
 FSDP_NOTE = (
-    "straggler detection is off under train.strategy=fsdp: FSDP's collectives wait for slower "
-    "ranks inside the forward and backward passes, where waiting cannot be told from compute; "
-    "each rank's step time and data wait are logged (rank_step_s/rank_<r>, "
-    "rank_data_wait_s/rank_<r>)"
+    "under train.strategy=fsdp a straggler is named by its data wait only: FSDP's collectives "
+    "wait for slower ranks inside the forward and backward passes, where waiting cannot be "
+    "told from compute; each rank's step time is logged (rank_step_s/rank_<r>)"
 )
 
 
@@ -52,6 +58,8 @@ class Slow:
     """That part a step on this rank, seconds."""
     median_part_s: float
     """The median of that part a step on the other ranks, seconds."""
+    data_only: bool = False
+    """Judged on its data wait alone (slow_in_data: FSDP)."""
 
 
 def slow_ranks(rows: list[list[float]], fraction: float) -> list[Slow]:
@@ -73,6 +81,22 @@ def slow_ranks(rows: list[list[float]], fraction: float) -> list[Slow]:
                 Slow(rank, seconds, others[rank], _LABELS[i], per_step[rank][i], parts[i][rank])
             )
     return found
+
+
+def slow_in_data(rows: list[list[float]], fraction: float) -> list[Slow]:
+    """The ranks whose data wait a step exceeds the median of the other ranks' by more than
+    `fraction` of the other ranks' median step (data wait + compute), from the same rows as
+    slow_ranks: the rule for FSDP, where a rank's compute includes waiting for its peers."""
+    if len(rows) < 2:
+        return []
+    data = [d / max(n, 1) for d, _, _, n in rows]
+    own = [(d + c) / max(n, 1) for d, c, _, n in rows]
+    data_others, own_others = medians_of_others(data), medians_of_others(own)
+    return [
+        Slow(rank, own[rank], own_others[rank], "data wait", d, data_others[rank], True)
+        for rank, d in enumerate(data)
+        if d - data_others[rank] > fraction * own_others[rank]
+    ]
 
 
 def medians_of_others(values: list[float]) -> list[float]:
@@ -116,8 +140,10 @@ class StragglerWatch:
         nodes: list[str],
         journal: Journal | None,
         say: Callable[[str], None] = lambda line: print(line, flush=True),
+        judge: Callable[[list[list[float]], float], list[Slow]] = slow_ranks,
     ) -> None:
         self._fraction, self._windows, self._window_steps = fraction, windows, window_steps
+        self._judge = judge
         self._nodes, self._journal, self._say = nodes, journal, say
         self._streak: dict[int, int] = {}
         self.named: dict[int, str] = {}
@@ -125,7 +151,7 @@ class StragglerWatch:
 
     def __call__(self, rows: list[list[float]], step: int) -> None:
         """Judge one window of every rank's [data_wait, compute, comm, steps] ending at `step`."""
-        slow = {s.rank: s for s in slow_ranks(rows, self._fraction)}
+        slow = {s.rank: s for s in self._judge(rows, self._fraction)}
         self._streak = {rank: self._streak.get(rank, 0) + 1 for rank in slow}
         for rank, s in slow.items():
             if self._streak[rank] == self._windows:
@@ -134,13 +160,21 @@ class StragglerWatch:
     def _name(self, slow: Slow, step: int) -> None:
         text = describe(slow, self._nodes[slow.rank])
         self.named[slow.rank] = text
-        span = self._windows * self._window_steps
-        ratio = slow.own_s / max(slow.median_own_s, 1e-9)
-        self._say(
-            f"warning: straggler {text}; its data wait + compute, "
-            f"{1000 * slow.own_s:.1f} ms a step, is {ratio:.1f}x the "
-            f"median of the other ranks' over the last {span} steps (to step {step})"
-        )
+        span = f"over the last {self._windows * self._window_steps} steps (to step {step})"
+        if slow.data_only:
+            extra = slow.part_s - slow.median_part_s
+            share = extra / max(slow.median_own_s, 1e-9)
+            why = (
+                f"its data wait exceeds the other ranks' median by {1000 * extra:.1f} ms a "
+                f"step, {share:.0%} of their step"
+            )
+        else:
+            ratio = slow.own_s / max(slow.median_own_s, 1e-9)
+            why = (
+                f"its data wait + compute, {1000 * slow.own_s:.1f} ms a step, is {ratio:.1f}x "
+                "the median of the other ranks'"
+            )
+        self._say(f"warning: straggler {text}; {why} {span}")
         tag_run(self._journal, {TAG: "; ".join(self.named[r] for r in sorted(self.named))})
 
 
@@ -156,15 +190,14 @@ def rank_nodes(ctx: DistContext, node: str) -> list[str]:
 def step_timer(
     cfg: TrainConfig, model: nn.Module, ctx: DistContext, journal: Journal | None
 ) -> StepTimes:
-    """This rank's step timer; with several ranks, train.straggler_fraction > 0 and DDP it
-    closes a window every train.straggler_window_steps steps, judged on rank 0 by a
-    StragglerWatch (under FSDP rank 0 says why not: FSDP_NOTE)."""
+    """This rank's step timer; with several ranks and train.straggler_fraction > 0 it closes a
+    window every train.straggler_window_steps steps, judged on rank 0 by a StragglerWatch (by
+    the data wait alone under FSDP, which rank 0 says: FSDP_NOTE)."""
     if ctx.world_size == 1 or cfg.straggler_fraction == 0:
         return StepTimes(model, ctx, cfg.straggler_window_steps, None)
-    if cfg.strategy == "fsdp":
-        if ctx.is_main:
-            print(FSDP_NOTE, flush=True)
-        return StepTimes(model, ctx, cfg.straggler_window_steps, None)
+    fsdp = cfg.strategy == "fsdp"
+    if fsdp and ctx.is_main:
+        print(FSDP_NOTE, flush=True)
     nodes = rank_nodes(ctx, node_name())
     watch = StragglerWatch(
         cfg.straggler_fraction,
@@ -172,5 +205,6 @@ def step_timer(
         cfg.straggler_window_steps,
         nodes,
         journal,
+        judge=slow_in_data if fsdp else slow_ranks,
     )
     return StepTimes(model, ctx, cfg.straggler_window_steps, watch)

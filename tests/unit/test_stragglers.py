@@ -31,6 +31,7 @@ from trainflow.tasks.train.stragglers import (
     StragglerWatch,
     describe,
     medians_of_others,
+    slow_in_data,
     slow_ranks,
 )
 
@@ -189,13 +190,32 @@ def test_a_rank_slow_in_compute_is_named_and_a_balanced_job_is_not(
     assert len(run["metrics"]["rank_step_s/rank_1"]) == EPOCHS
 
 
+def test_under_fsdp_a_rank_is_judged_by_its_data_wait_alone() -> None:
+    # Rank 0 waits for rank 1's late batches inside FSDP's collectives: as much "compute".
+    rows = [_row(1, 60, 0), _row(40, 21, 0), _row(1, 60, 0)]
+    assert slow_ranks(rows, 0.2) == []  # every rank's data wait + compute is 61 ms
+    [slow] = slow_in_data(rows, 0.2)
+    assert (slow.rank, slow.part, slow.data_only) == (1, "data wait", True)
+    # 39 ms more data wait than its peers' median, against their 61 ms steps: 0.64 of a step.
+    assert slow_in_data(rows, 0.6) != [] and slow_in_data(rows, 0.7) == []
+    assert slow_in_data([_row(1, 60, 0), _row(3, 58, 0)], 0.2) == []  # 2 ms: within 0.2
+    said: list[str] = []
+    watch = StragglerWatch(0.2, 1, 10, ["n1", "n2", "n3"], None, said.append, slow_in_data)
+    watch(rows, 10)
+    assert said == [
+        "warning: straggler rank 1 on node n2: data wait 40.0x median (40.0 ms a step against "
+        "1.0 ms); its data wait exceeds the other ranks' median by 39.0 ms a step, 64% of "
+        "their step over the last 10 steps (to step 10)"
+    ]
+
+
 @pytest.mark.services
 @pytest.mark.timeout(300)
-def test_under_fsdp_the_per_rank_times_are_logged_and_rank_0_says_why_no_rank_is_named(
+def test_under_fsdp_a_rank_slow_in_its_data_path_is_named_by_its_data_wait(
     dataset: DatasetRef, tmp_path: Path
 ) -> None:
     # FSDP's collectives run inside the forward and backward passes: rank 0 waits for the
-    # late rank 1 there, in what counts as its compute.
+    # late rank 1 there, in what counts as its compute; the data wait tells them apart.
     lines, run = _run(
         lambda spec: SlowRankJob(spec, rank=1, where="data", delay_s=DELAY_S),
         dataset,
@@ -204,7 +224,12 @@ def test_under_fsdp_the_per_rank_times_are_logged_and_rank_0_says_why_no_rank_is
         model="mlp",
     )
     assert f"[rank0] {FSDP_NOTE}" in lines
-    assert not [line for line in lines if "warning: straggler" in line], lines
+    host = socket.gethostname()
+    warnings = [line for line in lines if "warning: straggler" in line]
+    assert warnings, lines
+    named = f"[rank0] warning: straggler rank 1 on node {host}: data wait"
+    assert all(w.startswith(named) for w in warnings), warnings
+    assert run["tags"][TAG].startswith(f"rank 1 on node {host}: data wait ")
     metrics = run["metrics"]
     assert min(metrics["rank_data_wait_s/rank_1"]) >= DELAY_S
     assert max(metrics["rank_data_wait_s/rank_0"]) < DELAY_S / 2
