@@ -20,6 +20,7 @@ BENCHES = [
     "p8_fixed_costs",
     "p9_fsdp",
     "p10_fsdp_precision",
+    "p11_search",
     "p12_stragglers",
 ]
 

@@ -110,6 +110,11 @@ def _search_args(sw: argparse.ArgumentParser) -> None:
         "e.g. postgresql+psycopg://user:password@host/db)",
     )
     sw.add_argument("--study", help="search: study name (the same name continues the study)")
+    sw.add_argument(
+        "--seed",
+        type=int,
+        help="search: the sampler's seed (the same seed draws the same trials in the same order)",
+    )
 
 
 def _print_summary(summary: object, cfg: PipelineConfig) -> None:
@@ -180,6 +185,7 @@ def _search(args: argparse.Namespace) -> int:
             pruner=args.pruner,
             storage=args.storage,
             study=args.study,
+            seed=args.seed,
         )
     except ValidationError as err:
         first = err.errors()[0]

@@ -104,10 +104,11 @@ def search(
     storage: str | None = None,
     study: str | None = None,
     experiment: str | None = None,
+    seed: int | None = None,
 ) -> SearchSummary:
     """Search `space` (e.g. {"train.lr": "loguniform(1e-4,1e-1)"}) over the base config
     (preset, experiment file, overrides: as the pipeline's) with Optuna, `parallel` array
-    tasks pulling `trials` trials; evaluate the best."""
+    tasks pulling `trials` trials (`seed`: the sampler's); evaluate the best."""
     quiet_user_errors()
     cfg = SearchConfig.model_validate(
         {
@@ -118,6 +119,7 @@ def search(
             "pruner": pruner,
             "storage": storage,
             "study": study,
+            "seed": seed,
         }
     )
     base, ref, model = build_search(preset, overrides or [], cfg, experiment)
