@@ -25,6 +25,7 @@ Goal: the pruned side's best within 0.5 points of the unpruned side's, for at mo
 epochs.
 """
 
+import json
 import re
 import sys
 import tempfile
@@ -32,6 +33,8 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from bench.p11_replay import REPLAYED, replay
 
 SPACE = (
     "train.lr=choice(0.001,0.003,0.01,0.03)",
@@ -205,9 +208,16 @@ def summarise(sides: dict[str, dict[str, Any]]) -> dict[str, Any]:
     def ratio(key: str) -> float:
         return round(pruned[key] / full[key], 3) if full[key] else float("nan")
 
+    unpruned_curves = {json.dumps(t["params"], sort_keys=True): t["curve"] for t in full["trials"]}
+    same_curves = all(
+        unpruned_curves.get(json.dumps(t["params"], sort_keys=True), [])[: len(t["curve"])]
+        == t["curve"]
+        for t in pruned["trials"]
+    )
     return {
         "sides": sides,
         "same_points_same_order": order == [t["params"] for t in pruned["trials"]],
+        "same_values_until_pruned": same_curves,
         "best_difference_points": round(points, 2),
         "epoch_share": round(share, 3),
         "array_cpu_ratio": ratio("array_cpu_s"),
@@ -243,8 +253,25 @@ def rows(result: dict[str, Any]) -> list[tuple[str, str, str]]:
         ("  pruned / unpruned", f"{result['command_cpu_ratio']:.3f}", ""),
         ("command wall s, unpruned / pruned", both("exit_s", "{:.1f}"), ""),
         ("same points in the same order", str(result["same_points_same_order"]), "True"),
+        ("same values until pruned", str(result["same_values_until_pruned"]), "True"),
         ("goal met", "yes" if result["goal_met"] else "no", "yes"),
+        *replay_rows(result.get("replay", {})),
     ]
+
+
+def replay_rows(replays: dict[str, dict[str, Any]]) -> list[tuple[str, str, str]]:
+    """One block per pruner replayed over the unpruned side's curves (bench.p11_replay)."""
+    out = []
+    for name, r in replays.items():
+        out.append((f"replayed, {r['orders']} orders: {name}", "", ""))
+        out.append(("  orders meeting the goal", f"{100 * r['goal_met_share']:.0f}%", ""))
+        out.append(
+            ("  orders keeping the best within 0.5", f"{100 * r['best_kept_share']:.0f}%", "")
+        )
+        share = f"{r['epoch_share_median']:.3f} / {r['epoch_share_max']:.3f}"
+        out.append(("  epoch share, median / largest", share, ""))
+        out.append(("  points to the best, worst", f"{r['difference_points_worst']:+.2f}", ""))
+    return out
 
 
 def run() -> tuple[str, list[tuple[str, str, str]], dict[str, Any]]:
@@ -263,6 +290,10 @@ def run() -> tuple[str, list[tuple[str, str, str]], dict[str, Any]]:
                   f"{s['epochs']} epochs, array {s['array_cpu_s']} CPU s, "
                   f"{time.perf_counter() - start:.0f} s", flush=True)  # fmt: skip
     result = summarise(sides)
+    curves = [t["curve"] for t in sides["unpruned"]["trials"]]
+    result["replay"] = {
+        name: replay(curves, make, GOAL_POINTS, GOAL_EPOCH_SHARE) for name, make in REPLAYED.items()
+    }
     result |= {
         "preset": "demo",
         "overrides": list(OVERRIDES),

@@ -152,3 +152,53 @@ def test_a_generic_cpu_name_gets_its_family_and_model(monkeypatch: pytest.Monkey
     assert common.machine_name() == "AMD EPYC 9254 24-Core Processor (native bf16)"
     monkeypatch.undo()  # the real reading, on this machine
     assert common.x86_family_model() == "" or common.x86_family_model().startswith("family ")
+
+
+def _side(best: float, epochs: int, cpu: float, params: list[int]) -> dict[str, object]:
+    trials = [{"params": {"train.width": p}, "curve": [0.5, 0.9]} for p in params]
+    return {
+        "best": {"value": best, "params": {}, "number": 0},
+        "epochs": epochs,
+        "trials": trials,
+        "states": {"COMPLETE": 1},
+        "array_cpu_s": cpu,
+        "command_cpu_s": cpu + 50,
+        "trial_s": cpu / 2,
+        "exit_s": cpu,
+    }
+
+
+def test_p11_compares_the_best_in_points_and_the_epochs_as_a_share() -> None:
+    from bench.p11_search import rows, summarise
+
+    met = summarise({"unpruned": _side(0.98, 96, 400.0, [4, 8]),
+                     "pruned": _side(0.976, 36, 150.0, [4, 8])})  # fmt: skip
+    assert met["best_difference_points"] == -0.4 and met["epoch_share"] == 0.375
+    assert met["array_cpu_ratio"] == 0.375 and met["command_cpu_ratio"] == 0.444
+    assert met["goal_met"] is True and met["same_points_same_order"] is True
+    assert ("goal met", "yes", "yes") in rows(met)
+    worse = summarise({"unpruned": _side(0.98, 96, 400.0, [4, 8]),
+                       "pruned": _side(0.974, 36, 150.0, [8, 4])})  # fmt: skip
+    assert worse["best_difference_points"] == -0.6 and worse["goal_met"] is False
+    assert worse["same_points_same_order"] is False
+    longer = summarise({"unpruned": _side(0.98, 96, 400.0, [4]),
+                        "pruned": _side(0.99, 39, 150.0, [4])})  # fmt: skip
+    assert longer["epoch_share"] == 0.406 and longer["goal_met"] is False
+
+
+@pytest.mark.services
+def test_a_p11_side_counts_the_epochs_the_command_trained(tmp_path: Path) -> None:
+    """One real side at the tiny preset (2 points, 2 epochs): the epochs read from the study
+    are those rank 0 logged, complete trials trained every epoch, and the array's CPU seconds
+    are part of the command's."""
+    from bench.p11_search import side
+    from bench.timed import migrated_prefect_db
+
+    database = migrated_prefect_db(tmp_path / "prefect-template.db")
+    space = ("train.lr=choice(0.005,1e-07)",)
+    out = side(tmp_path / "side", "asha", database, preset="tiny", overrides=(), space=space)
+    assert {t["params"]["train.lr"] for t in out["trials"]} == {0.005, 1e-07}
+    assert out["epochs"] == out["epoch_lines"] > 0
+    assert all(t["epochs"] == 2 for t in out["trials"] if t["state"] == "COMPLETE")
+    assert out["best"]["params"] == {"train.lr": 0.005}
+    assert 0 < out["array_cpu_s"] <= out["command_cpu_s"]
