@@ -164,16 +164,15 @@ def make_pruner(ref: StudyRef) -> Any:
     """The pruner `ref` names: asynchronous successive halving (rungs at 1, 4, 16... epochs),
     the median rule (after 2 trials), or none.
 
-    Successive halving keeps a trial past a rung when its value there is in the best quarter
-    of the values other trials had there (Optuna's own reduction factor, 4), from the first
-    trial on (min_resource=1: the first trial's values count at every rung). On P11's
-    workload (docs/performance.md: a 16-point grid of the demo's resnet, 6 epochs), replayed
-    over 201 orders of its measured curves, these settings trained a median 35% of the grid's
-    epochs and kept its best trial in every order, and met the goal (within 0.5 points for at
-    most 40% of the epochs) in 70% of the orders; rungs at 1, 3, 9 (reduction factor 3) kept
-    the best in 78% of the orders only: a rung at epoch 3 fell on this data's noisiest epoch
-    (several later-best trials dip there). min_resource="auto" leaves the first trial's values
-    out of every rung, so it passes fewer trials' values to compare, and met the goal in 49%.
+    Successive halving lets a trial past a rung when its value there is in the best quarter
+    of the values trials had there (reduction factor 4, Optuna's own default), the first
+    trial's values included (min_resource=1; "auto" waits for a complete trial and leaves the
+    first one's values out). Chosen on P11 (docs/performance.md: a 16-point grid of the demo's
+    resnet, 6 epochs), whose measured curves replayed in 201 orders kept the grid's best
+    within 0.5 points in every order for a median 36.5% of its epochs, and met its goal (also
+    at most 40% of the epochs) in 67% of them. Reduction factor 3 (rungs at 1, 3, 9) pruned
+    the best in 24% of the orders: epoch 3 is this data's noisiest (later-best trials dip
+    there); "auto" with factor 4 kept the best but spent a median 40.6%.
     """
     import optuna
 

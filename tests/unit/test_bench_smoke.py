@@ -202,3 +202,26 @@ def test_a_p11_side_counts_the_epochs_the_command_trained(tmp_path: Path) -> Non
     assert all(t["epochs"] == 2 for t in out["trials"] if t["state"] == "COMPLETE")
     assert out["best"]["params"] == {"train.lr": 0.005}
     assert 0 < out["array_cpu_s"] <= out["command_cpu_s"]
+
+
+def test_p11_replays_curves_through_the_default_pruner_by_its_rungs() -> None:
+    """Successive halving by hand (keep the best quarter at epochs 1 and 4; fewer than four
+    values: keep only the best): a leads and completes, b is last at epoch 1, c leads at
+    epoch 1 but not at epoch 4."""
+    from bench.p11_replay import product_pruner, replay_order
+
+    a = [0.9, 0.95, 0.96, 0.97, 0.98, 0.99]
+    b = [0.1, 0.5, 0.6, 0.7, 0.8, 0.995]
+    c = [0.95, 0.2, 0.2, 0.3, 0.3, 0.3]
+    assert replay_order([a, b, c], product_pruner("asha")) == (6 + 1 + 4, 0.99)
+    assert replay_order([a, b, c], product_pruner("none")) == (18, 0.995)
+
+
+def test_p11_sees_a_pruned_trial_that_reported_other_values() -> None:
+    from bench.p11_search import summarise
+
+    full, pruned = _side(0.98, 96, 400.0, [4, 8]), _side(0.976, 36, 150.0, [4, 8])
+    assert summarise({"unpruned": full, "pruned": pruned})["same_values_until_pruned"] is True
+    pruned["trials"] = [{"params": {"train.width": 4}, "curve": [0.5]},
+                        {"params": {"train.width": 8}, "curve": [0.4]}]  # fmt: skip
+    assert summarise({"unpruned": full, "pruned": pruned})["same_values_until_pruned"] is False
