@@ -1,7 +1,8 @@
 """A search's array tasks against a real Optuna study (SQLite) with real rank processes:
-a rerun continues the study, a killed task's trial is retried from its checkpoint."""
+a rerun continues the study; when a killed task was the last, a new array resumes its trial
+from its checkpoint and completes the budget."""
 
-import time
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -12,12 +13,15 @@ from optuna.trial import TrialState
 
 from tests.services import wait_for
 from tests.unit.datasets import write_dataset
+from trainflow.cluster import registry
 from trainflow.cluster.config import ClusterConfig
 from trainflow.cluster.executor import make_executor
 from trainflow.tasks.preprocess.ref import DatasetRef
+from trainflow.tasks.search.array import run_arrays
 from trainflow.tasks.search.config import SearchConfig
 from trainflow.tasks.search.study import StudyRef, make_ref, open_study
 from trainflow.tasks.search.trial_worker import SearchJob, TrialWorker
+from trainflow.tasks.search.watch import StudyWatch
 from trainflow.tasks.train.config import TrainConfig
 from trainflow.tasks.train.job import TrainJobSpec
 
@@ -66,33 +70,55 @@ def test_a_second_run_of_the_study_adds_trials_without_redoing_finished_ones(
     ]
 
 
-def test_a_killed_task_s_trial_is_retried_from_its_checkpoint(tmp_path: Path) -> None:
+def test_a_lost_task_s_trial_is_resumed_by_a_new_array_and_the_budget_completed(
+    tmp_path: Path,
+) -> None:
+    """The only task of the search is killed mid-trial: the flow's arrays (run_arrays) find
+    no task left and the budget unspent, and submit another, which resumes the trial from its
+    checkpoint and runs the rest of the budget."""
     # Epochs long enough (~1 s or more) to kill the task between epoch 1 and the end.
     big = write_dataset(tmp_path / "ds", n_train=12_000, n_val=256)
-    job = _job(tmp_path, big, trials=1, epochs=3, heartbeat_interval_s=1, grace_period_s=3)
-    task = _submit(tmp_path, job)
+    job = _job(tmp_path, big, trials=2, epochs=3, heartbeat_interval_s=1, grace_period_s=3)
+    open_study(job.study)  # the flow creates the study before the array starts
     checkpoint = tmp_path / "trials" / "trial-0" / "checkpoints"
+    killed: list[int] = []
 
-    def after_epoch_one() -> bool | None:
-        (trial,) = _trials(job.study) or [None]
-        saved = checkpoint.is_dir() and any(checkpoint.iterdir())
-        return (trial is not None and 1 in trial.intermediate_values and saved) or None
+    def kill_after_epoch_one() -> None:
+        def after_epoch_one() -> registry.ActiveJob | None:
+            trials = _trials(job.study)
+            saved = checkpoint.is_dir() and any(checkpoint.iterdir())
+            jobs = registry.recorded(tmp_path)
+            ready = trials and 1 in trials[0].intermediate_values and saved and jobs
+            return jobs[0] if ready else None
 
-    wait_for(after_epoch_one, 300, "trial 0's first epoch reported and checkpointed")
-    (first,) = _trials(job.study)
-    assert first.state == TrialState.RUNNING and 3 not in first.intermediate_values
-    root = psutil.Process(int(task.job_id))  # the local executor's job id is its pid
-    for proc in [*root.children(recursive=True), root]:
-        proc.kill()  # as a lost node: no exit handler, no word to the study
-    time.sleep(job.study.grace_period_s + 1)  # its heartbeat goes stale
-    retry = _submit(tmp_path, job)
-    assert retry.results()[0] == [1]
-    failed, resumed = _trials(job.study)
-    assert failed.state == TrialState.FAIL and resumed.state == TrialState.COMPLETE
+        task = wait_for(after_epoch_one, 300, "trial 0's first epoch reported and checkpointed")
+        (first,) = _trials(job.study)
+        assert first.state == TrialState.RUNNING and 3 not in first.intermediate_values
+        root = psutil.Process(int(task.job_id))  # the local executor's job id is its pid
+        for proc in [*root.children(recursive=True), root]:
+            proc.kill()  # as a lost node: no exit handler, no word to the study
+            killed.append(proc.pid)
+
+    killer = threading.Thread(target=kill_after_epoch_one, daemon=True)
+    killer.start()
+    said: list[str] = []
+    watch = StudyWatch(job.study, said.append)
+    outcomes = run_arrays(job, 1, ClusterConfig(), tmp_path / "jobs", tmp_path, said.append, watch)
+    killer.join(timeout=5)
+    assert len(killed) >= 3  # the task's controller and its rank (guard and process)
+    assert len(outcomes) == 2 and outcomes[1] == [1, 2]  # the lost task, then the new one
+    failed, resumed, fresh = _trials(job.study)
+    assert failed.state == TrialState.FAIL
+    assert resumed.state == fresh.state == TrialState.COMPLETE
     assert resumed.system_attrs["failed_trial"] == 0  # the same trial, counted once
     assert resumed.params == failed.params
     assert resumed.intermediate_values[1] == failed.intermediate_values[1]
     assert sorted(resumed.intermediate_values) == [1, 2, 3]
-    log = retry.stdout() or ""
+    assert (
+        sorted(fresh.intermediate_values) == [1, 2, 3] and "failed_trial" not in fresh.system_attrs
+    )
+    more = said.index("no search task is left and 2 trials are to run: submitting more tasks")
+    log = "\n".join(said[more:])  # the second array's lines
     assert "resuming from" in log and "after epoch" in log
-    assert "epoch 1/3" not in log  # epoch 1 was not trained again
+    assert "epoch 1/3" not in log.split("trial 2:")[0]  # epoch 1 was not trained again
+    assert not registry.recorded(tmp_path)  # every array forgotten
