@@ -23,7 +23,15 @@ from trainflow.cluster import registry
 from trainflow.cluster.config import ClusterConfig
 from trainflow.cluster.executor import array_executor
 from trainflow.cluster.jobs import wait_for_jobs
-from trainflow.tasks.search.study import OVER_BUDGET_ATTR, StudyRef, budget_left, open_study, origin
+from trainflow.tasks.search.study import (
+    OVER_BUDGET_ATTR,
+    TASK_ATTR,
+    StudyRef,
+    budget_left,
+    fail_and_retry,
+    open_study,
+    origin,
+)
 from trainflow.tasks.search.trial_worker import SearchJob, TrialWorker
 from trainflow.tasks.search.watch import StudyWatch
 
@@ -47,6 +55,7 @@ def run_arrays(
     with. `say` gets the tasks' log lines and the search's own lines."""
     executor = array_executor(cluster, job_dir)
     outcomes: list[Any] = []
+    ended: set[str] = set()  # every task this search submitted (all ended when asked)
     tasks = parallel
     before = _states(open_study(job.study))
     while tasks:
@@ -60,20 +69,30 @@ def run_arrays(
                     registry.watching(workdir, str(j.job_id), cluster.executor, job_dir)
                 )
             outcomes += wait_for_jobs(jobs, watch.watching(say))
+        ended |= {str(j.job_id) for j in jobs}
         watch.poll()
-        tasks = tasks_needed(job.study, parallel, before, say)
+        tasks = tasks_needed(job.study, parallel, before, ended, say)
         before = _states(open_study(job.study))
     return outcomes
 
 
 def tasks_needed(
-    ref: StudyRef, parallel: int, before: dict[int, str], say: Callable[[str], None]
+    ref: StudyRef,
+    parallel: int,
+    before: dict[int, str],
+    ended: set[str],
+    say: Callable[[str], None],
 ) -> int:
-    """Once every task has ended: the lost tasks' trials failed and their retries queued,
-    then how many tasks to submit for the retries and the unspent budget (0: the search is
-    done, or the last array changed nothing in the study: `before`, its trials' states)."""
+    """Once every task (`ended`: their ids) has ended: the lost tasks' trials failed and their
+    retries queued, then how many tasks to submit for the retries and the unspent budget (0:
+    the search is done, or the last array changed nothing in the study: `before`, its trials'
+    states)."""
     study = open_study(ref)
     running = settle(study, ref, say)
+    for number in never_beat(study, running, ended):
+        if fail_and_retry(study, ref, number):
+            say(f"trial {number}: its task ended before the trial's first heartbeat: failed")
+    running = [t.number for t in study.get_trials(deepcopy=False) if t.state.name == "RUNNING"]
     after = _states(study)
     for line in given_up(study, ref.max_retry, before):
         say(line)
@@ -83,12 +102,12 @@ def tasks_needed(
         return 0
     if after == before:
         say(
-            f"the search's tasks ended without running a trial ({need} of the budget left, "
+            f"the search's tasks ended without running a trial ({_trials(need)} left, "
             "trials running elsewhere: " + (", ".join(map(str, running)) or "none") + "); "
             "see the tasks' logs above"
         )
         return 0
-    say(f"no search task is left and {need} trials are to run: submitting more tasks")
+    say(f"no search task is left and {_trials(need)} to run: submitting more tasks")
     return min(parallel, need)
 
 
@@ -108,11 +127,26 @@ def settle(study: Any, ref: StudyRef, say: Callable[[str], None]) -> list[int]:
             return running
         if not said:
             said = True
+            were = "trial {} was" if len(running) == 1 else "trials {} were"
             say(
-                f"trials {', '.join(map(str, running))} were running when their tasks ended: "
-                f"retried once their heartbeat is {ref.grace_period_s} s old"
+                f"{were.format(', '.join(map(str, running)))} running when the tasks ended: "
+                f"retried once a heartbeat is {ref.grace_period_s} s old"
             )
         time.sleep(SETTLE_POLL_S)
+
+
+def never_beat(study: Any, running: list[int], ended: set[str]) -> list[int]:
+    """Of the trials still `running` once their heartbeats had time to go stale, those whose
+    task is one of the `ended` ones (or unnamed: it died at once): its task ended before the
+    trial's first heartbeat was stored (a trial killed in its first second, e.g. while its
+    model is built), so no heartbeat ever goes stale. A trial another search runs names a
+    task of its own and is left alone."""
+    lost = []
+    for t in study.get_trials(deepcopy=False):
+        task = t.user_attrs.get(TASK_ATTR)
+        if t.number in running and (task is None or task in ended):
+            lost.append(t.number)
+    return lost
 
 
 def given_up(study: Any, max_retry: int, before: dict[int, str]) -> list[str]:
@@ -137,3 +171,7 @@ def given_up(study: Any, max_retry: int, before: dict[int, str]) -> list[str]:
 def _states(study: Any) -> dict[int, str]:
     """Each trial's state by number."""
     return {t.number: t.state.name for t in study.get_trials(deepcopy=False)}
+
+
+def _trials(n: int) -> str:
+    return f"{n} trial" if n == 1 else f"{n} trials"

@@ -17,9 +17,9 @@ from trainflow.cluster import registry
 from trainflow.cluster.config import ClusterConfig
 from trainflow.cluster.executor import make_executor
 from trainflow.tasks.preprocess.ref import DatasetRef
-from trainflow.tasks.search.array import run_arrays
+from trainflow.tasks.search.array import run_arrays, tasks_needed
 from trainflow.tasks.search.config import SearchConfig
-from trainflow.tasks.search.study import StudyRef, make_ref, open_study
+from trainflow.tasks.search.study import TASK_ATTR, StudyRef, make_ref, open_study
 from trainflow.tasks.search.trial_worker import SearchJob, TrialWorker
 from trainflow.tasks.search.watch import StudyWatch
 from trainflow.tasks.train.config import TrainConfig
@@ -33,12 +33,21 @@ def dataset(tmp_path_factory: pytest.TempPathFactory) -> DatasetRef:
     return write_dataset(tmp_path_factory.mktemp("data") / "ds")
 
 
-def _job(root: Path, dataset: DatasetRef, trials: int, epochs: int = 2, **search: Any) -> SearchJob:
+def _job(
+    root: Path,
+    dataset: DatasetRef,
+    trials: int,
+    epochs: int = 2,
+    model: str = "reference_cnn",
+    **search: Any,
+) -> SearchJob:
     cfg = SearchConfig(
         space={"train.lr": "loguniform(1e-3,1e-2)"}, trials=trials, study="s", seed=0, **search
     )
     ref = make_ref(cfg, root, "local", "t", "val_accuracy", True)
-    train = TrainConfig(epochs=epochs, batch_size=32, precision="fp32", device="cpu", seed=3)
+    train = TrainConfig(
+        model=model, epochs=epochs, batch_size=32, precision="fp32", device="cpu", seed=3
+    )
     base = TrainJobSpec(train=train, dataset=dataset, out_dir=root / "trials")
     return SearchJob(study=ref, base=base)
 
@@ -53,11 +62,39 @@ def _trials(ref: StudyRef) -> list[Any]:
     return open_study(ref).get_trials()
 
 
+_COUNTED_MODEL = """\
+import gc
+import math
+import weakref
+
+from torch import nn
+
+BUILT = []
+
+
+def build(spec):
+    gc.collect()
+    alive = sum(ref() is not None for ref in BUILT)
+    print(f"models of earlier trials alive: {alive}", flush=True)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(math.prod(spec.sample_shape), spec.num_classes))
+    BUILT.append(weakref.ref(model))
+    return model
+"""
+
+
 def test_a_second_run_of_the_study_adds_trials_without_redoing_finished_ones(
-    tmp_path: Path, dataset: DatasetRef
+    tmp_path: Path, dataset: DatasetRef, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    first = _submit(tmp_path, _job(tmp_path, dataset, trials=2))
+    # Two trials in one task of two ranks (DDP): each rank's model of the first trial is
+    # released once it has ended, not kept for the task's life.
+    (tmp_path / "counted_model.py").write_text(_COUNTED_MODEL)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))  # the ranks import the model from there
+    first = _submit(tmp_path, _job(tmp_path, dataset, trials=2, model="counted_model:build"), 2)
     assert first.results()[0] == [0, 1]
+    for rank in range(2):
+        log = first.task(rank).stdout() or ""
+        found = [line for line in log.splitlines() if line.startswith("models of earlier")]
+        assert found == ["models of earlier trials alive: 0"] * 2, (rank, found)
     done = {t.number: t.datetime_complete for t in _trials(_job(tmp_path, dataset, 2).study)}
     assert len(done) == 2
     again = _job(tmp_path, dataset, trials=3)
@@ -103,7 +140,8 @@ def test_a_lost_task_s_trial_is_resumed_by_a_new_array_and_the_budget_completed(
     killer.start()
     said: list[str] = []
     watch = StudyWatch(job.study, said.append)
-    outcomes = run_arrays(job, 1, ClusterConfig(), tmp_path / "jobs", tmp_path, said.append, watch)
+    one_rank = ClusterConfig(ranks_per_node=1)
+    outcomes = run_arrays(job, 1, one_rank, tmp_path / "jobs", tmp_path, said.append, watch)
     killer.join(timeout=5)
     assert len(killed) >= 3  # the task's controller and its rank (guard and process)
     assert len(outcomes) == 2 and outcomes[1] == [1, 2]  # the lost task, then the new one
@@ -117,8 +155,66 @@ def test_a_lost_task_s_trial_is_resumed_by_a_new_array_and_the_budget_completed(
     assert (
         sorted(fresh.intermediate_values) == [1, 2, 3] and "failed_trial" not in fresh.system_attrs
     )
-    more = said.index("no search task is left and 2 trials are to run: submitting more tasks")
+    more = said.index("no search task is left and 2 trials to run: submitting more tasks")
     log = "\n".join(said[more:])  # the second array's lines
     assert "resuming from" in log and "after epoch" in log
     assert "epoch 1/3" not in log.split("trial 2:")[0]  # epoch 1 was not trained again
     assert not registry.recorded(tmp_path)  # every array forgotten
+
+
+_DYING_MODEL = """\
+import os
+import signal
+
+
+def build(spec):
+    os.kill(os.getpid(), signal.SIGKILL)  # the trial kills its task, every time
+"""
+
+
+def test_a_trial_that_always_kills_its_task_ends_failed_after_max_retry(
+    tmp_path: Path, dataset: DatasetRef, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "dying_model.py").write_text(_DYING_MODEL)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))  # the ranks import the model from there
+    beats = {"heartbeat_interval_s": 1, "grace_period_s": 2}
+    job = _job(tmp_path, dataset, 1, model="dying_model:build", max_retry=1, **beats)
+    open_study(job.study)
+    said: list[str] = []
+    watch = StudyWatch(job.study, said.append)
+    one_rank = ClusterConfig(ranks_per_node=1)
+    outcomes = run_arrays(job, 1, one_rank, tmp_path / "jobs", tmp_path, said.append, watch)
+    assert len(outcomes) == 2  # the first try's task, then its one retry's: no more
+    first, retry = _trials(job.study)
+    assert first.state == retry.state == TrialState.FAIL
+    assert retry.system_attrs["failed_trial"] == 0
+    expected = "trial 0 failed on each of its 2 tries (trials 0, 1: its task was lost or the "
+    expected += "trial failed); not tried again (max_retry 1)"
+    assert expected in said, "\n".join(said)
+    assert said.count("no search task is left and 1 trial to run: submitting more tasks") == 1
+
+
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage:UserWarning")  # asked, not optimized
+def test_a_trial_whose_task_died_before_its_first_heartbeat_is_retried(tmp_path: Path) -> None:
+    """Optuna never finds such a trial stale (no heartbeat to age): the flow knows its task
+    ended. A trial another search's task runs is left alone."""
+    cfg = SearchConfig(
+        space={"train.lr": "loguniform(1e-3,1e-2)"},
+        trials=3,
+        study="s",
+        heartbeat_interval_s=1,
+        grace_period_s=2,
+    )
+    ref = make_ref(cfg, tmp_path, "local", "t", "val_accuracy", True)
+    study = open_study(ref)
+    ours, theirs = study.ask(), study.ask()  # RUNNING, no heartbeat stored (as a task's at once)
+    ours.set_user_attr(TASK_ATTR, "41")
+    theirs.set_user_attr(TASK_ATTR, "elsewhere-7")
+    ours.report(0.5, 1)
+    said: list[str] = []
+    assert tasks_needed(ref, 2, {}, {"40", "41"}, said.append) == 2  # the retry and one new
+    lost, running, retry = open_study(ref).get_trials()
+    assert lost.state == TrialState.FAIL and running.state == TrialState.RUNNING
+    assert retry.state == TrialState.WAITING and retry.system_attrs["failed_trial"] == 0
+    assert retry.intermediate_values == {1: 0.5}
+    assert "trial 0: its task ended before the trial's first heartbeat: failed" in said
