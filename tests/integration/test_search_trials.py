@@ -89,7 +89,8 @@ def test_a_second_run_of_the_study_adds_trials_without_redoing_finished_ones(
     # released once it has ended, not kept for the task's life.
     (tmp_path / "counted_model.py").write_text(_COUNTED_MODEL)
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))  # the ranks import the model from there
-    first = _submit(tmp_path, _job(tmp_path, dataset, trials=2, model="counted_model:build"), 2)
+    model = "counted_model:build"
+    first = _submit(tmp_path, _job(tmp_path, dataset, trials=2, model=model), 2)
     assert first.results()[0] == [0, 1]
     for rank in range(2):
         log = first.task(rank).stdout() or ""
@@ -97,7 +98,7 @@ def test_a_second_run_of_the_study_adds_trials_without_redoing_finished_ones(
         assert found == ["models of earlier trials alive: 0"] * 2, (rank, found)
     done = {t.number: t.datetime_complete for t in _trials(_job(tmp_path, dataset, 2).study)}
     assert len(done) == 2
-    again = _job(tmp_path, dataset, trials=3)
+    again = _job(tmp_path, dataset, trials=3, model=model)
     assert _submit(tmp_path, again).results()[0] == [2]  # only the one the budget lacks
     trials = _trials(again.study)
     assert [t.state for t in trials] == [TrialState.COMPLETE] * 3
