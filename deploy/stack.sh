@@ -127,12 +127,14 @@ cmd_deploy() {
   # --pool, so it reads a copy of deploy/prefect.yaml with the pool ($TRAINFLOW_POOL) in it.
   local file="$STACK_DIR/prefect.yaml" names name
   names=$("$BIN/python" - deploy/prefect.yaml "$file" "$POOL" <<'PY'
-import sys, yaml
+import re, sys, yaml
 source, copy, pool = sys.argv[1:]
 spec = yaml.safe_load(open(source))
 for deployment in spec["deployments"]:
     deployment["work_pool"] = {**deployment["work_pool"], "name": pool}
-    print(deployment["name"])
+    path, func = deployment["entrypoint"].split(":")  # the flow's name, as Prefect shows it
+    flow = re.search(rf'@flow\(name="([^"]+)"[^)]*\)\s*def {func}\(', open(path).read())
+    print(f"{flow.group(1) if flow else func}/{deployment['name']}")
 with open(copy, "w") as out:
     yaml.safe_dump(spec, out, sort_keys=False)
 PY
@@ -141,7 +143,7 @@ PY
     >"$STACK_DIR/deploy.log" 2>&1 \
     || { cat "$STACK_DIR/deploy.log" >&2; die "deploying deploy/prefect.yaml failed (log above)"; }
   for name in $names; do
-    say "deployed trainflow-pipeline/$name on pool '$POOL'"
+    say "deployed $name on pool '$POOL'"
   done
   cat <<EOF
 
@@ -150,6 +152,9 @@ Run the pipeline now (results in the Prefect UI http://127.0.0.1:$PREFECT_PORT a
   $BIN/prefect deployment run trainflow-pipeline/adhoc --param preset=tiny
 See the nightly schedule:
   $BIN/prefect deployment inspect trainflow-pipeline/nightly
+Search a space with Optuna (docs/search.md):
+  $BIN/prefect deployment run trainflow-search/adhoc --param preset=tiny \\
+    --param space='{"train.lr": "loguniform(1e-4,1e-1)"}' --param trials=4
 EOF
 }
 

@@ -45,7 +45,7 @@ class SearchSummary(PipelineSummary):
     best_params: dict[str, Any]
     """Its values of the space."""
     trials: list[str]
-    """One line per trial of the study, in order (tasks.search.task.trial_line)."""
+    """One line per trial of the study, in order (tasks.search.watch.trial_line)."""
 
 
 def build_search(
@@ -150,8 +150,9 @@ def run_search(
     """The search body for a validated and checked config (must run inside a flow)."""
     from trainflow.flows.pipeline import train_spec
     from trainflow.tasks.search.plots import log_study_plots
-    from trainflow.tasks.search.task import ended_trials, search_task, trial_line
+    from trainflow.tasks.search.task import search_task
     from trainflow.tasks.search.trial_worker import CHECKPOINT_ATTR, SearchJob, trial_train
+    from trainflow.tasks.search.watch import ended_trials, trial_line
     from trainflow.tasks.tracking.pipeline_runs import PipelineRuns
 
     runs = PipelineRuns(base.tracking, base.workdir, f"{base.name}-search")

@@ -12,5 +12,7 @@ Modules:
     trial_worker  the array task: asks for a trial, trains it, reports each epoch, tells.
     trial_runs    a trial's MLflow child run, opened and closed by the array task.
     plots         Optuna's history, intermediate-value and importance plots on the parent run.
-    task          the Prefect @task: submit the array, say each trial that ended, cancel.
+    array         the arrays of tasks: another while trials are left and no task is.
+    watch         a line per trial that ended; the progress artifact.
+    task          the Prefect @task: run the arrays, watched; cancel.
 """

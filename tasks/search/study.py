@@ -4,6 +4,7 @@ Every process of a search (the flow, each array task) opens the study from a `St
 sampler and pruner are not stored in the database, so each builds them from their names.
 """
 
+import copy
 import math
 import uuid
 from pathlib import Path
@@ -19,6 +20,9 @@ FINISHED = ("COMPLETE", "PRUNED")
 """Trial states that count as done."""
 ORIGIN_ATTR = "failed_trial"
 """System attribute RetryHeartbeatStaleTrialCallback sets on a retry: its first try's number."""
+TASK_ATTR = "task"
+"""User attribute of a trial: the id of the array task that runs it, set first thing (a task
+that dies before its trial's first heartbeat is found by it: tasks.search.array)."""
 OVER_BUDGET_ATTR = "over_budget"
 """User attribute of a trial asked for when the budget was already spent (two tasks asked at
 the same moment): it fails at once, trains nothing and counts for nothing."""
@@ -103,10 +107,33 @@ def open_storage(ref: StudyRef) -> Any:
         engine_kwargs=engine,
         heartbeat_interval=ref.heartbeat_interval_s,
         grace_period=ref.grace_period_s,
-        heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(
-            max_retry=ref.max_retry, inherit_intermediate_values=True
-        ),
+        heartbeat_stale_trial_callback=retry_callback(ref),
     )
+
+
+def retry_callback(ref: StudyRef) -> Any:
+    """Optuna's retry of a failed trial: queued again (WAITING) with its parameters and
+    intermediate values, at most max_retry times."""
+    import optuna
+
+    return optuna.storages.RetryHeartbeatStaleTrialCallback(
+        max_retry=ref.max_retry, inherit_intermediate_values=True
+    )
+
+
+def fail_and_retry(study: Any, ref: StudyRef, number: int) -> bool:
+    """Fail trial `number`, known lost, and queue its retry as a stale heartbeat would; False
+    when it had ended meanwhile."""
+    import optuna
+    from optuna.trial import TrialState
+
+    try:
+        study.tell(number, state=TrialState.FAIL)
+    except (RuntimeError, ValueError, optuna.exceptions.UpdateFinishedTrialError):
+        return False
+    # A copy, as Optuna's fail_stale_trials hands it: the callback appends to its attributes.
+    retry_callback(ref)(study, copy.deepcopy(frozen(study, number)))
+    return True
 
 
 def quiet_optuna() -> None:

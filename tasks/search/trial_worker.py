@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict
 from trainflow.errors import JobError
 from trainflow.tasks.search.study import (
     OVER_BUDGET_ATTR,
+    TASK_ATTR,
     StudyRef,
     budget_left,
     frozen,
@@ -34,7 +35,7 @@ from trainflow.tasks.search.study import (
 )
 from trainflow.tasks.search.trial_runs import close_trial_run, open_trial_run
 from trainflow.tasks.train.config import TrainConfig
-from trainflow.tasks.train.distributed import DistContext
+from trainflow.tasks.train.distributed import DistContext, release_kept
 from trainflow.tasks.train.job import TrainingJob, TrainJobSpec
 
 CHECKPOINT_ATTR = "checkpoint"
@@ -152,6 +153,7 @@ class _Leader:
         import optuna
 
         ref, base = self.job.study, self.job.base
+        trial.set_user_attr(TASK_ATTR, str(submitit.JobEnvironment().job_id))  # first: see it
         stored = frozen(trial.study, trial.number)
         if over_budget(trial.study, stored, ref.trials):
             trial.set_user_attr(OVER_BUDGET_ATTR, True)
@@ -201,6 +203,7 @@ def _train(spec: TrainJobSpec, hook: Any, run_id: str | None) -> Any:
     """Train the trial on this task's ranks; rank 0's journal relayed to the trial's run."""
     from trainflow.tasks.tracking.relay import relaying
 
+    release_kept()  # the last trial's model, kept past its end (see release_kept)
     with relaying(spec.out_dir, spec.tracking_uri, run_id, lambda line: print(line, flush=True)):
         return TrainingJob(spec, hook)()
 
@@ -248,6 +251,7 @@ def _follow(folder: Path) -> None:
         if message.get("stop"):
             return
         spec = TrainJobSpec.model_validate(message["spec"])
+        release_kept()
         try:
             TrainingJob(spec, _follower_hook)()
         except Exception as exc:  # rank 0 fails the trial; this rank goes on with the next

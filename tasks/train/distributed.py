@@ -179,6 +179,18 @@ def exit_fast_at_shutdown(*keep: object) -> None:
         atexit.register(_exit_at_shutdown)
 
 
+def release_kept() -> None:
+    """Drop what exit_fast_at_shutdown kept (a finished training's model and optimizer) and
+    collect it, in a process that trains again (a search task's next trial): trials' models
+    would otherwise pile up in memory. Safe then: the kept training's process group was
+    destroyed long before and its gloo threads are idle, so its destructor joins them at once
+    (the hang above needs a thread still finishing that group's last all-reduce)."""
+    import gc
+
+    _KEPT.clear()
+    gc.collect()
+
+
 def _is_submitit_task_process() -> bool:
     """True only in a process submitit started to run a task: never in the caller's process
     (the debug executor, tests, a flow that runs inside a Slurm allocation)."""

@@ -218,6 +218,41 @@ def test_cancelling_a_deployment_run_stops_training_and_kills_its_runs(
     assert statuses == {"tiny": "KILLED", "preprocess": "FINISHED", "train": "KILLED"}
 
 
+def test_a_search_deployment_run_trains_its_trials_and_evaluates_the_best(
+    stack: Stack, tmp_path: Path
+) -> None:
+    """trainflow-search/adhoc (flows/search.py:search) with a space, run as the UI's Run
+    button does, through the stack's worker; trainflow-sweep/adhoc is registered beside it."""
+    assert "deployed trainflow-search/adhoc" in stack.deployed
+    sweep = get_json(f"{stack.api}/deployments/name/trainflow-sweep/adhoc")
+    assert sweep["entrypoint"] == "flows/sweep.py:sweep"
+    assert sweep["parameters"] == {"preset": None, "experiment": None, "overrides": {}, "grid": {}}
+    work = tmp_path / "work"
+    overrides = {"workdir": str(work), "tracking.experiment": "search", "cluster.ranks_per_node": 1}
+    parameters = {
+        "preset": "tiny",
+        "overrides": overrides,
+        "space": {"train.lr": "choice(0.005,0.003)"},
+        **{"trials": 2, "parallel": 1, "pruner": "none", "study": "deployed"},
+    }
+    flow_run = run_deployment(stack.api, "trainflow-search/adhoc", parameters)
+    assert stack.final_state(flow_run, 300) == "COMPLETED", stack.log("worker")
+
+    runs = _mlflow_runs(stack.mlflow, "search")
+    [parent] = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    assert parent.info.status == "FINISHED" and parent.data.params["search.study"] == "deployed"
+    assert (
+        parent.data.params["search.trials"] == "2" and parent.data.params["search.pruner"] == "none"
+    )
+    children = {r.info.run_name: r.info.status for r in runs if r.info.run_id != parent.info.run_id}
+    assert children == {
+        name: "FINISHED" for name in ("preprocess", "trial[0]", "trial[1]", "evaluate")
+    }
+    assert parent.data.tags["best_trial"] in ("0", "1")
+    assert 0.0 <= parent.data.metrics["test_accuracy"] <= 1.0
+    assert (work / "optuna.db").is_file()  # the study, in the run's workdir
+
+
 def test_deployment_run_completes_and_logs_to_the_stack_mlflow(
     stack: Stack, tmp_path: Path
 ) -> None:
