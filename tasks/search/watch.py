@@ -29,7 +29,7 @@ def trial_line(trial: Any, metric: str) -> str:
         value = trial.intermediate_values.get(last, float("nan"))
         outcome = f"pruned at epoch {last}  {metric} {value:.4f}"
     else:
-        outcome = state.lower()
+        outcome = {"FAIL": "failed"}.get(state, state.lower())
     return f"trial {trial.number:>3}: {outcome:<36} {params}"
 
 

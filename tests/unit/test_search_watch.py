@@ -1,0 +1,28 @@
+"""The line said for each ended trial (tasks.search.watch.trial_line), from real Optuna trials."""
+
+import optuna
+from optuna.distributions import FloatDistribution
+from optuna.trial import TrialState, create_trial
+
+from trainflow.tasks.search.watch import trial_line
+
+LR = {"train.lr": FloatDistribution(1e-4, 1e-1, log=True)}
+
+
+def _trial(state: TrialState, **kwargs: object) -> optuna.trial.FrozenTrial:
+    return create_trial(state=state, params={"train.lr": 0.0123456}, distributions=LR, **kwargs)  # type: ignore[arg-type]
+
+
+def test_each_outcome_has_its_words() -> None:
+    study = optuna.create_study(direction="maximize")
+    study.add_trial(_trial(TrialState.COMPLETE, value=0.91))
+    study.add_trial(_trial(TrialState.PRUNED, intermediate_values={1: 0.4, 2: 0.5}))
+    study.add_trial(_trial(TrialState.FAIL))
+    complete, pruned, failed = study.get_trials()
+    assert trial_line(complete, "val_accuracy") == (
+        f"trial   0: {'complete  val_accuracy 0.9100':<36} train.lr=0.01235"
+    )
+    assert trial_line(pruned, "val_accuracy").startswith(
+        "trial   1: pruned at epoch 2  val_accuracy 0.5000"
+    )
+    assert trial_line(failed, "val_accuracy").startswith("trial   2: failed ")
