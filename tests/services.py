@@ -58,6 +58,22 @@ def wait_for(predicate: Callable[[], T | None], limit_s: float, what: str) -> T:
     raise AssertionError(f"timed out after {limit_s} s waiting for {what}")
 
 
+def wait_for_line(proc: subprocess.Popen[str], needle: str, limit_s: float) -> list[str]:
+    """Read `proc`'s stdout until a line contains `needle`; the lines read. AssertionError with
+    the last lines if it does not appear within `limit_s` or the process ends first."""
+    lines: list[str] = []
+    deadline = time.monotonic() + limit_s
+    assert proc.stdout is not None
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line and proc.poll() is not None:
+            break
+        lines.append(line)
+        if needle in line:
+            return lines
+    raise AssertionError(f"{needle!r} never appeared:\n{''.join(lines[-30:])}")
+
+
 def http_status(url: str, headers: Mapping[str, str] | None = None) -> int | None:
     """The HTTP status of a GET (errors included), or None when nothing answers."""
     request = urllib.request.Request(url, headers=dict(headers or {}))

@@ -17,7 +17,15 @@ import pytest
 from mlflow.tracking import MlflowClient
 from PIL import Image
 
-from tests.services import background, free_port, get_json, http_status, service_env, wait_for
+from tests.services import (
+    background,
+    free_port,
+    get_json,
+    http_status,
+    service_env,
+    wait_for,
+    wait_for_line,
+)
 from trainflow.tasks.tracking.config import TrackingConfig
 from trainflow.tasks.tracking.pipeline_runs import PipelineRuns
 
@@ -76,20 +84,6 @@ def test_the_command_checks_the_users_model_once_and_the_flow_runs_that_config(
     assert checks.read_text().splitlines() == ["checked"]
 
 
-def _wait_for_line(proc: subprocess.Popen[str], needle: str, limit_s: float) -> list[str]:
-    lines: list[str] = []
-    deadline = time.monotonic() + limit_s
-    assert proc.stdout is not None
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line and proc.poll() is not None:
-            break
-        lines.append(line)
-        if needle in line:
-            return lines
-    raise AssertionError(f"{needle!r} never appeared:\n{''.join(lines[-30:])}")
-
-
 def test_sigterm_cancels_the_training_job_and_marks_runs_killed(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     proc = subprocess.Popen(
@@ -102,7 +96,7 @@ def test_sigterm_cancels_the_training_job_and_marks_runs_killed(tmp_path: Path) 
         env=env,
     )
     try:
-        lines = _wait_for_line(proc, "epoch 2/5000", limit_s=240)
+        lines = wait_for_line(proc, "epoch 2/5000", limit_s=240)
         # The dask cluster started and stopped by now: none of its INFO lines reached the log
         # (its warnings may: a loaded machine makes the nanny kill a slow worker at shutdown).
         assert "preprocess" in "".join(lines)

@@ -14,6 +14,7 @@ from optuna.trial import TrialState
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
+from tests.services import wait_for_line
 from trainflow.flows import cli
 from trainflow.tasks.search.config import SearchConfig
 from trainflow.tasks.search.study import OVER_BUDGET_ATTR, make_ref, open_study
@@ -99,7 +100,7 @@ def test_sigterm_cancels_the_array_and_leaves_no_trial_running(tmp_path: Path) -
         argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
     )
     try:
-        _wait_for_line(proc, "epoch 2/5000", limit_s=300)
+        wait_for_line(proc, "epoch 2/5000", limit_s=300)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=120) == 130
     finally:
@@ -121,17 +122,3 @@ def test_sigterm_cancels_the_array_and_leaves_no_trial_running(tmp_path: Path) -
         run = runs[f"trial[{trial.number}]"]
         assert run.info.status == "KILLED", (trial.number, run.data.tags)
         assert run.data.tags["trial_state"] == "killed (cancelled)"
-
-
-def _wait_for_line(proc: subprocess.Popen[str], needle: str, limit_s: float) -> list[str]:
-    lines: list[str] = []
-    deadline = time.monotonic() + limit_s
-    assert proc.stdout is not None
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line and proc.poll() is not None:
-            break
-        lines.append(line)
-        if needle in line:
-            return lines
-    raise AssertionError(f"{needle!r} never appeared:\n{''.join(lines[-30:])}")
