@@ -20,7 +20,7 @@ from prefect.cache_policies import NO_CACHE
 
 from trainflow.cluster import registry
 from trainflow.cluster.config import ClusterConfig
-from trainflow.cluster.executor import array_executor
+from trainflow.cluster.executor import make_executor
 from trainflow.cluster.jobs import wait_for_jobs
 from trainflow.cluster.slurm_checks import check_cluster
 from trainflow.tasks.search.study import OVER_BUDGET_ATTR, StudyRef, open_study
@@ -122,7 +122,7 @@ def search_task(
     per task its trial numbers or the error it failed with."""
     logger = get_run_logger()
     check_cluster(cluster)
-    executor = array_executor(cluster, job_dir)
+    executor = make_executor(cluster, job_dir)
     jobs = executor.map_array(TrialWorker(job), list(range(parallel)))
     ids = [str(j.job_id) for j in jobs]
     logger.info("submitted %d search tasks as one array: %s", len(jobs), ", ".join(ids))
