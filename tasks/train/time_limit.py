@@ -41,9 +41,15 @@ SIGNAL_EARLY_S = 45.0
 """How much earlier than its delay a time limit's requeue signal may come (Slurm checks limits
 every 30 s), with slack: a signal within this of `signal_delay_s` before the limit is the
 limit's, one earlier a preemption's."""
+LAST_S = 3.0
+"""A requeue signal held while the planned checkpoint is saved acts this long before the
+limit at the latest (the backstop when the save does not end in time)."""
 LOCAL_TIMEOUT_ENV = "SUBMITIT_LOCAL_TIMEOUT_S"
 _requeueing = threading.Event()
 """Set once the job requeues itself: its own signal is never held."""
+_saving = threading.Event()
+"""Set while rank 0 saves its planned checkpoint (`saving_before_requeue`): a requeue signal
+then waits for the save, which the job's own requeue follows."""
 LOCAL_SIGNAL_ENV = "SUBMITIT_LOCAL_SIGNAL_DELAY_S"
 
 
@@ -254,6 +260,12 @@ def time_text(seconds: float) -> str:
     return f"{seconds}s"
 
 
+def saving_before_requeue() -> None:
+    """Rank 0 starts the checkpoint at its planned stop (`requeue_now` follows): a requeue
+    signal from now on waits for it (`hold_limit_signal`) instead of ending the save."""
+    _saving.set()
+
+
 def requeue_now(is_main: bool) -> NoReturn:
     """Requeue through submitit's own path: rank 0 sends itself the requeue signal (submitit
     calls the job's `checkpoint`, requeues and exits); other ranks wait to be ended with the
@@ -292,8 +304,10 @@ def hold_limit_signal(limit: TimeLimit, delay_s: float) -> None:
 
     The handler in place (submitit's, which checkpoints and requeues at once) stays the one
     that acts: a signal that comes while the deadline is ahead and the limit near is re-sent
-    when the deadline passes (the job has normally stopped and requeued by then); any other
-    signal (a preemption, or one past the deadline) goes to that handler at once.
+    when the deadline passes (the job has normally stopped and requeued by then); one that
+    comes while the planned checkpoint is being saved is re-sent LAST_S before the limit (the
+    job requeues itself once saved; acting at once would end the save and lose its steps);
+    any other signal (a preemption, or one past the deadline) goes to that handler at once.
     """
     from trainflow.tasks.train.early_signal import preemption_signal
 
@@ -302,8 +316,22 @@ def hold_limit_signal(limit: TimeLimit, delay_s: float) -> None:
     if not callable(acting):
         return
 
+    def resend(after_s: float, signum: int) -> None:
+        timer = threading.Timer(after_s, os.kill, (os.getpid(), signum))
+        timer.daemon = True
+        timer.start()
+
     def holding(signum: int, frame: FrameType | None) -> None:
         remaining, until_limit = limit.remaining_s(), limit.until_limit_s()
+        saving = _saving.is_set() and not _requeueing.is_set()
+        if saving and until_limit is not None and until_limit > LAST_S + 1.0:
+            print(
+                f"time limit in {time_text(until_limit)}: requeue signal held while the "
+                "checkpoint is saved",
+                flush=True,
+            )
+            resend(until_limit - LAST_S, signum)
+            return
         if (
             not _requeueing.is_set()
             and remaining is not None
@@ -316,9 +344,7 @@ def hold_limit_signal(limit: TimeLimit, delay_s: float) -> None:
                 f"{time_text(remaining)}, until the planned checkpoint",
                 flush=True,
             )
-            timer = threading.Timer(remaining, os.kill, (os.getpid(), signum))
-            timer.daemon = True
-            timer.start()
+            resend(remaining, signum)
             return
         acting(signum, frame)
 

@@ -4,6 +4,7 @@ limit, requeues, and ends with exactly the weights and metrics of a run without 
 whose attempts make no progress fails with one clear line after cluster.max_requeues.
 """
 
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -187,3 +188,48 @@ def test_a_checkpoint_inside_an_epoch_sorts_between_the_epochs_around_it(tmp_pat
     assert checkpoint_epoch(newest[0]) == 3  # epochs done, for the progress artifact
     save_checkpoint({"epoch": 4, "epoch_batches": 0, "step": 0}, tmp_path)
     assert [p.name for p in checkpoints(tmp_path)] == ["epoch-000004.pt", "epoch-000003+000040.pt"]
+
+
+_SAVE_DURING_SIGNAL = """
+import os, signal, sys, time
+import torch
+from trainflow.tasks.train.distributed import DistContext
+from trainflow.tasks.train.time_limit import (
+    TimeLimit, hold_limit_signal, requeue_now, saving_before_requeue,
+)
+
+def acting(signum, frame):  # stands for submitit's handler: requeue and exit
+    print("requeued", flush=True)
+    sys.exit(0)
+
+signal.signal(signal.SIGUSR2, acting)
+ctx = DistContext(0, 1, 0, torch.device("cpu"), None)
+limit = TimeLimit(ctx, True, 10.0)
+limit.limit_at = time.monotonic() + 600  # the limit far ahead, the deadline just passed:
+limit.deadline = time.monotonic() - 1  # the planned checkpoint is being saved
+hold_limit_signal(limit, 20.0)
+if sys.argv[1] == "saving":
+    saving_before_requeue()
+os.kill(os.getpid(), signal.SIGUSR2)  # the held limit signal, re-sent during the save
+time.sleep(0.2)
+print("saved", flush=True)
+requeue_now(True)
+"""
+
+
+def test_a_requeue_signal_during_the_planned_save_waits_for_it() -> None:
+    # The requeue signal re-sent at the deadline while rank 0 saves its planned checkpoint:
+    # the save ends, then the job's own requeue acts. Before the save (or without one) the
+    # signal past the deadline acts at once.
+    def run(mode: str) -> list[str]:
+        out = subprocess.run(
+            [sys.executable, "-c", _SAVE_DURING_SIGNAL, mode],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert out.returncode == 0, out.stderr[-2000:]
+        return [ln for ln in out.stdout.splitlines() if ln in ("saved", "requeued")]
+
+    assert run("saving") == ["saved", "requeued"]
+    assert run("not-saving") == ["requeued"]
