@@ -8,8 +8,11 @@ TrainingJob. After every epoch rank 0 reports the validation metric and asks the
 answer is broadcast, so every rank stops at the same epoch. The task pulls trials until the
 budget is spent, so a pruned trial frees its slot at once.
 
-A trial's out_dir is keyed by its first try's number: a retry (its task was preempted or
-lost) resumes from that trial's last checkpoint, with the intermediate values it reported.
+A trial's out_dir is keyed by its first try's number: a retry (its task was lost) resumes
+from that trial's last checkpoint, with the intermediate values it reported. A task requeued
+at a time limit or a preemption queues its trial again at once (`study.hand_over`), and counts
+its attempts without progress (no trial's checkpoint advanced) against cluster.max_requeues as
+a single training job does (tasks.train.limit_requeue).
 """
 
 import json
@@ -27,6 +30,7 @@ from trainflow.tasks.search.study import (
     StudyRef,
     budget_left,
     frozen,
+    hand_over,
     open_study,
     origin,
     over_budget,
@@ -96,14 +100,18 @@ class TrialWorker(submitit.helpers.Checkpointable):
 
     def checkpoint(self, *args: Any, **kwargs: Any) -> submitit.helpers.DelayedSubmission:
         """On a time limit or preemption (submitit calls this in rank 0): the task again, as
-        its next attempt. An attempt in which a trial wrote a new checkpoint made progress;
-        the others count against cluster.max_requeues as a single job's do: the trial in
-        training is asked (tasks.train.limit_requeue), StalledAtTimeLimit past the bound."""
+        its next attempt, and the trial in training queued again for it (`hand_over`). An
+        attempt in which a trial wrote a new checkpoint made progress; the others count
+        against cluster.max_requeues as a single job's do: the trial in training is asked
+        (tasks.train.limit_requeue), StalledAtTimeLimit past the bound."""
         leader: _Leader | None = getattr(self, "_leader", None)
         if leader is None:  # stopped before it asked for a trial
             stalled = check_stalled(self.stalled + 1, self.job.base.max_requeues, -1)
         else:
             stalled = leader.count_stalled()
+            if leader.number is not None:
+                hand_over(self.job.study, leader.number)
+                print(f"trial {leader.number}: queued again for the requeued task", flush=True)
         return submitit.helpers.DelayedSubmission(TrialWorker(self.job, stalled), *args, **kwargs)
 
     def __call__(self, index: int = 0) -> list[int]:
@@ -153,7 +161,8 @@ class _Leader:
         self.stalled = stalled
         """Attempts before this one in a row without progress (the task's)."""
         self.training: TrainingJob | None = None
-        """The trial in training now, if any."""
+        """The trial in training now, if any, and its number."""
+        self.number: int | None = None
         self.progressed = False
         """Whether a trial of this attempt wrote a new checkpoint."""
 
@@ -207,7 +216,7 @@ class _Leader:
         _publish(self.folder, self.seq, {"spec": spec.model_dump(mode="json")})
         self.seq += 1
         hook = _Pruning(trial, ref.metric)
-        self.training = TrainingJob(spec, hook, stalled=self.stalled)
+        self.training, self.number = TrainingJob(spec, hook, stalled=self.stalled), trial.number
         try:
             ref_ = _train(self.training, run_id)
         except Exception as exc:  # Optuna fails the trial (catch=Exception); the next follows
@@ -220,7 +229,7 @@ class _Leader:
             raise
         finally:
             self.progressed = self.progressed or made_progress(self.training)
-            self.training = None
+            self.training = self.number = None
         if hook.pruned_at:
             if run_id and uri:
                 close_trial_run(uri, run_id, f"pruned at epoch {hook.pruned_at}", "FINISHED")

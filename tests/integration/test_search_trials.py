@@ -29,19 +29,29 @@ def dataset(tmp_path_factory: pytest.TempPathFactory) -> DatasetRef:
     return write_dataset(tmp_path_factory.mktemp("data") / "ds")
 
 
-def _job(root: Path, dataset: DatasetRef, trials: int, epochs: int = 2, **search: Any) -> SearchJob:
+def _job(
+    root: Path,
+    dataset: DatasetRef,
+    trials: int,
+    epochs: int = 2,
+    train: dict[str, Any] | None = None,
+    **search: Any,
+) -> SearchJob:
     cfg = SearchConfig(
         space={"train.lr": "loguniform(1e-3,1e-2)"}, trials=trials, study="s", seed=0, **search
     )
     ref = make_ref(cfg, root, "local", "t", "val_accuracy", True)
-    train = TrainConfig(epochs=epochs, batch_size=32, precision="fp32", device="cpu", seed=3)
-    base = TrainJobSpec(train=train, dataset=dataset, out_dir=root / "trials")
+    settings: dict[str, Any] = {"batch_size": 32, **(train or {})}
+    base_train = TrainConfig(epochs=epochs, precision="fp32", device="cpu", seed=3, **settings)
+    base = TrainJobSpec(train=base_train, dataset=dataset, out_dir=root / "trials")
     return SearchJob(study=ref, base=base)
 
 
-def _submit(root: Path, job: SearchJob, ranks: int = 1) -> submitit.Job[Any]:
+def _submit(
+    root: Path, job: SearchJob, ranks: int = 1, cluster: ClusterConfig | None = None
+) -> submitit.Job[Any]:
     open_study(job.study)  # the flow creates the study before the array starts
-    executor = make_executor(ClusterConfig(ranks_per_node=ranks), root / "jobs")
+    executor = make_executor(cluster or ClusterConfig(ranks_per_node=ranks), root / "jobs")
     return executor.submit(TrialWorker(job))
 
 
@@ -96,3 +106,24 @@ def test_a_killed_task_s_trial_is_retried_from_its_checkpoint(tmp_path: Path) ->
     log = retry.stdout() or ""
     assert "resuming from" in log and "after epoch" in log
     assert "epoch 1/3" not in log  # epoch 1 was not trained again
+
+
+def test_a_trial_runs_to_its_end_across_its_task_s_time_limits(tmp_path: Path) -> None:
+    # 96 steps an epoch of at least 0.3 s each: the trial outlasts its task's 1-minute limit.
+    # The requeued task continues the same trial from its checkpoint at once (no wait for a
+    # stale heartbeat), and its requeues with progress do not count against max_requeues (0).
+    big = write_dataset(tmp_path / "ds", n_train=6144, n_val=128)
+    slow = {"model": "tests.slow_model:slow_cnn", "model_args": {"sleep_s": 0.3}}
+    job = _job(tmp_path, big, 1, train={"batch_size": 64, "time_limit_margin_s": 5.0, **slow})
+    job = job.model_copy(update={"base": job.base.model_copy(update={"max_requeues": 0})})
+    task = _submit(tmp_path, job, cluster=ClusterConfig(ranks_per_node=1, timeout_min=1))
+    ran = task.results()[0]
+    log = task.stdout() or ""
+    assert "trial 0: queued again for the requeued task" in log, log[-3000:]
+    assert "checkpointing at step" in log and "resuming from" in log, log[-3000:]
+    *handed, done = _trials(job.study)
+    assert [t.state for t in handed] == [TrialState.FAIL] * len(handed)
+    assert done.state == TrialState.COMPLETE
+    assert done.system_attrs["failed_trial"] == 0  # the same trial, counted once
+    assert sorted(done.intermediate_values) == [1, 2]
+    assert ran == [done.number]  # the last attempt's: it finished the trial
