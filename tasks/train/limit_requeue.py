@@ -27,7 +27,6 @@ from trainflow.tasks.train.time_limit import (
     Estimates,
     TimeLimit,
     requeue_now,
-    saving_before_requeue,
     time_text,
 )
 
@@ -102,7 +101,6 @@ class LimitRequeue:
         is of this step), then requeue. Never returns: the attempt ends here."""
         job = self.job
         if trainer.dist.is_main:
-            saving_before_requeue()  # a requeue signal now waits for the save
             recorder.wait()  # the last epoch's checkpoint is on disk first
             left = time_text(self.limit.until_limit_s() or 0.0)
             est = self.limit.estimates

@@ -15,8 +15,10 @@ halfway there, with fresher measurements.
 
 The requeue signal (`cluster.signal_delay_s` before the limit; Slurm checks limits every 30 s
 and sends it up to that much earlier) is the backstop: rank 0 holds a time limit's signal
-until its own deadline (`hold_limit_signal`) and lets it act only if the job has not stopped
-by then. A signal far from the limit is a preemption and acts at once.
+until just before the limit itself (`hold_limit_signal`; the margin is the job's, so a step
+that runs late or a save in progress still ends first) and lets it act only if the job has not
+requeued itself by then. A signal far from the limit is a preemption and acts at once. Only
+the first signal that acts requeues: a second `scontrol requeue` of a job being requeued fails.
 """
 
 import os
@@ -41,15 +43,14 @@ SIGNAL_EARLY_S = 45.0
 """How much earlier than its delay a time limit's requeue signal may come (Slurm checks limits
 every 30 s), with slack: a signal within this of `signal_delay_s` before the limit is the
 limit's, one earlier a preemption's."""
-LAST_S = 3.0
-"""A requeue signal held while the planned checkpoint is saved acts this long before the
-limit at the latest (the backstop when the save does not end in time)."""
+LAST_S = 5.0
+"""A held limit signal acts this long before the limit (at most half the job's margin): the
+backstop, with time left for submitit's requeue before Slurm ends the job."""
 LOCAL_TIMEOUT_ENV = "SUBMITIT_LOCAL_TIMEOUT_S"
 _requeueing = threading.Event()
 """Set once the job requeues itself: its own signal is never held."""
-_saving = threading.Event()
-"""Set while rank 0 saves its planned checkpoint (`saving_before_requeue`): a requeue signal
-then waits for the save, which the job's own requeue follows."""
+_acted = threading.Event()
+"""Set once a requeue signal reached the acting handler: later ones are dropped."""
 LOCAL_SIGNAL_ENV = "SUBMITIT_LOCAL_SIGNAL_DELAY_S"
 
 
@@ -260,12 +261,6 @@ def time_text(seconds: float) -> str:
     return f"{seconds}s"
 
 
-def saving_before_requeue() -> None:
-    """Rank 0 starts the checkpoint at its planned stop (`requeue_now` follows): a requeue
-    signal from now on waits for it (`hold_limit_signal`) instead of ending the save."""
-    _saving.set()
-
-
 def requeue_now(is_main: bool) -> NoReturn:
     """Requeue through submitit's own path: rank 0 sends itself the requeue signal (submitit
     calls the job's `checkpoint`, requeues and exits); other ranks wait to be ended with the
@@ -300,14 +295,14 @@ class EpochLimit:
 
 
 def hold_limit_signal(limit: TimeLimit, delay_s: float) -> None:
-    """In rank 0's main thread: hold a time limit's requeue signal until `limit`'s deadline.
+    """In rank 0's main thread: hold a time limit's requeue signal until just before the limit.
 
     The handler in place (submitit's, which checkpoints and requeues at once) stays the one
-    that acts: a signal that comes while the deadline is ahead and the limit near is re-sent
-    when the deadline passes (the job has normally stopped and requeued by then); one that
-    comes while the planned checkpoint is being saved is re-sent LAST_S before the limit (the
-    job requeues itself once saved; acting at once would end the save and lose its steps);
-    any other signal (a preemption, or one past the deadline) goes to that handler at once.
+    that acts: a signal that comes while the limit is near but more than `LAST_S` (at most
+    half the job's margin) ahead is re-sent then (the job has normally checkpointed and
+    requeued itself by its deadline, the limit less its margin); any other signal (a
+    preemption, the job's own, one at the last moment) goes to that handler at once. The
+    first signal that reaches it requeues the attempt; any later one is dropped.
     """
     from trainflow.tasks.train.early_signal import preemption_signal
 
@@ -315,37 +310,27 @@ def hold_limit_signal(limit: TimeLimit, delay_s: float) -> None:
     acting = signal.getsignal(sig)
     if not callable(acting):
         return
-
-    def resend(after_s: float, signum: int) -> None:
-        timer = threading.Timer(after_s, os.kill, (os.getpid(), signum))
-        timer.daemon = True
-        timer.start()
+    last = min(LAST_S, limit.margin_s / 2)
 
     def holding(signum: int, frame: FrameType | None) -> None:
-        remaining, until_limit = limit.remaining_s(), limit.until_limit_s()
-        saving = _saving.is_set() and not _requeueing.is_set()
-        if saving and until_limit is not None and until_limit > LAST_S + 1.0:
-            print(
-                f"time limit in {time_text(until_limit)}: requeue signal held while the "
-                "checkpoint is saved",
-                flush=True,
-            )
-            resend(until_limit - LAST_S, signum)
+        if _acted.is_set():  # this attempt is being requeued already
             return
+        until_limit = limit.until_limit_s()
         if (
             not _requeueing.is_set()
-            and remaining is not None
             and until_limit is not None
-            and remaining > 1.0
-            and until_limit <= delay_s + SIGNAL_EARLY_S
+            and last + 0.5 < until_limit <= delay_s + SIGNAL_EARLY_S
         ):
             print(
                 f"time limit in {time_text(until_limit)}: requeue signal held for "
-                f"{time_text(remaining)}, until the planned checkpoint",
+                f"{time_text(until_limit - last)}, until the planned checkpoint",
                 flush=True,
             )
-            resend(remaining, signum)
+            timer = threading.Timer(until_limit - last, os.kill, (os.getpid(), signum))
+            timer.daemon = True
+            timer.start()
             return
+        _acted.set()
         acting(signum, frame)
 
     signal.signal(sig, holding)
