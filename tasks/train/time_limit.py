@@ -26,6 +26,7 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any, NoReturn
@@ -121,7 +122,7 @@ def seconds_left() -> float | None:
     if LOCAL_TIMEOUT_ENV in os.environ:
         elapsed = time.time() - _attempt_started()
         return float(os.environ[LOCAL_TIMEOUT_ENV]) - elapsed
-    job_id = os.environ.get("SLURM_JOB_ID")
+    job_id = squeue_job_id(os.environ)
     if job_id is None:
         return None
     try:
@@ -135,6 +136,16 @@ def seconds_left() -> float | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return parse_time_left(out)
+
+
+def squeue_job_id(env: Mapping[str, str]) -> str | None:
+    """The id that names this job alone in squeue: `<array job id>_<task id>` for an element
+    of a job array (the last element started runs under the array's own job id, and `-j` with
+    that id lists every element of the array), else SLURM_JOB_ID; None outside Slurm."""
+    array, task = env.get("SLURM_ARRAY_JOB_ID"), env.get("SLURM_ARRAY_TASK_ID")
+    if array and task:
+        return f"{array}_{task}"
+    return env.get("SLURM_JOB_ID")
 
 
 def _attempt_started() -> float:

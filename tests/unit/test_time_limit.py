@@ -33,7 +33,7 @@ from trainflow.tasks.train.config import TrainConfig
 from trainflow.tasks.train.job import TrainingJob, TrainJobSpec
 from trainflow.tasks.train.models import ReferenceCNN
 from trainflow.tasks.train.ref import CheckpointRef
-from trainflow.tasks.train.time_limit import SAVE_FACTOR, parse_time_left, plan
+from trainflow.tasks.train.time_limit import SAVE_FACTOR, parse_time_left, plan, squeue_job_id
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -101,6 +101,14 @@ def test_squeue_time_left_is_read_in_all_its_forms() -> None:
     assert parse_time_left("UNLIMITED") is None
     assert parse_time_left("NOT_SET") is None
     assert parse_time_left("") is None
+
+
+def test_squeue_is_asked_for_this_job_alone() -> None:
+    # An array element may run under the array's own job id, which names every element.
+    element = {"SLURM_JOB_ID": "5", "SLURM_ARRAY_JOB_ID": "5", "SLURM_ARRAY_TASK_ID": "1"}
+    assert squeue_job_id(element) == "5_1"
+    assert squeue_job_id({"SLURM_JOB_ID": "7"}) == "7"
+    assert squeue_job_id({}) is None
 
 
 @pytest.fixture(scope="module")
