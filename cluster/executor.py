@@ -16,7 +16,10 @@ from trainflow.cluster.job_folder import prepare_job_folder, private_umask, seal
 from trainflow.cluster.srun_executor import AllocationExecutor
 
 SUBMITIT_MAX_TIMEOUTS = 10_000
-"""submitit's own bound on requeues after a time limit: far above any job's need."""
+"""submitit's own bound on requeues after a time limit: far above any job's need. Every job
+(a single one, a job array's element, a search's task) counts only its attempts without
+progress against cluster.max_requeues itself (tasks.train.limit_requeue), so submitit would
+otherwise fail a job that made progress at every limit after max_num_timeout of them."""
 
 
 def make_executor(cfg: ClusterConfig, folder: Path) -> submitit.Executor:
@@ -115,21 +118,8 @@ def restore_sigint() -> None:
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-def array_executor(cfg: ClusterConfig, folder: Path) -> submitit.Executor:
-    """The executor of a job array (a sweep's elements, a search's tasks): their callables
-    track no progress per attempt, so submitit's own count bounds their requeues at time
-    limits: every requeue counts against cluster.max_requeues, as a preemption's does."""
-    executor = make_executor(cfg, folder)
-    if isinstance(executor, submitit.core.core.PicklingExecutor):  # Slurm, local, allocation
-        executor.max_num_timeout = cfg.max_requeues
-    return executor
-
-
 def _slurm_executor(cfg: ClusterConfig, folder: Path) -> submitit.SlurmExecutor:
     """A SlurmExecutor whose sbatch options come from cfg (checked by cluster.slurm_checks)."""
-    # submitit would count every timeout and fail the job after max_num_timeout of them, even
-    # ones that made progress. The training job counts only attempts without progress
-    # (cluster.max_requeues, tasks.train.limit_requeue), so submitit's bound is only a backstop.
     executor = TrainflowSlurmExecutor(folder, max_num_timeout=SUBMITIT_MAX_TIMEOUTS)
     executor.peer_timeout_s = cfg.peer_timeout_s
     executor.update_parameters(**slurm_parameters(cfg))

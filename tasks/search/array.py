@@ -21,7 +21,7 @@ from typing import Any
 
 from trainflow.cluster import registry
 from trainflow.cluster.config import ClusterConfig
-from trainflow.cluster.executor import array_executor
+from trainflow.cluster.executor import make_executor
 from trainflow.cluster.jobs import wait_for_jobs
 from trainflow.tasks.search.study import (
     OVER_BUDGET_ATTR,
@@ -53,7 +53,7 @@ def run_arrays(
     """Run arrays of trial-pulling tasks until the study's budget is spent (or nothing more
     can be done); per task, in submission order, its trial numbers or the error it failed
     with. `say` gets the tasks' log lines and the search's own lines."""
-    executor = array_executor(cluster, job_dir)
+    executor = make_executor(cluster, job_dir)
     outcomes: list[Any] = []
     ended: set[str] = set()  # every task this search submitted (all ended when asked)
     tasks = parallel

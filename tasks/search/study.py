@@ -261,3 +261,27 @@ def waiting(study: Any) -> bool:
     from optuna.trial import TrialState
 
     return bool(study.get_trials(deepcopy=False, states=(TrialState.WAITING,)))
+
+
+def hand_over(ref: StudyRef, number: int) -> None:
+    """Trial `number`, running in a task that is being requeued (a time limit, a preemption):
+    failed, and queued again at once as the same trial (its values, intermediate values and
+    first try's number), so the requeued task, or any other, continues it from its checkpoint
+    without waiting for its heartbeat to go stale. Not a retry: it does not count against
+    max_retry, so a trial runs to its end across as many requeues as it needs."""
+    import optuna
+    from optuna.trial import TrialState
+
+    study = open_study(ref)
+    trial = frozen(study, number)
+    study.tell(number, state=TrialState.FAIL)
+    study.add_trial(
+        optuna.trial.create_trial(
+            state=TrialState.WAITING,
+            params=trial.params,
+            distributions=trial.distributions,
+            user_attrs=trial.user_attrs,
+            system_attrs={**trial.system_attrs, ORIGIN_ATTR: origin(trial)},
+            intermediate_values=trial.intermediate_values,
+        )
+    )

@@ -8,8 +8,11 @@ TrainingJob. After every epoch rank 0 reports the validation metric and asks the
 answer is broadcast, so every rank stops at the same epoch. The task pulls trials until the
 budget is spent, so a pruned trial frees its slot at once.
 
-A trial's out_dir is keyed by its first try's number: a retry (its task was preempted or
-lost) resumes from that trial's last checkpoint, with the intermediate values it reported.
+A trial's out_dir is keyed by its first try's number: a retry (its task was lost) resumes
+from that trial's last checkpoint, with the intermediate values it reported. A task requeued
+at a time limit or a preemption queues its trial again at once (`study.hand_over`), and counts
+its attempts without progress (no trial's checkpoint advanced) against cluster.max_requeues as
+a single training job does (tasks.train.limit_requeue).
 """
 
 import json
@@ -28,6 +31,7 @@ from trainflow.tasks.search.study import (
     StudyRef,
     budget_left,
     frozen,
+    hand_over,
     open_study,
     origin,
     over_budget,
@@ -37,6 +41,7 @@ from trainflow.tasks.search.trial_runs import close_trial_run, open_trial_run
 from trainflow.tasks.train.config import TrainConfig
 from trainflow.tasks.train.distributed import DistContext, release_kept
 from trainflow.tasks.train.job import TrainingJob, TrainJobSpec
+from trainflow.tasks.train.limit_requeue import check_stalled, count_stalled, made_progress
 
 CHECKPOINT_ATTR = "checkpoint"
 """User attribute of a complete trial: its best checkpoint (a CheckpointRef as JSON)."""
@@ -87,10 +92,28 @@ def suggest(trial: Any, study: StudyRef) -> dict[str, Any]:
 
 class TrialWorker(submitit.helpers.Checkpointable):
     """One array task of a search (every rank runs it); rank 0 returns the numbers of the
-    trials this task ran."""
+    trials this task ran. `stalled`: the attempts before this one in a row that reached a
+    time limit without a trial's new checkpoint."""
 
-    def __init__(self, job: SearchJob) -> None:
+    def __init__(self, job: SearchJob, stalled: int = 0) -> None:
         self.job = job
+        self.stalled = stalled
+
+    def checkpoint(self, *args: Any, **kwargs: Any) -> submitit.helpers.DelayedSubmission:
+        """On a time limit or preemption (submitit calls this in rank 0): the task again, as
+        its next attempt, and the trial in training queued again for it (`hand_over`). An
+        attempt in which a trial wrote a new checkpoint made progress; the others count
+        against cluster.max_requeues as a single job's do: the trial in training is asked
+        (tasks.train.limit_requeue), StalledAtTimeLimit past the bound."""
+        leader: _Leader | None = getattr(self, "_leader", None)
+        if leader is None:  # stopped before it asked for a trial
+            stalled = check_stalled(self.stalled + 1, self.job.base.max_requeues, -1)
+        else:
+            stalled = leader.count_stalled()
+            if leader.number is not None:
+                hand_over(self.job.study, leader.number)
+                print(f"trial {leader.number}: queued again for the requeued task", flush=True)
+        return submitit.helpers.DelayedSubmission(TrialWorker(self.job, stalled), *args, **kwargs)
 
     def __call__(self, index: int = 0) -> list[int]:
         """Pull and train trials until the study's budget is spent (`index`: this task's
@@ -101,7 +124,8 @@ class TrialWorker(submitit.helpers.Checkpointable):
         folder = _task_folder(self.job.base.out_dir)
         if layout is None or layout.rank == 0:
             print(f"search task {index}: pulling trials of study {self.job.study.name}", flush=True)
-            return _Leader(self.job, folder, layout.file if layout else None).run()
+            self._leader = _Leader(self.job, folder, layout.file if layout else None, self.stalled)
+            return self._leader.run()
         _follow(folder)
         return []
 
@@ -129,10 +153,28 @@ class _OverBudget(Exception):
 class _Leader:
     """Rank 0's side: the study, the trials' runs, the hand-over to the other ranks."""
 
-    def __init__(self, job: SearchJob, folder: Path, rendezvous: Path | None) -> None:
+    def __init__(
+        self, job: SearchJob, folder: Path, rendezvous: Path | None, stalled: int = 0
+    ) -> None:
         self.job, self.folder, self.rendezvous = job, folder, rendezvous
         self.seq = 0
         self.ran: list[int] = []
+        self.stalled = stalled
+        """Attempts before this one in a row without progress (the task's)."""
+        self.training: TrainingJob | None = None
+        """The trial in training now, if any, and its number."""
+        self.number: int | None = None
+        self.progressed = False
+        """Whether a trial of this attempt wrote a new checkpoint."""
+
+    def count_stalled(self) -> int:
+        """At the requeue signal: attempts in a row, this one included, without progress;
+        StalledAtTimeLimit past cluster.max_requeues."""
+        if self.progressed:
+            return 0
+        if self.training is None:  # between trials, none of which checkpointed
+            return check_stalled(self.stalled + 1, self.job.base.max_requeues, -1)
+        return count_stalled(self.training)  # the trial counts as a single job
 
     def run(self) -> list[int]:
         import optuna
@@ -176,8 +218,9 @@ class _Leader:
         _publish(self.folder, self.seq, {"spec": spec.model_dump(mode="json")})
         self.seq += 1
         hook = _Pruning(trial, ref.metric)
+        self.training, self.number = TrainingJob(spec, hook, stalled=self.stalled), trial.number
         try:
-            ref_ = _train(spec, hook, run_id)
+            ref_ = _train(self.training, run_id)
         except Exception as exc:  # Optuna fails the trial (catch=Exception); the next follows
             if run_id and uri:
                 close_trial_run(uri, run_id, "failed", "FAILED")
@@ -186,6 +229,9 @@ class _Leader:
             if run_id and uri:
                 close_trial_run(uri, run_id, "killed (cancelled)", "KILLED")
             raise
+        finally:
+            self.progressed = self.progressed or made_progress(self.training)
+            self.training = self.number = None
         if hook.pruned_at:
             if run_id and uri:
                 close_trial_run(uri, run_id, f"pruned at epoch {hook.pruned_at}", "FINISHED")
@@ -199,13 +245,14 @@ class _Leader:
         return value
 
 
-def _train(spec: TrainJobSpec, hook: Any, run_id: str | None) -> Any:
+def _train(job: TrainingJob, run_id: str | None) -> Any:
     """Train the trial on this task's ranks; rank 0's journal relayed to the trial's run."""
     from trainflow.tasks.tracking.relay import relaying
 
     release_kept()  # the last trial's model, kept past its end (see release_kept)
+    spec = job.spec
     with relaying(spec.out_dir, spec.tracking_uri, run_id, lambda line: print(line, flush=True)):
-        return TrainingJob(spec, hook)()
+        return job()
 
 
 class _Pruning:

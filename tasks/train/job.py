@@ -37,8 +37,8 @@ from trainflow.tasks.train.first_result import first_result
 from trainflow.tasks.train.job_spec import TrainJobSpec
 from trainflow.tasks.train.limit_requeue import (
     LimitRequeue,
-    StalledAtTimeLimit,
     StoppedForTimeLimit,
+    count_stalled,
 )
 from trainflow.tasks.train.log_lines import announce
 from trainflow.tasks.train.loop import Trainer, evaluate_split, make_optimizer, train_epoch
@@ -189,10 +189,7 @@ class TrainingJob(submitit.helpers.Checkpointable):
 
         StalledAtTimeLimit instead when this is the attempt past cluster.max_requeues in a row
         that reached its time limit without writing a checkpoint."""
-        requeue = getattr(self, "_requeue", None)
-        stalled = requeue.stalled_after(self) if requeue is not None else self.stalled + 1
-        if stalled > self.spec.max_requeues:
-            raise StalledAtTimeLimit(stalled, self.spec.max_requeues, self.saved_step)
+        stalled = count_stalled(self)
         fresh = object.__new__(type(self))  # the spec and a subclass's own settings, no state
         fresh.__dict__.update({k: v for k, v in vars(self).items() if not k.startswith("_")})
         fresh.attempt, fresh.stalled, fresh.saved_step = self.attempt + 1, stalled, -1

@@ -4,10 +4,11 @@ count the attempts that reached their limit without progress.
 tasks.train.time_limit decides where to stop; this saves the state there (rank 0, mid-epoch
 if need be: the position, the epoch's metric sums so far and the RNG state go with it), says
 so in one line, and requeues through submitit (rank 0 signals itself, so submitit calls
-`TrainingJob.checkpoint`). That method asks `stalled_after` how many attempts in a row have now
+the job's `checkpoint`). That method asks `count_stalled` how many attempts in a row have now
 ended at a time limit without a new checkpoint: past `cluster.max_requeues` the job fails with
 StalledAtTimeLimit. Requeues that made progress never count, so a job runs to its end across as
-many time limits as it needs.
+many time limits as it needs. A single job and a sweep's element are TrainingJobs; a search's
+array task counts through the trial it trains (tasks.search.trial_worker): one rule for all.
 """
 
 import time
@@ -124,9 +125,37 @@ class LimitRequeue:
     def stalled_after(self, job: RequeuedJob) -> int:
         """Attempts in a row, this one included, that ended at their time limit without a new
         checkpoint (for rank 0's `checkpoint`, at the requeue signal)."""
-        if job.saved_step > self.start_step:
+        if made_progress(job):
             return 0
         remaining = self.limit.remaining_s()
         if remaining is not None and remaining > NEAR_LIMIT_S:
             return job.stalled  # a preemption: neither progress nor a stall
         return job.stalled + 1
+
+
+def made_progress(job: RequeuedJob) -> bool:
+    """Whether this attempt of `job` wrote a checkpoint newer than the one it started from."""
+    requeue: LimitRequeue | None = getattr(job, "_requeue", None)
+    return requeue is not None and job.saved_step > requeue.start_step
+
+
+def stalled_after(job: RequeuedJob) -> int:
+    """Attempts in a row, this one included, that ended at their time limit without a new
+    checkpoint; an attempt stopped before it started training counts as one."""
+    requeue: LimitRequeue | None = getattr(job, "_requeue", None)
+    return requeue.stalled_after(job) if requeue is not None else job.stalled + 1
+
+
+def check_stalled(stalled: int, max_requeues: int, step: int) -> int:
+    """`stalled` (attempts in a row without progress, this one included), or
+    StalledAtTimeLimit once past `max_requeues` (`step`: the newest checkpoint's, -1: none)."""
+    if stalled > max_requeues:
+        raise StalledAtTimeLimit(stalled, max_requeues, step)
+    return stalled
+
+
+def count_stalled(job: RequeuedJob) -> int:
+    """At the requeue signal, in rank 0's `checkpoint`: the attempts in a row, this one
+    included, that ended at their time limit without a new checkpoint; StalledAtTimeLimit once
+    past the job's cluster.max_requeues."""
+    return check_stalled(stalled_after(job), job.spec.max_requeues, job.saved_step)

@@ -1,23 +1,8 @@
-"""A sweep's training: one job array, each element a full TrainingJob with its own spec."""
+"""A sweep's outcome: which element of its job array won."""
 
 from typing import Any
 
-import submitit
-
-from trainflow.tasks.train.job import TrainingJob, TrainJobSpec
 from trainflow.tasks.train.ref import CheckpointRef
-
-
-class ArrayTrainingJob(submitit.helpers.Checkpointable):
-    """The job array's callable: element i trains spec i.
-
-    Checkpointable's default checkpoint() resubmits the same call, and TrainingJob resumes
-    from the element's own out_dir, so a requeued element continues where it stopped.
-    """
-
-    def __call__(self, spec: TrainJobSpec) -> CheckpointRef | None:
-        """Train one element of the sweep."""
-        return TrainingJob(spec)()
 
 
 def best_element(

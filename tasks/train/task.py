@@ -12,7 +12,7 @@ from prefect.cache_policies import NO_CACHE
 
 from trainflow.cluster import registry
 from trainflow.cluster.config import ClusterConfig
-from trainflow.cluster.executor import array_executor, make_executor
+from trainflow.cluster.executor import make_executor
 from trainflow.cluster.jobs import wait_for_job, wait_for_jobs
 from trainflow.cluster.lost_ranks import RankLostError
 from trainflow.cluster.restarts import run_with_restarts
@@ -27,7 +27,6 @@ from trainflow.tasks.tracking.slurm_logs import record_job_accounting
 from trainflow.tasks.train.job import TrainingJob, TrainJobSpec
 from trainflow.tasks.train.model_report import ModelReport
 from trainflow.tasks.train.ref import CheckpointRef
-from trainflow.tasks.train.sweep import ArrayTrainingJob
 
 
 @task(name="train", cache_policy=NO_CACHE, persist_result=False)
@@ -65,8 +64,7 @@ def train_array_task(
     checkpoint or its error text."""
     logger = get_run_logger()
     check_cluster(cluster)
-    executor = array_executor(cluster, job_dir)
-    jobs = executor.map_array(ArrayTrainingJob(), specs)
+    jobs = submit_array(specs, cluster, job_dir)
     ids = [str(job.job_id) for job in jobs]
     logger.info("submitted %d training jobs as one array: %s", len(jobs), ", ".join(ids))
     since = datetime.now() - timedelta(minutes=1)  # see _wait_and_account
@@ -86,6 +84,22 @@ def train_array_task(
         for job_id, spec in zip(ids, specs, strict=True):
             record_job_accounting(job_id, spec.tracking_uri, spec.run_id, logger.info, since)
     return [o if isinstance(o, CheckpointRef) else str(o) for o in outcomes]
+
+
+def submit_array(
+    specs: list[TrainJobSpec],
+    cluster: ClusterConfig,
+    job_dir: Path,
+    job: Callable[[TrainJobSpec], TrainingJob] = TrainingJob,
+) -> list[submitit.Job[Any]]:
+    """Submit `job(spec)` for every spec as one job array on the configured executor (as
+    map_array, but each element a callable of its own). An element is a training job like a
+    single one: requeued at every time limit, only its attempts without a new checkpoint
+    counted against cluster.max_requeues (tasks.train.limit_requeue)."""
+    executor = make_executor(cluster, job_dir)
+    with executor.batch():
+        jobs = [executor.submit(job(spec)) for spec in specs]
+    return jobs
 
 
 def train_with_restarts(

@@ -15,8 +15,10 @@ halfway there, with fresher measurements.
 
 The requeue signal (`cluster.signal_delay_s` before the limit; Slurm checks limits every 30 s
 and sends it up to that much earlier) is the backstop: rank 0 holds a time limit's signal
-until its own deadline (`hold_limit_signal`) and lets it act only if the job has not stopped
-by then. A signal far from the limit is a preemption and acts at once.
+until just before the limit itself (`hold_limit_signal`; the margin is the job's, so a step
+that runs late or a save in progress still ends first) and lets it act only if the job has not
+requeued itself by then. A signal far from the limit is a preemption and acts at once. Only
+the first signal that acts requeues: a second `scontrol requeue` of a job being requeued fails.
 """
 
 import os
@@ -24,6 +26,7 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any, NoReturn
@@ -41,9 +44,14 @@ SIGNAL_EARLY_S = 45.0
 """How much earlier than its delay a time limit's requeue signal may come (Slurm checks limits
 every 30 s), with slack: a signal within this of `signal_delay_s` before the limit is the
 limit's, one earlier a preemption's."""
+LAST_S = 5.0
+"""A held limit signal acts this long before the limit (at most half the job's margin): the
+backstop, with time left for submitit's requeue before Slurm ends the job."""
 LOCAL_TIMEOUT_ENV = "SUBMITIT_LOCAL_TIMEOUT_S"
 _requeueing = threading.Event()
 """Set once the job requeues itself: its own signal is never held."""
+_acted = threading.Event()
+"""Set once a requeue signal reached the acting handler: later ones are dropped."""
 LOCAL_SIGNAL_ENV = "SUBMITIT_LOCAL_SIGNAL_DELAY_S"
 
 
@@ -114,7 +122,7 @@ def seconds_left() -> float | None:
     if LOCAL_TIMEOUT_ENV in os.environ:
         elapsed = time.time() - _attempt_started()
         return float(os.environ[LOCAL_TIMEOUT_ENV]) - elapsed
-    job_id = os.environ.get("SLURM_JOB_ID")
+    job_id = squeue_job_id(os.environ)
     if job_id is None:
         return None
     try:
@@ -128,6 +136,16 @@ def seconds_left() -> float | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return parse_time_left(out)
+
+
+def squeue_job_id(env: Mapping[str, str]) -> str | None:
+    """The id that names this job alone in squeue: `<array job id>_<task id>` for an element
+    of a job array (the last element started runs under the array's own job id, and `-j` with
+    that id lists every element of the array), else SLURM_JOB_ID; None outside Slurm."""
+    array, task = env.get("SLURM_ARRAY_JOB_ID"), env.get("SLURM_ARRAY_TASK_ID")
+    if array and task:
+        return f"{array}_{task}"
+    return env.get("SLURM_JOB_ID")
 
 
 def _attempt_started() -> float:
@@ -288,12 +306,14 @@ class EpochLimit:
 
 
 def hold_limit_signal(limit: TimeLimit, delay_s: float) -> None:
-    """In rank 0's main thread: hold a time limit's requeue signal until `limit`'s deadline.
+    """In rank 0's main thread: hold a time limit's requeue signal until just before the limit.
 
     The handler in place (submitit's, which checkpoints and requeues at once) stays the one
-    that acts: a signal that comes while the deadline is ahead and the limit near is re-sent
-    when the deadline passes (the job has normally stopped and requeued by then); any other
-    signal (a preemption, or one past the deadline) goes to that handler at once.
+    that acts: a signal that comes while the limit is near but more than `LAST_S` (at most
+    half the job's margin) ahead is re-sent then (the job has normally checkpointed and
+    requeued itself by its deadline, the limit less its margin); any other signal (a
+    preemption, the job's own, one at the last moment) goes to that handler at once. The
+    first signal that reaches it requeues the attempt; any later one is dropped.
     """
     from trainflow.tasks.train.early_signal import preemption_signal
 
@@ -301,25 +321,27 @@ def hold_limit_signal(limit: TimeLimit, delay_s: float) -> None:
     acting = signal.getsignal(sig)
     if not callable(acting):
         return
+    last = min(LAST_S, limit.margin_s / 2)
 
     def holding(signum: int, frame: FrameType | None) -> None:
-        remaining, until_limit = limit.remaining_s(), limit.until_limit_s()
+        if _acted.is_set():  # this attempt is being requeued already
+            return
+        until_limit = limit.until_limit_s()
         if (
             not _requeueing.is_set()
-            and remaining is not None
             and until_limit is not None
-            and remaining > 1.0
-            and until_limit <= delay_s + SIGNAL_EARLY_S
+            and last + 0.5 < until_limit <= delay_s + SIGNAL_EARLY_S
         ):
             print(
                 f"time limit in {time_text(until_limit)}: requeue signal held for "
-                f"{time_text(remaining)}, until the planned checkpoint",
+                f"{time_text(until_limit - last)}, until the planned checkpoint",
                 flush=True,
             )
-            timer = threading.Timer(remaining, os.kill, (os.getpid(), signum))
+            timer = threading.Timer(until_limit - last, os.kill, (os.getpid(), signum))
             timer.daemon = True
             timer.start()
             return
+        _acted.set()
         acting(signum, frame)
 
     signal.signal(sig, holding)

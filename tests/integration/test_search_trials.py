@@ -38,23 +38,24 @@ def _job(
     dataset: DatasetRef,
     trials: int,
     epochs: int = 2,
-    model: str = "reference_cnn",
+    train: dict[str, Any] | None = None,
     **search: Any,
 ) -> SearchJob:
     cfg = SearchConfig(
         space={"train.lr": "loguniform(1e-3,1e-2)"}, trials=trials, study="s", seed=0, **search
     )
     ref = make_ref(cfg, root, "local", "t", "val_accuracy", True)
-    train = TrainConfig(
-        model=model, epochs=epochs, batch_size=32, precision="fp32", device="cpu", seed=3
-    )
-    base = TrainJobSpec(train=train, dataset=dataset, out_dir=root / "trials")
+    settings: dict[str, Any] = {"model": "reference_cnn", "batch_size": 32, **(train or {})}
+    base_train = TrainConfig(epochs=epochs, precision="fp32", device="cpu", seed=3, **settings)
+    base = TrainJobSpec(train=base_train, dataset=dataset, out_dir=root / "trials")
     return SearchJob(study=ref, base=base)
 
 
-def _submit(root: Path, job: SearchJob, ranks: int = 1) -> submitit.Job[Any]:
+def _submit(
+    root: Path, job: SearchJob, ranks: int = 1, cluster: ClusterConfig | None = None
+) -> submitit.Job[Any]:
     open_study(job.study)  # the flow creates the study before the array starts
-    executor = make_executor(ClusterConfig(ranks_per_node=ranks), root / "jobs")
+    executor = make_executor(cluster or ClusterConfig(ranks_per_node=ranks), root / "jobs")
     return executor.submit(TrialWorker(job))
 
 
@@ -90,7 +91,7 @@ def test_a_second_run_of_the_study_adds_trials_without_redoing_finished_ones(
     (tmp_path / "counted_model.py").write_text(_COUNTED_MODEL)
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))  # the ranks import the model from there
     model = "counted_model:build"
-    first = _submit(tmp_path, _job(tmp_path, dataset, trials=2, model=model), 2)
+    first = _submit(tmp_path, _job(tmp_path, dataset, trials=2, train={"model": model}), 2)
     assert first.results()[0] == [0, 1]
     for rank in range(2):
         log = first.task(rank).stdout() or ""
@@ -98,7 +99,7 @@ def test_a_second_run_of_the_study_adds_trials_without_redoing_finished_ones(
         assert found == ["models of earlier trials alive: 0"] * 2, (rank, found)
     done = {t.number: t.datetime_complete for t in _trials(_job(tmp_path, dataset, 2).study)}
     assert len(done) == 2
-    again = _job(tmp_path, dataset, trials=3, model=model)
+    again = _job(tmp_path, dataset, trials=3, train={"model": model})
     assert _submit(tmp_path, again).results()[0] == [2]  # only the one the budget lacks
     trials = _trials(again.study)
     assert [t.state for t in trials] == [TrialState.COMPLETE] * 3
@@ -179,7 +180,7 @@ def test_a_trial_that_always_kills_its_task_ends_failed_after_max_retry(
     (tmp_path / "dying_model.py").write_text(_DYING_MODEL)
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))  # the ranks import the model from there
     beats = {"heartbeat_interval_s": 1, "grace_period_s": 2}
-    job = _job(tmp_path, dataset, 1, model="dying_model:build", max_retry=1, **beats)
+    job = _job(tmp_path, dataset, 1, train={"model": "dying_model:build"}, max_retry=1, **beats)
     open_study(job.study)
     said: list[str] = []
     watch = StudyWatch(job.study, said.append)
@@ -219,3 +220,24 @@ def test_a_trial_whose_task_died_before_its_first_heartbeat_is_retried(tmp_path:
     assert retry.state == TrialState.WAITING and retry.system_attrs["failed_trial"] == 0
     assert retry.intermediate_values == {1: 0.5}
     assert "trial 0: its task ended before the trial's first heartbeat: failed" in said
+
+
+def test_a_trial_runs_to_its_end_across_its_task_s_time_limits(tmp_path: Path) -> None:
+    # 96 steps an epoch of at least 0.3 s each: the trial outlasts its task's 1-minute limit.
+    # The requeued task continues the same trial from its checkpoint at once (no wait for a
+    # stale heartbeat), and its requeues with progress do not count against max_requeues (0).
+    big = write_dataset(tmp_path / "ds", n_train=6144, n_val=128)
+    slow = {"model": "tests.slow_model:slow_cnn", "model_args": {"sleep_s": 0.3}}
+    job = _job(tmp_path, big, 1, train={"batch_size": 64, "time_limit_margin_s": 5.0, **slow})
+    job = job.model_copy(update={"base": job.base.model_copy(update={"max_requeues": 0})})
+    task = _submit(tmp_path, job, cluster=ClusterConfig(ranks_per_node=1, timeout_min=1))
+    ran = task.results()[0]
+    log = task.stdout() or ""
+    assert "trial 0: queued again for the requeued task" in log, log[-3000:]
+    assert "checkpointing at step" in log and "resuming from" in log, log[-3000:]
+    *handed, done = _trials(job.study)
+    assert [t.state for t in handed] == [TrialState.FAIL] * len(handed)
+    assert done.state == TrialState.COMPLETE
+    assert done.system_attrs["failed_trial"] == 0  # the same trial, counted once
+    assert sorted(done.intermediate_values) == [1, 2]
+    assert ran == [done.number]  # the last attempt's: it finished the trial

@@ -1,7 +1,8 @@
 """Time limits on the real Slurm: a job whose training needs several times its 1-minute limit
 checkpoints before each limit, is requeued more often than cluster.max_requeues allows for
 attempts without progress, and ends with exactly the weights and metrics of a run without a
-limit; inside a job, squeue says how long it has left.
+limit; inside a job, and inside each element of a job array, squeue says how long it has
+left.
 """
 
 import subprocess
@@ -40,6 +41,24 @@ def test_a_job_reads_its_time_left_from_squeue(tmp_path: Path) -> None:
     ).stdout
     left = float(out.strip().splitlines()[-1])
     assert 30 < left <= 60  # a 1-minute limit, read within the job's first seconds
+
+
+def test_each_element_of_a_job_array_reads_its_own_time_left(tmp_path: Path) -> None:
+    # One element runs under the array's own job id, which names every element in squeue;
+    # both elements are in the queue when they read (the sleep), so that id lists two.
+    code = (
+        "import time; time.sleep(5); "
+        "from trainflow.tasks.train.time_limit import seconds_left; print(seconds_left())"
+    )
+    subprocess.run(
+        ["sbatch", "--wait", "--array=0-1", "--time=1", "--chdir", str(tmp_path),
+         "--output", str(tmp_path / "%a.out"), "--wrap", f"{sys.executable} -c '{code}'"],
+        capture_output=True, text=True, timeout=300, check=True,
+    )  # fmt: skip
+    for element in (0, 1):
+        out = (tmp_path / f"{element}.out").read_text()
+        left = float(out.strip().splitlines()[-1])
+        assert 30 < left <= 60, out  # a 1-minute limit, read within the element's first seconds
 
 
 @pytest.mark.timeout(900)

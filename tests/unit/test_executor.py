@@ -6,7 +6,6 @@ import textwrap
 from pathlib import Path
 
 import pytest
-import submitit
 
 _SUBMITTER = textwrap.dedent(
     """
@@ -41,17 +40,3 @@ def test_a_local_job_obeys_cancel_even_if_the_submitter_ignored_sigint(tmp_path:
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "done", out.stdout + out.stderr[-2000:]
-
-
-def test_a_job_array_counts_every_time_limit_requeue_against_max_requeues(tmp_path: Path) -> None:
-    # A single job counts only attempts without progress (tasks.train.limit_requeue); an
-    # array's elements track none, so submitit's own count is their bound.
-    from trainflow.cluster.executor import SUBMITIT_MAX_TIMEOUTS, array_executor, make_executor
-    from trainflow.flows.config import build_config
-
-    cluster = build_config("tiny", ["cluster.max_requeues=2"]).cluster
-    single = make_executor(cluster, tmp_path / "single")
-    array = array_executor(cluster, tmp_path / "array")
-    assert isinstance(single, submitit.core.core.PicklingExecutor)
-    assert isinstance(array, submitit.core.core.PicklingExecutor)
-    assert (single.max_num_timeout, array.max_num_timeout) == (SUBMITIT_MAX_TIMEOUTS, 2)

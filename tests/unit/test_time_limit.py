@@ -4,6 +4,7 @@ limit, requeues, and ends with exactly the weights and metrics of a run without 
 whose attempts make no progress fails with one clear line after cluster.max_requeues.
 """
 
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -32,7 +33,7 @@ from trainflow.tasks.train.config import TrainConfig
 from trainflow.tasks.train.job import TrainingJob, TrainJobSpec
 from trainflow.tasks.train.models import ReferenceCNN
 from trainflow.tasks.train.ref import CheckpointRef
-from trainflow.tasks.train.time_limit import SAVE_FACTOR, parse_time_left, plan
+from trainflow.tasks.train.time_limit import SAVE_FACTOR, parse_time_left, plan, squeue_job_id
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -100,6 +101,14 @@ def test_squeue_time_left_is_read_in_all_its_forms() -> None:
     assert parse_time_left("UNLIMITED") is None
     assert parse_time_left("NOT_SET") is None
     assert parse_time_left("") is None
+
+
+def test_squeue_is_asked_for_this_job_alone() -> None:
+    # An array element may run under the array's own job id, which names every element.
+    element = {"SLURM_JOB_ID": "5", "SLURM_ARRAY_JOB_ID": "5", "SLURM_ARRAY_TASK_ID": "1"}
+    assert squeue_job_id(element) == "5_1"
+    assert squeue_job_id({"SLURM_JOB_ID": "7"}) == "7"
+    assert squeue_job_id({}) is None
 
 
 @pytest.fixture(scope="module")
@@ -187,3 +196,40 @@ def test_a_checkpoint_inside_an_epoch_sorts_between_the_epochs_around_it(tmp_pat
     assert checkpoint_epoch(newest[0]) == 3  # epochs done, for the progress artifact
     save_checkpoint({"epoch": 4, "epoch_batches": 0, "step": 0}, tmp_path)
     assert [p.name for p in checkpoints(tmp_path)] == ["epoch-000004.pt", "epoch-000003+000040.pt"]
+
+
+_SAVE_DURING_SIGNAL = """
+import os, signal, sys, time
+import torch
+from trainflow.tasks.train.distributed import DistContext
+from trainflow.tasks.train.time_limit import TimeLimit, hold_limit_signal, requeue_now
+
+def acting(signum, frame):  # stands for submitit's handler: requeue, then exit
+    print("requeued", flush=True)
+    os.kill(os.getpid(), signal.SIGUSR2)  # the held signal's timer fires meanwhile
+    time.sleep(0.2)
+    sys.exit(0)
+
+signal.signal(signal.SIGUSR2, acting)
+ctx = DistContext(0, 1, 0, torch.device("cpu"), None)
+limit = TimeLimit(ctx, True, 10.0)
+limit.limit_at = time.monotonic() + 30  # the limit near, the deadline just passed: the
+limit.deadline = time.monotonic() - 1  # planned checkpoint is being saved
+hold_limit_signal(limit, 20.0)
+os.kill(os.getpid(), signal.SIGUSR2)  # the limit's signal, during the save
+time.sleep(0.2)
+print("saved", flush=True)
+requeue_now(True)
+"""
+
+
+def test_a_limit_signal_waits_for_the_planned_save_and_the_attempt_requeues_once() -> None:
+    # The limit's requeue signal while rank 0 saves its planned checkpoint (past its
+    # deadline): the save ends, then the job's own requeue acts; a signal that comes while
+    # submitit's handler requeues is dropped (a second `scontrol requeue` would fail the job).
+    out = subprocess.run(
+        [sys.executable, "-c", _SAVE_DURING_SIGNAL], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = [ln for ln in out.stdout.splitlines() if ln in ("saved", "requeued")]
+    assert lines == ["saved", "requeued"], out.stdout
