@@ -184,10 +184,10 @@ class TimeLimit:
 
     @classmethod
     def for_job(
-        cls, ctx: DistContext, signal_delay_s: float, margin_s: float, enabled: bool = True
+        cls, ctx: DistContext, signal_delay_s: float, margin_s: float
     ) -> "TimeLimit":
         """The watch of this attempt: active under a readable limit (rank 0 reads it)."""
-        active = enabled and has_time_limit()
+        active = has_time_limit()
         limit = cls(ctx, active, margin_s)
         if active and ctx.is_main:
             left = seconds_left()

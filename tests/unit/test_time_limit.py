@@ -121,8 +121,8 @@ def _spec(dataset: DatasetRef, out: Path, **train: object) -> TrainJobSpec:
     return TrainJobSpec(train=cfg, dataset=dataset, out_dir=out, max_requeues=0)
 
 
-def _executor(folder: Path, limit_s: float | None) -> submitit.Executor:
-    executor = make_executor(ClusterConfig(ranks_per_node=2, timeout_min=10), folder)
+def _executor(folder: Path, limit_s: float | None, ranks: int = 2) -> submitit.Executor:
+    executor = make_executor(ClusterConfig(ranks_per_node=ranks, timeout_min=10), folder)
     if limit_s is not None:
         executor.update_parameters(timeout_min=limit_s / 60, signal_delay_s=2)
     return executor

@@ -1,0 +1,120 @@
+"""Time limits under train.strategy=fsdp, for real (2 gloo ranks, submitit's local executor):
+the job checkpoints its shards inside an epoch before each limit (torch.distributed.checkpoint),
+requeues, and ends with exactly the weights, optimizer state and metrics of a run without a
+limit; and a stop under gradient accumulation (a run continued on half its ranks, which keeps
+its global batch) resumes at the right micro-batch.
+
+The machinery (dataset, job spec, executor, slow steps) is tests/unit/test_time_limit.py's.
+"""
+
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import cloudpickle
+import pytest
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from tests.slow_steps import SlowSteps
+from tests.unit.test_time_limit import _executor, _spec, _untimed, dataset
+from trainflow.cluster.jobs import wait_for_job
+from trainflow.tasks.preprocess.ref import DatasetRef
+from trainflow.tasks.train.job import TrainingJob
+from trainflow.tasks.train.ref import CheckpointRef
+from trainflow.tasks.train.sharded_checkpoint import TRAIN_STATE, sharded_checkpoints
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+__all__ = ["dataset"]  # the module fixture, shared with the ddp tests
+
+LIMIT_S = 35.0
+"""The attempts' time limit: start-up (up to ~15 s on a loaded machine), a few steps and a
+save fit in it; an epoch of 96 steps of at least 0.15 s each does not."""
+
+
+def _final(out_dir: Path) -> dict[str, Any]:
+    """The newest checkpoint's train state, with its whole model and optimizer state."""
+    folder = sharded_checkpoints(out_dir / "checkpoints")[0]
+    state: dict[str, Any] = torch.load(folder / TRAIN_STATE, weights_only=True)
+    dcp_to_torch_save(folder, out_dir / "whole.pt")
+    whole = torch.load(out_dir / "whole.pt", weights_only=False)
+    return {**state, "tensors": _tensors(whole)}
+
+
+def _tensors(state: Any, prefix: str = "") -> dict[str, torch.Tensor]:
+    if isinstance(state, torch.Tensor):
+        return {prefix: state}
+    items = state.items() if isinstance(state, dict) else enumerate(state)
+    found: dict[str, torch.Tensor] = {}
+    for key, value in items:
+        if isinstance(value, dict | list | tuple | torch.Tensor):
+            found |= _tensors(value, f"{prefix}.{key}")
+    return found
+
+
+def _assert_same_end(got: dict[str, Any], want: dict[str, Any]) -> None:
+    """Bit-equal: every step computes what the run without a limit computed, in the same
+    order on the same ranks; a resume reloads the exact fp32 bytes (DCP), and the learning
+    rate is a function of the step."""
+    assert (got["epoch"], got["step"], got["epoch_batches"]) == (want["epoch"], want["step"], 0)
+    assert got["tensors"].keys() == want["tensors"].keys()
+    for name, tensor in want["tensors"].items():
+        torch.testing.assert_close(got["tensors"][name], tensor, rtol=0, atol=0, msg=name)
+    for a, b in zip(got["history"], want["history"], strict=True):
+        assert _untimed(a) == _untimed(b)
+
+
+@pytest.fixture(scope="module")
+def straight(dataset: DatasetRef, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The out_dir of a 2-rank fsdp run without a time limit."""
+    root = tmp_path_factory.mktemp("straight")
+    spec = _spec(dataset, root / "run", strategy="fsdp")
+    job = _executor(root / "jobs", None).submit(TrainingJob(spec))
+    assert isinstance(wait_for_job(job, lambda line: None), CheckpointRef)
+    return spec.out_dir
+
+
+@pytest.mark.services
+@pytest.mark.timeout(600)
+def test_an_fsdp_job_longer_than_its_time_limit_ends_as_one_without(
+    dataset: DatasetRef, straight: Path, tmp_path: Path
+) -> None:
+    lines: list[str] = []
+    spec = _spec(dataset, tmp_path / "limited", strategy="fsdp")
+    job = _executor(tmp_path / "jobs", LIMIT_S).submit(SlowSteps(spec, 0.15))
+    assert isinstance(wait_for_job(job, lines.append), CheckpointRef)
+    stops = [ln for ln in lines if "checkpointing at step" in ln]
+    resumed = [ln for ln in lines if " continues from step " in ln]
+    # More requeues than spec.max_requeues (0): those that made progress do not count.
+    assert len(resumed) >= 2, "\n".join(lines)
+    assert len(stops) == len(resumed)
+    assert any(", batch " in ln for ln in resumed)  # continued inside an epoch
+    # ... from a sharded checkpoint taken there
+    assert any("resuming from " in ln and "+0" in ln for ln in lines), "\n".join(lines)
+    _assert_same_end(_final(spec.out_dir), _final(straight))
+
+
+@pytest.mark.services
+@pytest.mark.timeout(600)
+def test_a_time_limit_stop_under_gradient_accumulation_resumes_at_its_micro_batch(
+    dataset: DatasetRef, straight: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # One rank continues the 2-rank run after its epoch 1, with 2 micro-batches per step
+    # (its global batch kept), under a limit that stops it inside epoch 2.
+    limited = _spec(dataset, tmp_path / "limited", strategy="fsdp")
+    plain = _spec(dataset, tmp_path / "plain", strategy="fsdp")
+    for spec in (limited, plain):
+        epoch_1 = spec.out_dir / "checkpoints" / "epoch-000001"
+        shutil.copytree(straight / "checkpoints" / "epoch-000001", epoch_1)
+    lines: list[str] = []
+    job = _executor(tmp_path / "jobs", LIMIT_S, ranks=1).submit(SlowSteps(limited, 0.4))
+    assert isinstance(wait_for_job(job, lines.append), CheckpointRef)
+    assert any("1 ranks x 2 micro-batches of 64 per step" in ln for ln in lines)
+    resumed = [ln for ln in lines if " continues from step " in ln and ", batch " in ln]
+    assert resumed, "\n".join(lines)  # stopped inside epoch 2, continued there
+
+    TrainingJob(plain)()  # the same continuation on one rank, in this process, without a limit
+    capsys.readouterr()
+    _assert_same_end(_final(limited.out_dir), _final(plain.out_dir))
