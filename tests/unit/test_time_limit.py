@@ -108,16 +108,13 @@ def dataset(tmp_path_factory: pytest.TempPathFactory) -> DatasetRef:
 
 
 def _spec(dataset: DatasetRef, out: Path, **train: object) -> TrainJobSpec:
-    settings: dict[str, object] = {"time_limit_margin_s": 5.0, **train}
-    cfg = TrainConfig(
-        epochs=2,
-        batch_size=64,
-        precision="fp32",
-        device="cpu",
-        model="resnet",
-        width=16,
-        **settings,
-    )
+    settings: dict[str, object] = {
+        "model": "resnet",
+        "width": 16,
+        "time_limit_margin_s": 5.0,
+        **train,
+    }
+    cfg = TrainConfig(epochs=2, batch_size=64, precision="fp32", device="cpu", **settings)
     return TrainJobSpec(train=cfg, dataset=dataset, out_dir=out, max_requeues=0)
 
 
