@@ -25,7 +25,11 @@ from trainflow.cluster.jobs import wait_for_job
 from trainflow.tasks.preprocess.ref import DatasetRef
 from trainflow.tasks.train.job import TrainingJob, TrainJobSpec
 from trainflow.tasks.train.ref import CheckpointRef
-from trainflow.tasks.train.sharded_checkpoint import TRAIN_STATE, sharded_checkpoints
+from trainflow.tasks.train.sharded_checkpoint import (
+    TRAIN_STATE,
+    checkpoint_name,
+    sharded_checkpoints,
+)
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -128,9 +132,10 @@ def test_a_time_limit_stop_under_gradient_accumulation_resumes_at_its_micro_batc
     # (its global batch kept), under a limit that stops it inside epoch 2.
     limited = _fsdp(dataset, tmp_path / "limited")
     plain = _fsdp(dataset, tmp_path / "plain")
-    for spec in (limited, plain):
+    for spec in (limited, plain):  # the run's out_dir as it was after epoch 1
         epoch_1 = spec.out_dir / "checkpoints" / "epoch-000001"
         shutil.copytree(straight / "checkpoints" / "epoch-000001", epoch_1)
+        shutil.copy(straight / "best.pt", spec.out_dir / "best.pt")  # epoch 1's, the best
     lines: list[str] = []
     job = _executor(tmp_path / "jobs", LIMIT_S, ranks=1).submit(SlowSteps(limited, 0.3))
     assert isinstance(wait_for_job(job, _kept(lines)), CheckpointRef)
@@ -141,3 +146,17 @@ def test_a_time_limit_stop_under_gradient_accumulation_resumes_at_its_micro_batc
     TrainingJob(plain)()  # the same continuation on one rank, in this process, without a limit
     capsys.readouterr()
     _assert_same_end(_final(limited.out_dir), _final(plain.out_dir))
+
+
+def test_a_sharded_checkpoint_inside_an_epoch_sorts_between_the_epochs_around_it(
+    tmp_path: Path,
+) -> None:
+    for epoch, steps in ((3, 0), (3, 40), (3, 7), (2, 90)):
+        (tmp_path / checkpoint_name(epoch, steps)).mkdir()
+    (tmp_path / f"{checkpoint_name(4, 12)}.tmp").mkdir()  # a save cut off: never resumed
+    assert [p.name for p in sharded_checkpoints(tmp_path)] == [
+        "epoch-000003+000040",
+        "epoch-000003+000007",
+        "epoch-000003",
+        "epoch-000002+000090",
+    ]
