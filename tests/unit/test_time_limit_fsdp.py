@@ -38,7 +38,7 @@ __all__ = ["dataset"]  # the module fixture, shared with the ddp tests
 LIMIT_S = 40.0
 """The attempts' time limit: start-up (7 to 15 s here, by load), a few steps and a save fit in
 it; an epoch of 96 steps of at least 0.25 s each does not (nor, on one rank, the 96 steps
-of 0.3 s of the accumulation test's epoch 2). The floor under each step (tests.slow_steps),
+of 0.5 s of the accumulation test's epoch 2). The floor under each step (tests.slow_steps),
 not more data, makes the epochs long: this machine's throughput varied 4x with its load, and
 the local executor starts a job at most 6 times, so the attempts must be few on a loaded
 machine and several on an idle one."""
@@ -81,6 +81,11 @@ def _kept(lines: list[str]) -> Callable[[str], None]:
     return keep
 
 
+def _steps(lines: list[str], before: str) -> list[int]:
+    """The step number after `before` in each line."""
+    return [int(ln.split(before, 1)[1].split()[0]) for ln in lines]
+
+
 def _assert_same_end(got: dict[str, Any], want: dict[str, Any]) -> None:
     """Bit-equal: every step computes what the run without a limit computed, in the same
     order on the same ranks; a resume reloads the exact fp32 bytes (DCP), and the learning
@@ -118,8 +123,9 @@ def test_an_fsdp_job_longer_than_its_time_limit_ends_as_one_without(
     assert len(resumed) >= 2, "\n".join(lines)
     assert len(stops) == len(resumed)
     assert any(", batch " in ln for ln in resumed)  # continued inside an epoch
-    # ... from a sharded checkpoint taken there
+    # ... from a sharded checkpoint taken there, each attempt where the one before stopped
     assert any("resuming from " in ln and "+0" in ln for ln in lines), "\n".join(lines)
+    assert _steps(stops, "checkpointing at step ") == _steps(resumed, "continues from step ")
     _assert_same_end(_final(spec.out_dir), _final(straight))
 
 
@@ -135,13 +141,15 @@ def test_a_time_limit_stop_under_gradient_accumulation_resumes_at_its_micro_batc
     for spec in (limited, plain):  # the run's out_dir as it was after epoch 1
         epoch_1 = spec.out_dir / "checkpoints" / "epoch-000001"
         shutil.copytree(straight / "checkpoints" / "epoch-000001", epoch_1)
-        shutil.copy(straight / "best.pt", spec.out_dir / "best.pt")  # epoch 1's, the best
+        shutil.copy(straight / "best.pt", spec.out_dir / "best.pt")  # the same in both
     lines: list[str] = []
-    job = _executor(tmp_path / "jobs", LIMIT_S, ranks=1).submit(SlowSteps(limited, 0.3))
+    job = _executor(tmp_path / "jobs", LIMIT_S, ranks=1).submit(SlowSteps(limited, 0.5))
     assert isinstance(wait_for_job(job, _kept(lines)), CheckpointRef)
     assert any("1 ranks x 2 micro-batches of 64 per step" in ln for ln in lines)
+    stops = [ln for ln in lines if "checkpointing at step" in ln]
     resumed = [ln for ln in lines if " continues from step " in ln and ", batch " in ln]
     assert resumed, "\n".join(lines)  # stopped inside epoch 2, continued there
+    assert _steps(stops, "checkpointing at step ") == _steps(resumed, "continues from step ")
 
     TrainingJob(plain)()  # the same continuation on one rank, in this process, without a limit
     capsys.readouterr()
