@@ -107,17 +107,20 @@ def record_sharded(
     logger: MetricLogger,
     recorder: EpochRecorder,
     saver: ShardedSaver,
+    estimates: Estimates,
 ) -> None:
     """An fsdp epoch's side effects, on every rank (the validation metrics, hence the
     decisions, are the same on all): the best weights gathered whole into rank 0's best.pt,
     the sharded checkpoint started by all ranks (written while the next epoch trains, one
-    in flight: ShardedSaver), then rank 0 logs and prints through the recorder."""
+    in flight: ShardedSaver, which times it into `estimates`), then rank 0 logs and prints
+    through the recorder."""
     cfg, epoch, ctx = job.spec.train, progress.epoch, trainer.dist
     flush, best = job._decide(trainer, progress, metrics)  # a test may override it
     if best is not None:
         weights = full_weights(trainer.model)  # collective
         if ctx.is_main:
             save_best_weights(weights, job.spec.out_dir / "best.pt", best)
+    progress.timing = estimates.as_state()
     extra = {**asdict(progress), "run": job._run_identity()}
     train_state = {"scaler": trainer.scaler.state_dict(), "rng": rng_state(), **extra}
     saver.save(trainer.model, trainer.optimizer, train_state, job.checkpoint_dir, epoch)

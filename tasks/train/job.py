@@ -272,17 +272,18 @@ class TrainingJob(submitit.helpers.Checkpointable):
         logger: MetricLogger,
         recorder: EpochRecorder,
     ) -> None:
-        """Train, validate and record the remaining epochs. Under fsdp every rank writes its
-        shards of each checkpoint (one in flight); the last is in place when this returns, and
-        a failing job completes the one in flight if it can (ShardedSaver.settle)."""
-        cfg = self.spec.train
-        saver = ShardedSaver(trainer.dist) if cfg.strategy == "fsdp" else None
+        """Train, validate and record the remaining epochs; before a time limit, checkpoint
+        where the watch stopped and requeue (tasks.train.limit_requeue). Under fsdp every rank
+        writes its shards of each checkpoint (one in flight); the last is in place when this
+        returns, and a failing job completes the one in flight if it can (ShardedSaver.settle)."""
+        cfg, requeue = self.spec.train, self._requeue
+        saver = ShardedSaver(trainer.dist, requeue.save_took) if cfg.strategy == "fsdp" else None
         try:
             while progress.epoch < cfg.epochs:
                 try:
                     metrics = self._run_epoch(trainer, train, val, progress)
                 except StoppedForTimeLimit:  # `progress` says where: save there, requeue
-                    self._requeue.checkpoint_and_requeue(trainer, progress, recorder)
+                    requeue.checkpoint_and_requeue(trainer, progress, recorder, saver)
                 trainer.heartbeat.beat("checkpoint", progress.step)
                 if saver is not None:
                     self._record_sharded(trainer, progress, metrics, logger, recorder, saver)
@@ -376,4 +377,5 @@ class TrainingJob(submitit.helpers.Checkpointable):
         saver: ShardedSaver,
     ) -> None:
         """An fsdp epoch's side effects (tasks.train.epoch_records.record_sharded)."""
-        record_sharded(self, trainer, progress, metrics, logger, recorder, saver)
+        estimates = self._requeue.limit.estimates
+        record_sharded(self, trainer, progress, metrics, logger, recorder, saver, estimates)

@@ -1,9 +1,10 @@
 """The training job's side of a time limit: checkpoint where the watch stops, requeue, and
 count the attempts that reached their limit without progress.
 
-tasks.train.time_limit decides where to stop; this saves the state there (rank 0, mid-epoch
-if need be: the position, the epoch's metric sums so far and the RNG state go with it), says
-so in one line, and requeues through submitit (rank 0 signals itself, so submitit calls
+tasks.train.time_limit decides where to stop; this saves the state there (mid-epoch if need
+be: the position, the epoch's metric sums so far and the RNG state go with it; rank 0 writes a
+ddp run's whole state, every rank its shards of an fsdp run's, through the run's ShardedSaver),
+says so in one line, and requeues through submitit (rank 0 signals itself, so submitit calls
 the job's `checkpoint`). That method asks `count_stalled` how many attempts in a row have now
 ended at a time limit without a new checkpoint: past `cluster.max_requeues` the job fails with
 StalledAtTimeLimit. Requeues that made progress never count, so a job runs to its end across as
@@ -15,12 +16,13 @@ import time
 from dataclasses import asdict, dataclass
 from typing import NoReturn
 
-from trainflow.tasks.train.checkpoint import save_checkpoint, training_state
+from trainflow.tasks.train.checkpoint import rng_state, save_checkpoint, training_state
 from trainflow.tasks.train.distributed import DistContext
 from trainflow.tasks.train.epoch_records import EpochJob
 from trainflow.tasks.train.loop import Trainer
 from trainflow.tasks.train.progress import Progress
 from trainflow.tasks.train.recorder import EpochRecorder
+from trainflow.tasks.train.sharded_checkpoint import ShardedSaver
 from trainflow.tasks.train.time_limit import (
     SAVE_FACTOR,
     EpochLimit,
@@ -68,13 +70,13 @@ class LimitRequeue:
 
     @classmethod
     def for_job(cls, job: RequeuedJob, ctx: DistContext) -> "LimitRequeue":
-        """The watch of this attempt, from its start (none for fsdp, whose checkpoints are per
-        epoch: there the requeue signal alone saves the work of the finished epochs)."""
-        cfg = job.spec.train
-        limit = TimeLimit.for_job(
-            ctx, job.spec.signal_delay_s, cfg.time_limit_margin_s, cfg.strategy != "fsdp"
-        )
+        """The watch of this attempt, from its start."""
+        limit = TimeLimit.for_job(ctx, job.spec.signal_delay_s, job.spec.train.time_limit_margin_s)
         return cls(job, limit)
+
+    def save_took(self, seconds: float) -> None:
+        """A checkpoint save took `seconds` (rank 0): what the next plans count on."""
+        self.limit.estimates.save_s = seconds
 
     def resumed(self, progress: Progress) -> None:
         """The attempt starts training at `progress` (what it resumed, if anything): the
@@ -95,32 +97,53 @@ class LimitRequeue:
         return EpochLimit(self.limit, list(progress.epoch_sums))
 
     def checkpoint_and_requeue(
-        self, trainer: Trainer, progress: Progress, recorder: EpochRecorder
+        self,
+        trainer: Trainer,
+        progress: Progress,
+        recorder: EpochRecorder,
+        saver: ShardedSaver | None = None,
     ) -> NoReturn:
-        """Save the state at this step boundary (rank 0; nothing when the newest checkpoint
-        is of this step), then requeue. Never returns: the attempt ends here."""
-        job = self.job
-        if trainer.dist.is_main:
-            recorder.wait()  # the last epoch's checkpoint is on disk first
-            left = time_text(self.limit.until_limit_s() or 0.0)
-            est = self.limit.estimates
-            if progress.step in (job.saved_step, self.start_step):  # nothing new to save
+        """Save the state at this step boundary (nothing when the newest checkpoint is of this
+        step), then requeue. Every rank calls it; rank 0 writes a ddp run's checkpoint, every
+        rank its shards through `saver` (an fsdp run's). Never returns: the attempt ends here."""
+        job, main = self.job, trainer.dist.is_main
+        if main:
+            recorder.wait()  # the last epoch's checkpoint is on disk first (ddp)
+        if saver is not None:
+            saver.wait()  # the last epoch's checkpoint is in place first (fsdp)
+        left = time_text(self.limit.until_limit_s() or 0.0)
+        if progress.step in (job.saved_step, self.start_step):  # nothing new to save
+            if main:
                 print(f"time limit in {left}: no step done since step {progress.step}, "
                       "requeueing", flush=True)  # fmt: skip
-            else:
-                print(
-                    f"time limit in {left}: checkpointing at step {progress.step} (save takes "
-                    f"~{est.save_s * SAVE_FACTOR:.0f} s), requeueing",
-                    flush=True,
-                )
-                progress.timing = est.as_state()
-                extra = {**asdict(progress), "run": job._run_identity()}
-                state = training_state(trainer.model, trainer.optimizer, trainer.scaler, extra)
-                started = time.monotonic()
-                save_checkpoint(state, job.checkpoint_dir)
-                est.save_s = time.monotonic() - started
-                job.saved_step = progress.step
-        requeue_now(trainer.dist.is_main)
+            requeue_now(main)
+        est = self.limit.estimates
+        if main:
+            print(
+                f"time limit in {left}: checkpointing at step {progress.step} (save takes "
+                f"~{est.save_s * SAVE_FACTOR:.0f} s), requeueing",
+                flush=True,
+            )
+        progress.timing = est.as_state()
+        extra = {**asdict(progress), "run": job._run_identity()}
+        if saver is not None:
+            state = {"scaler": trainer.scaler.state_dict(), "rng": rng_state(), **extra}
+            saver.save(
+                trainer.model,
+                trainer.optimizer,
+                state,
+                job.checkpoint_dir,
+                progress.epoch,
+                progress.epoch_batches,
+            )
+            saver.wait()  # in place on every rank before rank 0 requeues
+        elif main:
+            state = training_state(trainer.model, trainer.optimizer, trainer.scaler, extra)
+            started = time.monotonic()
+            save_checkpoint(state, job.checkpoint_dir)
+            self.save_took(time.monotonic() - started)
+        job.saved_step = progress.step
+        requeue_now(main)
 
     def stalled_after(self, job: RequeuedJob) -> int:
         """Attempts in a row, this one included, that ended at their time limit without a new

@@ -10,7 +10,7 @@ so a checkpoint written by N ranks resumes on M. Layout of one checkpoint (a fol
                                            RNG, loss scaler, run identity (weights_only)
         SHA256SUMS                         sha256sum format, of every file above; written last
 
-A checkpoint is written under `epoch-NNNNNN.tmp` and renamed into place once every rank's
+A checkpoint is written under `<name>.tmp` and renamed into place once every rank's
 shard, the metadata, train_state.pt and SHA256SUMS are on disk: a folder without `.tmp` is
 whole. The last KEEP are kept; on resume rank 0 takes the newest whose files match their
 hashes, says which newer ones it skipped and why, and every rank loads that one.
@@ -25,7 +25,9 @@ import hashlib
 import os
 import re
 import shutil
+import time
 import warnings
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -46,7 +48,7 @@ from trainflow.tasks.train.checkpoint import (
 )
 from trainflow.tasks.train.distributed import DistContext
 
-_PATTERN = re.compile(r"^epoch-(\d{6})$")
+_PATTERN = re.compile(r"^epoch-(\d{6})(?:\+(\d{6}))?$")
 SUMS = "SHA256SUMS"
 """The hash list of a sharded checkpoint: the file written last."""
 SETTLE_S = 30.0
@@ -56,11 +58,21 @@ TRAIN_STATE = "train_state.pt"
 
 
 def sharded_checkpoints(directory: Path) -> list[Path]:
-    """The sharded checkpoint folders of directory, newest (highest epoch) first."""
+    """The sharded checkpoint folders of directory, newest (highest epoch, then steps into
+    the next) first."""
     if not directory.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := _PATTERN.match(p.name))]
+    found = [
+        ((int(m.group(1)), int(m.group(2) or 0)), p)
+        for p in directory.iterdir()
+        if (m := _PATTERN.match(p.name))
+    ]
     return [p for _, p in sorted(found, reverse=True)]
+
+
+def checkpoint_name(epoch: int, steps: int = 0) -> str:
+    """The folder name of the checkpoint after `epoch` epochs and `steps` steps of the next."""
+    return f"epoch-{epoch:06d}+{steps:06d}" if steps else f"epoch-{epoch:06d}"
 
 
 class ShardedSaver:
@@ -71,16 +83,21 @@ class ShardedSaver:
     when rank 0 writes `.metadata`) run on a gloo group of their own, so they never interleave
     with the training's. The next `save`, and `wait` at the end of training, wait for the one
     in flight; then rank 0 writes train_state.pt and SHA256SUMS and renames the folder into
-    place. A job that dies before that leaves `epoch-NNNNNN.tmp`, which resume ignores (the
+    place. A job that dies before that leaves `<name>.tmp`, which resume ignores (the
     previous checkpoint is kept for that) and the next save deletes.
+
+    `timed`, on rank 0: told the seconds each save took, from its start until its shards are
+    written (as soon as they are), then again with the finishing writes added (in `wait`).
     """
 
-    def __init__(self, ctx: DistContext) -> None:
+    def __init__(self, ctx: DistContext, timed: Callable[[float], None] | None = None) -> None:
         self.ctx = ctx
         _quiet_dcp()
         self.group = dist.new_group(backend="gloo") if ctx.world_size > 1 else None
         """DCP's collectives (collective to create: every rank makes its saver together)."""
+        self.timed = timed if ctx.is_main else None
         self._pending: tuple[Future[Any], Path, dict[str, Any]] | None = None
+        self._started, self._written = 0.0, 0.0
 
     def save(
         self,
@@ -89,24 +106,33 @@ class ShardedSaver:
         train_state: dict[str, Any],
         directory: Path,
         epoch: int,
+        steps: int = 0,
     ) -> None:
-        """Start writing the checkpoint of `epoch` (every rank calls it, with its shards;
-        `train_state`, a snapshot of progress, RNG and scaler, is taken from rank 0)."""
+        """Start writing the checkpoint after `epoch` epochs and `steps` steps of the next
+        (every rank calls it, with its shards; `train_state`, a snapshot of progress, RNG and
+        scaler, is taken from rank 0)."""
         self.wait()
-        tmp = directory / f"epoch-{epoch:06d}.tmp"
+        tmp = directory / f"{checkpoint_name(epoch, steps)}.tmp"
         if self.ctx.is_main:  # before DCP's planning collective: no rank writes before this
             shutil.rmtree(tmp, ignore_errors=True)  # a killed attempt's, perhaps of more ranks
             # exist_ok: the other ranks' DCP writers create the folder too, before planning
             tmp.mkdir(parents=True, exist_ok=True)
         import torch.distributed.checkpoint as dcp  # (see _dcp_state)
 
+        self._started = time.monotonic()
         model_state, optim_state = _dcp_state().get_state_dict(model, optimizer)
         state = {"model": model_state, "optimizer": optim_state}
         future = dcp.async_save(
             state, checkpoint_id=tmp, process_group=self.group, no_dist=self.group is None
         )
         assert isinstance(future, Future)  # the thread executor's (no zero-overhead stager)
+        future.add_done_callback(self._shards_written)
         self._pending = (future, tmp, train_state)
+
+    def _shards_written(self, future: Future[Any]) -> None:
+        self._written = time.monotonic()
+        if self.timed is not None and future.exception() is None:
+            self.timed(self._written - self._started)
 
     def wait(self, timeout_s: float | None = None) -> Path | None:
         """Wait for the checkpoint in flight, if any (at most `timeout_s`), and put it in
@@ -119,12 +145,17 @@ class ShardedSaver:
         future.result(timeout_s)  # on rank 0: every rank's shards and .metadata are written
         final = tmp.with_name(tmp.name.removesuffix(".tmp"))
         if self.ctx.is_main:
+            finishing = time.monotonic()
             atomic_save(train_state, tmp / TRAIN_STATE)
             _write_sums(tmp)
             shutil.rmtree(final, ignore_errors=True)  # the same epoch written again
             os.replace(tmp, final)
             fsync_dir(final.parent)
             _prune(final.parent, keep={final.name})
+            # (the callback may not have run yet: then the shards were written just now)
+            written = self._written if self._written >= self._started else finishing
+            if self.timed is not None:
+                self.timed(written - self._started + time.monotonic() - finishing)
         return final
 
     def settle(self, timeout_s: float = SETTLE_S) -> None:

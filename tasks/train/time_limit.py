@@ -201,11 +201,9 @@ class TimeLimit:
     _last: tuple[int, float] | None = None
 
     @classmethod
-    def for_job(
-        cls, ctx: DistContext, signal_delay_s: float, margin_s: float, enabled: bool = True
-    ) -> "TimeLimit":
+    def for_job(cls, ctx: DistContext, signal_delay_s: float, margin_s: float) -> "TimeLimit":
         """The watch of this attempt: active under a readable limit (rank 0 reads it)."""
-        active = enabled and has_time_limit()
+        active = has_time_limit()
         limit = cls(ctx, active, margin_s)
         if active and ctx.is_main:
             left = seconds_left()
@@ -251,6 +249,10 @@ class TimeLimit:
         if self.ctx.device.type == "cuda":
             torch.cuda.synchronize(self.ctx.device)  # steps queued are steps not yet done
         now = time.monotonic()
+        # A step time carried from an earlier attempt or epoch may be another world's (a run
+        # continued on fewer ranks takes several micro-batches a step) or another node's:
+        # the first look of an epoch plans with it, and looks again after one step measured.
+        carried = self._last is None
         if self._last is not None and step > self._last[0]:
             self.estimates.step_s = (now - self._last[1]) / (step - self._last[0])
         self._last = (step, now)
@@ -259,7 +261,7 @@ class TimeLimit:
             return None, max(self.epoch_end - step, 1)
         est = self.estimates
         decided = plan(left, self.epoch_end - step, est.step_s, est.save_s, est.eval_s)
-        return decided.stop_in, decided.check_in
+        return decided.stop_in, 1 if carried else decided.check_in
 
 
 def time_text(seconds: float) -> str:

@@ -30,10 +30,18 @@ from trainflow.tasks.train.checkpoint import (
 )
 from trainflow.tasks.train.checkpoint import training_state as full_state
 from trainflow.tasks.train.config import TrainConfig
+from trainflow.tasks.train.distributed import DistContext
 from trainflow.tasks.train.job import TrainingJob, TrainJobSpec
 from trainflow.tasks.train.models import ReferenceCNN
 from trainflow.tasks.train.ref import CheckpointRef
-from trainflow.tasks.train.time_limit import SAVE_FACTOR, parse_time_left, plan, squeue_job_id
+from trainflow.tasks.train.time_limit import (
+    SAVE_FACTOR,
+    Estimates,
+    TimeLimit,
+    parse_time_left,
+    plan,
+    squeue_job_id,
+)
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -94,6 +102,19 @@ def test_the_rule_takes_one_step_before_anything_is_measured() -> None:
     assert plan(1.0, 50, None, 1.0, 0.0).stop_in == 0  # not even a save fits: stop now
 
 
+def test_a_step_time_carried_from_before_is_checked_after_one_step_measured() -> None:
+    # The checkpoint's step time was a faster world's: planned with, then measured at once.
+    ctx = DistContext(0, 1, 0, torch.device("cpu"), "gloo")
+    limit = TimeLimit(ctx, True, 5.0, deadline=time.monotonic() + 20, estimates=Estimates(1e-4))
+    limit.start_epoch(0, 500)
+    assert not limit.should_stop(0)
+    assert limit.next_check == 1
+    time.sleep(0.05)  # the step, 500x slower than carried: the rest of the epoch cannot fit
+    assert not limit.should_stop(1)
+    assert limit.estimates.step_s is not None and limit.estimates.step_s >= 0.05
+    assert 1 < limit.stop_at < 500
+
+
 def test_squeue_time_left_is_read_in_all_its_forms() -> None:
     assert parse_time_left("0:59\n") == 59
     assert parse_time_left("1:02:03") == 3723
@@ -117,21 +138,18 @@ def dataset(tmp_path_factory: pytest.TempPathFactory) -> DatasetRef:
 
 
 def _spec(dataset: DatasetRef, out: Path, **train: object) -> TrainJobSpec:
-    settings: dict[str, object] = {"time_limit_margin_s": 5.0, **train}
-    cfg = TrainConfig(
-        epochs=2,
-        batch_size=64,
-        precision="fp32",
-        device="cpu",
-        model="resnet",
-        width=16,
-        **settings,
-    )
+    settings: dict[str, object] = {
+        "model": "resnet",
+        "width": 16,
+        "time_limit_margin_s": 5.0,
+        **train,
+    }
+    cfg = TrainConfig(epochs=2, batch_size=64, precision="fp32", device="cpu", **settings)
     return TrainJobSpec(train=cfg, dataset=dataset, out_dir=out, max_requeues=0)
 
 
-def _executor(folder: Path, limit_s: float | None) -> submitit.Executor:
-    executor = make_executor(ClusterConfig(ranks_per_node=2, timeout_min=10), folder)
+def _executor(folder: Path, limit_s: float | None, ranks: int = 2) -> submitit.Executor:
+    executor = make_executor(ClusterConfig(ranks_per_node=ranks, timeout_min=10), folder)
     if limit_s is not None:
         executor.update_parameters(timeout_min=limit_s / 60, signal_delay_s=2)
     return executor
