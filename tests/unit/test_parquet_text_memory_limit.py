@@ -10,16 +10,13 @@ into windows of CONTEXT tokens: inputs and targets of 8 bytes a token, each abou
 all. Every row group holds the same documents, so the windows a row group gives (tokenized
 independently, by `transformers`) are what every shard row must be.
 
-The second test runs the whole pipeline (`trainflow run`: preprocess, token_conv trained and
-evaluated on the `debug` executor in the flow process) on text whose windows outweigh the
-whole pipeline's floor, PIPELINE_LIMIT, inside a group so limited. It takes minutes (4.4 min
-here beside other tests; 8 min under a heavier load): under the limit the shards come back
-from disk, not from the page cache.
+Training and evaluation read token windows from the same shards, through the same streaming
+reader, as any dataset's: tests/unit/test_memory_limit.py proves the whole pipeline bounded on
+splits each larger than the limit.
 """
 
 import json
 import os
-import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -28,7 +25,6 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from mlflow.tracking import MlflowClient
 
 from tests.cgroups import run_in_group
 from tests.tables import stdlib_documents, train_tokenizer
@@ -120,84 +116,3 @@ def test_parquet_text_larger_than_the_memory_limit_preprocesses_inside_it(
         for folder in (tmp_path / "out").glob("*"):
             for file in folder.glob("*.npy"):
                 file.unlink()
-
-
-PIPELINE_LIMIT = 896 << 20
-"""The whole pipeline's floor (tests/unit/test_memory_limit.py): the flow process with torch,
-MLflow, Prefect, the scheduler and training on the `debug` executor, and the dask worker."""
-
-
-def _pipeline_args(data: Path, tokenizer: Path, work: Path) -> list[str]:
-    args = {"path": str(data), "inputs": "text", "tokenizer": str(tokenizer), "context": CONTEXT}
-    sets = {
-        "workdir": work,
-        "preprocess.source": "parquet",
-        "preprocess.source_args": json.dumps(args),
-        "preprocess.shard_size": 4096,
-        "preprocess.val_fraction": 0.45,
-        "preprocess.test_fraction": 0.44,
-        "train.model": "token_conv",
-        "train.model_args": '{"dim": 16}',
-        "train.objective": "sequence",
-        "train.epochs": 1,
-        "train.batch_size": 64,
-        "train.device": "cpu",
-        "train.precision": "fp32",
-        "train.data_placement": "stream",
-        "train.test_after_training": "false",
-        "evaluate.batch_size": 64,
-        "cluster.executor": "debug",
-        "cluster.ranks_per_node": 1,
-        "cluster.dask.backend": "cpu",
-        "cluster.dask.n_workers": 1,
-    }
-    flags = [arg for key, value in sets.items() for arg in ("--set", f"{key}={value}")]
-    return [sys.executable, "-m", "trainflow.flows.cli", "run", *flags]
-
-
-@pytest.mark.services  # the whole pipeline in a process, ~1 GB of disk written
-def test_a_language_model_trains_on_parquet_text_larger_than_the_memory_limit(
-    memory_groups: Callable[[int], Path], tmp_path: Path, prefect_api: str
-) -> None:
-    docs = stdlib_documents(DOCS_PER_GROUP, 20000)
-    tokenizer = train_tokenizer(tmp_path / "tok", docs, vocab=300, kind="word")
-    x, _y = _group_windows(docs, tokenizer)
-    groups = -(-PIPELINE_LIMIT // (2 * x.nbytes))  # inputs and targets together
-    data = tmp_path / "text.parquet"
-    _write_parquet(data, docs, groups)
-    group = memory_groups(PIPELINE_LIMIT)
-    env = {
-        **os.environ,
-        "PREFECT_API_URL": prefect_api,
-        "PREFECT_HOME": str(tmp_path / "prefect-home"),
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-    }
-    env.pop("MLFLOW_TRACKING_URI", None)
-    try:
-        argv = _pipeline_args(data, tokenizer, tmp_path / "work")
-        limited = run_in_group(group, argv, ROOT, env, 600)
-        limited.assert_held(PIPELINE_LIMIT)
-        done, peak = limited.done, limited.peak
-        (manifest,) = (tmp_path / "work" / "datasets").glob("*/manifest.json")
-        written = json.loads(manifest.read_text())
-        windows = sum(written["counts"].values())
-        assert windows == groups * len(x)
-        assert 2 * windows * CONTEXT * 8 > PIPELINE_LIMIT
-        client = MlflowClient(f"sqlite:///{tmp_path / 'work' / 'mlflow.db'}")
-        experiment = client.get_experiment_by_name("trainflow")
-        assert experiment is not None
-        runs = client.search_runs([experiment.experiment_id])
-        stages = {r.data.tags.get("stage"): r for r in runs}
-        assert {"preprocess", "train", "evaluate"} <= set(stages), sorted(map(str, stages))
-        assert all(r.info.status == "FINISHED" for r in runs)
-        perplexity = stages["evaluate"].data.metrics["test_perplexity"]
-        assert perplexity < 100  # 300 ids: nothing learnt is ~300
-        print(
-            f"parquet text {data.stat().st_size >> 20} MiB, {2 * windows * CONTEXT * 8 >> 20} "
-            f"MiB of windows, limit {PIPELINE_LIMIT >> 20} MiB, group peak {peak >> 20} MiB, "
-            f"test perplexity {perplexity:.1f}; "
-            + next((line for line in done.stdout.splitlines() if "stage seconds" in line), "")
-        )
-    finally:
-        data.unlink(missing_ok=True)
-        shutil.rmtree(tmp_path / "work" / "datasets", ignore_errors=True)
