@@ -152,7 +152,7 @@ def run_search(
     from trainflow.tasks.search.plots import log_study_plots
     from trainflow.tasks.search.task import search_task
     from trainflow.tasks.search.trial_worker import CHECKPOINT_ATTR, SearchJob, trial_train
-    from trainflow.tasks.search.watch import ended_trials, trial_line
+    from trainflow.tasks.search.watch import trial_lines
     from trainflow.tasks.tracking.pipeline_runs import PipelineRuns
 
     runs = PipelineRuns(base.tracking, base.workdir, f"{base.name}-search")
@@ -207,7 +207,7 @@ def run_search(
         result = evaluate_stage(
             runs, best_cfg, dataset, ckpt, t, code.sha256 if code else None, paths
         )
-    lines = [trial_line(t_, ref.metric) for t_ in ended_trials(study)]
+    lines = trial_lines(study, ref.metric)
     summary = summarize(runs, dataset, cached, result, t)
     return SearchSummary(
         **summary.model_dump(),

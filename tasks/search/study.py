@@ -20,6 +20,9 @@ FINISHED = ("COMPLETE", "PRUNED")
 """Trial states that count as done."""
 ORIGIN_ATTR = "failed_trial"
 """System attribute RetryHeartbeatStaleTrialCallback sets on a retry: its first try's number."""
+HANDED_ATTR = "handed_over_from"
+"""System attribute of a trial that continues one handed over at its task's requeue
+(hand_over): that trial's number."""
 TASK_ATTR = "task"
 """User attribute of a trial: the id of the array task that runs it, set first thing (a task
 that dies before its trial's first heartbeat is found by it: tasks.search.array)."""
@@ -281,7 +284,11 @@ def hand_over(ref: StudyRef, number: int) -> None:
             params=trial.params,
             distributions=trial.distributions,
             user_attrs=trial.user_attrs,
-            system_attrs={**trial.system_attrs, ORIGIN_ATTR: origin(trial)},
+            system_attrs={
+                **trial.system_attrs,
+                ORIGIN_ATTR: origin(trial),
+                HANDED_ATTR: number,
+            },
             intermediate_values=trial.intermediate_values,
         )
     )

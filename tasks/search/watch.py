@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from trainflow.tasks.search.study import OVER_BUDGET_ATTR, StudyRef, open_study
+from trainflow.tasks.search.study import HANDED_ATTR, OVER_BUDGET_ATTR, StudyRef, open_study
 
 if TYPE_CHECKING:
     from trainflow.tasks.tracking.progress import TrialProgress
@@ -16,8 +16,9 @@ WATCH_S = 2.0
 """How often the flow reads the study for trials that ended."""
 
 
-def trial_line(trial: Any, metric: str) -> str:
-    """One line for an ended trial: number, outcome, value and parameters."""
+def trial_line(trial: Any, metric: str, continued_as: int | None = None) -> str:
+    """One line for an ended trial: number, outcome, value and parameters; `continued_as`:
+    the trial that continues it, if it was handed over at its task's requeue."""
     state = trial.state.name
     params = ", ".join(
         f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in trial.params.items()
@@ -28,6 +29,8 @@ def trial_line(trial: Any, metric: str) -> str:
         last = max(trial.intermediate_values, default=0)
         value = trial.intermediate_values.get(last, float("nan"))
         outcome = f"pruned at epoch {last}  {metric} {value:.4f}"
+    elif state == "FAIL" and continued_as is not None:
+        outcome = f"requeued, continued as trial {continued_as}"
     else:
         outcome = {"FAIL": "failed"}.get(state, state.lower())
     return f"trial {trial.number:>3}: {outcome:<36} {params}"
@@ -43,11 +46,30 @@ def ended_trials(study: Any) -> list[Any]:
     ]
 
 
+def handed_over(study: Any) -> dict[int, int]:
+    """Trials failed only to go on after their task's requeue (study.hand_over): each one's
+    number -> the number of the trial that continues it."""
+    return {
+        int(t.system_attrs[HANDED_ATTR]): t.number
+        for t in study.get_trials(deepcopy=False)
+        if HANDED_ATTR in t.system_attrs
+    }
+
+
+def trial_lines(study: Any, metric: str) -> list[str]:
+    """A line for each of the study's ended trials (ended_trials), in order."""
+    handed = handed_over(study)
+    return [trial_line(t, metric, handed.get(t.number)) for t in ended_trials(study)]
+
+
 def progress_of(study: Any, metric: str) -> tuple[dict[str, int], str]:
     """The study's trials per state (complete, pruned, failed, running) and its best value."""
     counts: dict[str, int] = {}
+    handed = handed_over(study)
     for trial in study.get_trials(deepcopy=False):
         if trial.user_attrs.get(OVER_BUDGET_ATTR) or trial.state.name == "WAITING":
+            continue
+        if trial.number in handed:  # goes on as another trial
             continue
         state = {"COMPLETE": "complete", "PRUNED": "pruned", "RUNNING": "running"}
         key = state.get(trial.state.name, "failed")
@@ -86,6 +108,7 @@ class StudyWatch:
         try:
             study = open_study(self.ref)
             ended = ended_trials(study)
+            handed = handed_over(study)
             counts = progress_of(study, self.ref.metric)
         except Exception as exc:
             self.say(f"warning: cannot read the study: {type(exc).__name__}: {exc}"[:400])
@@ -93,6 +116,6 @@ class StudyWatch:
         for trial in ended:
             if trial.number not in self.seen:
                 self.seen.add(trial.number)
-                self.say(trial_line(trial, self.ref.metric))
+                self.say(trial_line(trial, self.ref.metric, handed.get(trial.number)))
         if self.progress is not None:
             self.progress(*counts)

@@ -19,7 +19,7 @@ from trainflow.cluster.executor import make_executor
 from trainflow.tasks.preprocess.ref import DatasetRef
 from trainflow.tasks.search.array import run_arrays, tasks_needed
 from trainflow.tasks.search.config import SearchConfig
-from trainflow.tasks.search.study import TASK_ATTR, StudyRef, make_ref, open_study
+from trainflow.tasks.search.study import HANDED_ATTR, TASK_ATTR, StudyRef, make_ref, open_study
 from trainflow.tasks.search.trial_worker import SearchJob, TrialWorker
 from trainflow.tasks.search.watch import StudyWatch
 from trainflow.tasks.train.config import TrainConfig
@@ -239,5 +239,6 @@ def test_a_trial_runs_to_its_end_across_its_task_s_time_limits(tmp_path: Path) -
     assert [t.state for t in handed] == [TrialState.FAIL] * len(handed)
     assert done.state == TrialState.COMPLETE
     assert done.system_attrs["failed_trial"] == 0  # the same trial, counted once
+    assert done.system_attrs[HANDED_ATTR] == handed[-1].number  # said "requeued", not failed
     assert sorted(done.intermediate_values) == [1, 2]
     assert ran == [done.number]  # the last attempt's: it finished the trial

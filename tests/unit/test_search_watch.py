@@ -4,7 +4,8 @@ import optuna
 from optuna.distributions import FloatDistribution
 from optuna.trial import TrialState, create_trial
 
-from trainflow.tasks.search.watch import trial_line
+from trainflow.tasks.search.study import HANDED_ATTR
+from trainflow.tasks.search.watch import progress_of, trial_line, trial_lines
 
 LR = {"train.lr": FloatDistribution(1e-4, 1e-1, log=True)}
 
@@ -26,3 +27,15 @@ def test_each_outcome_has_its_words() -> None:
         "trial   1: pruned at epoch 2  val_accuracy 0.5000"
     )
     assert trial_line(failed, "val_accuracy").startswith("trial   2: failed ")
+
+
+def test_a_trial_handed_over_at_its_task_s_requeue_is_said_to_go_on_not_to_fail() -> None:
+    study = optuna.create_study(direction="maximize")
+    study.add_trial(_trial(TrialState.FAIL, intermediate_values={1: 0.4}))
+    study.add_trial(_trial(TrialState.COMPLETE, value=0.8, system_attrs={HANDED_ATTR: 0}))
+    study.add_trial(_trial(TrialState.FAIL))  # a real failure
+    lines = trial_lines(study, "val_accuracy")
+    assert lines[0].startswith("trial   0: requeued, continued as trial 1 ")
+    assert lines[1].startswith("trial   1: complete  val_accuracy 0.8000")
+    assert lines[2].startswith("trial   2: failed ")
+    assert progress_of(study, "val_accuracy")[0] == {"complete": 1, "failed": 1}
