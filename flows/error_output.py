@@ -6,8 +6,10 @@ input, config, a failed job: its message already says what is wrong and how to f
 noise around the one line that matters. This filter keeps those records off the console; the
 Prefect API still receives them, so the Prefect UI shows the failure in full. The tracebacks
 in the ranks' logs, which the training task forwards line by line, are kept off the console
-the same way: the job's error line says what the rank raised and where its log is. Set
-TRAINFLOW_DEBUG=1 (`trainflow --debug ...`) to see everything.
+the same way: the job's error line says what the rank raised and where its log is. So are
+submitit's routine lines in them (a rank starting, loading its pickle, completing, bypassing
+a signal): its warnings and errors stay. Set TRAINFLOW_DEBUG=1 (`trainflow --debug ...`) to
+see everything.
 """
 
 import logging
@@ -85,11 +87,26 @@ class RankTracebacks(logging.Filter):
         return False
 
 
+_SUBMITIT_ROUTINE = re.compile(
+    r"submitit (INFO \(.*\) - |WARNING \(.*\) - Bypassing signal )", re.DOTALL
+)
+"""submitit's lines on a rank's life that say nothing went wrong."""
+
+
+class SubmititChatter(logging.Filter):
+    """Drops submitit's routine lines (SUBMITIT_ROUTINE) forwarded from a rank's log."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        """False for a forwarded submitit INFO line or its 'Bypassing signal' warning."""
+        match = _RANK_LINE.fullmatch(record.getMessage())
+        return match is None or _SUBMITIT_ROUTINE.match(match.group(3)) is None
+
+
 def quiet_user_errors() -> None:
     """Install the filters on the root logger's console handlers (once), unless debugging."""
     if debug_enabled():
         return
     for handler in logging.getLogger().handlers:
-        for kind in (UserErrorEcho, RankTracebacks):
+        for kind in (UserErrorEcho, RankTracebacks, SubmititChatter):
             if not any(isinstance(f, kind) for f in handler.filters):
                 handler.addFilter(kind())

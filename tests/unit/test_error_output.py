@@ -10,7 +10,15 @@ import pytest
 from trainflow.cluster import jobs
 from trainflow.cluster.jobs import LogTail
 from trainflow.errors import DataError, JobError
-from trainflow.flows.error_output import RankTracebacks, UserErrorEcho, quiet_user_errors
+from trainflow.flows.error_output import (
+    RankTracebacks,
+    SubmititChatter,
+    UserErrorEcho,
+    quiet_user_errors,
+)
+
+OURS = (UserErrorEcho, RankTracebacks, SubmititChatter)
+"""The filters quiet_user_errors installs (removed after each test)."""
 
 
 @pytest.fixture
@@ -51,7 +59,7 @@ def test_trainflow_errors_lose_tracebacks_and_echoes(
     _fail(logger, RuntimeError("a bug of ours"))  # anything else keeps its traceback
     assert "Traceback" in stream.getvalue() and "a bug of ours" in stream.getvalue()
     for h in handlers:
-        h.filters = [f for f in h.filters if not isinstance(f, (UserErrorEcho, RankTracebacks))]
+        h.filters = [f for f in h.filters if not isinstance(f, OURS)]
 
 
 def test_debug_keeps_everything(
@@ -111,7 +119,7 @@ def test_rank_tracebacks_stay_off_the_console_unless_debugging(
             "exception",
         ]
     for h in logging.getLogger().handlers:
-        h.filters = [f for f in h.filters if not isinstance(f, (UserErrorEcho, RankTracebacks))]
+        h.filters = [f for f in h.filters if not isinstance(f, OURS)]
 
 
 def test_a_traceback_stays_off_the_console_when_the_other_stream_interleaves(
@@ -126,7 +134,7 @@ def test_a_traceback_stays_off_the_console_when_the_other_stream_interleaves(
     out, err = tmp_path / "7_0_log.out", tmp_path / "7_0_log.err"
     tails = [LogTail(out, "[rank0] "), LogTail(err, "[rank0] ")]
     error_line = "submitit ERROR (2026-11-27 06:39:26,187) - Submitted job triggered an exception"
-    out.write_text("submitit INFO (2026-11-27 06:39:26,096) - Starting\n")
+    out.write_text("epoch 1/2 loss 0.5\n")
     err.write_text(f'{error_line}\nTraceback (most recent call last):\n  File "a.py", line 1\n')
     jobs._forward(tails, logger.info)
     with out.open("a") as f:
@@ -136,12 +144,35 @@ def test_a_traceback_stays_off_the_console_when_the_other_stream_interleaves(
         f.write("trainflow.errors.ConfigError: no GPU\n")
     jobs._forward(tails, logger.info, final=True)
     assert stream.getvalue().splitlines() == [
-        "[rank0] submitit INFO (2026-11-27 06:39:26,096) - Starting",
+        "[rank0] epoch 1/2 loss 0.5",
         f"[rank0] {error_line}",  # stderr's
         f"[rank0] {error_line}",  # stdout's
     ]
     for h in logging.getLogger().handlers:
-        h.filters = [f for f in h.filters if not isinstance(f, (UserErrorEcho, RankTracebacks))]
+        h.filters = [f for f in h.filters if not isinstance(f, OURS)]
+
+
+def test_submitit_s_routine_lines_stay_off_the_console_its_warnings_do_not(
+    console: tuple[logging.Logger, io.StringIO], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    logger, stream = console
+    monkeypatch.delenv("TRAINFLOW_DEBUG", raising=False)
+    quiet_user_errors()
+    stamp = "(2026-11-27 19:41:25,172)"
+    lines = [
+        f"[0 rank0] submitit INFO {stamp} - Starting with JobEnvironment(job_id=7082)",
+        f"[0 rank1] submitit INFO {stamp} - Loading pickle: /w/7082_submitted.pkl",
+        "[0 rank0] epoch 2/2 loss 0.0004 acc 1.0000",
+        f"[rank1@n2] submitit WARNING {stamp} - Bypassing signal SIGCONT",
+        f"[rank0] submitit WARNING {stamp} - Caught signal SIGUSR2 on vm: this job is timed-out.",
+        f"[rank0] submitit INFO {stamp} - Job completed successfully",
+        f"submitit INFO {stamp} - not from a rank",
+    ]
+    for line in lines:
+        logger.info(line)
+    assert stream.getvalue().splitlines() == [lines[2], lines[4], lines[6]]
+    for h in logging.getLogger().handlers:
+        h.filters = [f for f in h.filters if not isinstance(f, OURS)]
 
 
 @pytest.mark.parametrize("debug", [False, True])
