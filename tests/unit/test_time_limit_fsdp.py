@@ -42,6 +42,12 @@ of 0.5 s of the accumulation test's epoch 2). The floor under each step (tests.s
 not more data, makes the epochs long: this machine's throughput varied 4x with its load, and
 the local executor starts a job at most 6 times, so the attempts must be few on a loaded
 machine and several on an idle one."""
+FSDP_LIMIT_S, FSDP_FLOOR_S = 60.0, 0.55
+"""The 2-rank FSDP test's limit and step floor. Its attempts' fixed costs (the process, FSDP's
+set-up and resume, the save reserved, the margin) took 15 s idle and up to 38 s on a loaded
+CI run, where 40 s attempts trained 21 to 53 steps and its 192 steps needed more than 6. Here
+an idle attempt trains about (60 - 15) / 0.55 = 82 steps (3 attempts at least: 2 requeues)
+and a loaded one at least (60 - 38) / 0.55 = 40 (5 attempts at most)."""
 
 
 def _fsdp(dataset: DatasetRef, out_dir: Path) -> TrainJobSpec:
@@ -115,7 +121,7 @@ def test_an_fsdp_job_longer_than_its_time_limit_ends_as_one_without(
 ) -> None:
     lines: list[str] = []
     spec = _fsdp(dataset, tmp_path / "limited")
-    job = _executor(tmp_path / "jobs", LIMIT_S).submit(SlowSteps(spec, 0.25))
+    job = _executor(tmp_path / "jobs", FSDP_LIMIT_S).submit(SlowSteps(spec, FSDP_FLOOR_S))
     assert isinstance(wait_for_job(job, _kept(lines)), CheckpointRef)
     stops = [ln for ln in lines if "checkpointing at step" in ln]
     resumed = [ln for ln in lines if " continues from step " in ln]
