@@ -139,7 +139,10 @@ def test_a_hung_fsdp_rank_is_named_not_the_peer_waiting_in_its_all_gather(
     hung = _exit(jobs[0], 1)["hung"]
     assert hung["phase"] == "step" and hung["frame"].endswith(" in never_returns")
     assert _exit(jobs[0], 0)["hung"] is None
-    assert "waits in a collective level with rank 1" in jobs[0].task(0).paths.stderr.read_text()
+    # Rank 0's guard, had it reached its allowance before rank 1's named rank 1 (the order is
+    # the ranks' timing), left it to rank 1's guard; a loaded CI run saw it not reach it.
+    rank0 = jobs[0].task(0).paths.stderr.read_text()
+    assert "no progress for" not in rank0 or "waits in a collective level with rank 1" in rank0
     assert f"lost rank 1 (node {socket.gethostname()})" in log[0]
 
 
