@@ -113,7 +113,7 @@ def _search_args(sw: argparse.ArgumentParser) -> None:
     sw.add_argument(
         "--seed",
         type=int,
-        help="search: the sampler's seed (the same seed draws the same trials in the same order)",
+        help="search: seeds each array task's sampler (docs/search.md: what it makes reproducible)",
     )
 
 

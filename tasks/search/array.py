@@ -56,11 +56,12 @@ def run_arrays(
     executor = make_executor(cluster, job_dir)
     outcomes: list[Any] = []
     ended: set[str] = set()  # every task this search submitted (all ended when asked)
-    tasks = parallel
+    tasks = first_tasks(job.study, parallel, say)
     before = _states(open_study(job.study))
     while tasks:
         indices = list(range(len(outcomes), len(outcomes) + tasks))
-        jobs = executor.map_array(TrialWorker(job), indices)
+        worker = TrialWorker(job.model_copy(update={"stream": len(before)}))
+        jobs = executor.map_array(worker, indices)
         ids = ", ".join(str(j.job_id) for j in jobs)
         say(f"submitted {len(jobs)} search tasks as one array: {ids}")
         with ExitStack() as watched:
@@ -74,6 +75,25 @@ def run_arrays(
         tasks = tasks_needed(job.study, parallel, before, ended, say)
         before = _states(open_study(job.study))
     return outcomes
+
+
+def first_tasks(ref: StudyRef, parallel: int, say: Callable[[str], None]) -> int:
+    """How many tasks the first array needs: none when the study's budget is spent (every
+    trial it counts has ended: a rerun of a finished study is reported, not run again), else
+    `parallel` at most."""
+    import optuna
+
+    study = open_study(ref)
+    optuna.storages.fail_stale_trials(study)  # a killed search's trials: retries queued
+    states = _states(study).values()
+    need = sum(state == "WAITING" for state in states) + max(0, budget_left(study, ref.trials))
+    if need > 0 or "RUNNING" in states:
+        return min(parallel, max(need, 1))
+    say(
+        f"study {ref.name} has run its budget of {_trials(ref.trials)}: no task submitted "
+        "(raise --trials to run more)"
+    )
+    return 0
 
 
 def tasks_needed(

@@ -30,7 +30,7 @@ class SearchConfig(StrictModel):
     """Study name; default: the config's name plus "-search". The same name and storage
     continue the study: finished trials are kept and count towards `trials`."""
     seed: int | None = None
-    """Seed of the sampler (None: not reproducible)."""
+    """Seeds each array task's sampler (tasks.search.study.task_seed; None: not reproducible)."""
     heartbeat_interval_s: int = Field(10, ge=1)
     """How often a running trial tells the storage it is alive."""
     grace_period_s: int = Field(60, ge=2)

@@ -179,15 +179,34 @@ def _hide_password(url: str) -> str:
     return f"{scheme}://{user}{':***' if colon else ''}@{tail}"
 
 
-def make_sampler(ref: StudyRef) -> Any:
-    """The sampler `ref` names."""
+def make_sampler(ref: StudyRef, seed: int | None = None) -> Any:
+    """The sampler `ref` names, seeded with `seed` (default: the search's own)."""
     import optuna
 
+    seed = ref.seed if seed is None else seed
     if ref.sampler == "grid":
-        return optuna.samplers.GridSampler(grid_values(ref.space), seed=ref.seed)
+        return optuna.samplers.GridSampler(grid_values(ref.space), seed=seed)
     if ref.sampler == "random":
-        return optuna.samplers.RandomSampler(seed=ref.seed)
-    return optuna.samplers.TPESampler(seed=ref.seed)
+        return optuna.samplers.RandomSampler(seed=seed)
+    return optuna.samplers.TPESampler(seed=seed)
+
+
+def task_seed(ref: StudyRef, stream: int, task: int, attempt: int) -> int | None:
+    """The sampler seed of one array task's attempt.
+
+    Every task builds a sampler of its own: with the search's seed in each, all tasks (and
+    every later run of the same study) would draw the same sequence of points. Mixing in the
+    study's size when the array was submitted (`stream`: a later run continues where the
+    earlier ones stopped), the task's index in its array and its attempt (a requeued task
+    draws anew) gives each its own sequence, and the same ones again for the same search.
+    The grid sampler keeps the search's seed: it maps trial numbers to points through an
+    order shuffled by the seed, which every task must share to cover the grid once.
+    """
+    if ref.seed is None or ref.sampler == "grid":
+        return ref.seed
+    import numpy as np
+
+    return int(np.random.SeedSequence([ref.seed, stream, task, attempt]).generate_state(1)[0])
 
 
 def make_pruner(ref: StudyRef) -> Any:
@@ -213,15 +232,16 @@ def make_pruner(ref: StudyRef) -> Any:
     return optuna.pruners.NopPruner()
 
 
-def open_study(ref: StudyRef) -> Any:
-    """The study, created the first time, continued after."""
+def open_study(ref: StudyRef, seed: int | None = None) -> Any:
+    """The study, created the first time, continued after; its sampler seeded with `seed`
+    (default: the search's seed; an array task passes its own, `task_seed`)."""
     import optuna
 
     return optuna.create_study(
         storage=open_storage(ref),
         study_name=ref.name,
         direction=ref.direction,
-        sampler=make_sampler(ref),
+        sampler=make_sampler(ref, seed),
         pruner=make_pruner(ref),
         load_if_exists=True,
     )

@@ -35,6 +35,7 @@ from trainflow.tasks.search.study import (
     open_study,
     origin,
     over_budget,
+    task_seed,
     waiting,
 )
 from trainflow.tasks.search.trial_runs import close_trial_run, open_trial_run
@@ -61,6 +62,9 @@ class SearchJob(BaseModel):
     """The training every trial starts from; out_dir is the search's trials folder."""
     parent_run_id: str | None = None
     """The search's MLflow parent run: each trial's run is its child."""
+    stream: int = 0
+    """Trials the study held when this array was submitted: with the search's seed, the
+    task's index and its attempt, it seeds the task's sampler (study.task_seed)."""
 
 
 def trial_train(base: TrainConfig, params: dict[str, Any]) -> TrainConfig:
@@ -93,11 +97,13 @@ def suggest(trial: Any, study: StudyRef) -> dict[str, Any]:
 class TrialWorker(submitit.helpers.Checkpointable):
     """One array task of a search (every rank runs it); rank 0 returns the numbers of the
     trials this task ran. `stalled`: the attempts before this one in a row that reached a
-    time limit without a trial's new checkpoint."""
+    time limit without a trial's new checkpoint; `attempt`: this task's starts before this one
+    (a requeued task's sampler draws anew)."""
 
-    def __init__(self, job: SearchJob, stalled: int = 0) -> None:
+    def __init__(self, job: SearchJob, stalled: int = 0, attempt: int = 0) -> None:
         self.job = job
         self.stalled = stalled
+        self.attempt = attempt
 
     def checkpoint(self, *args: Any, **kwargs: Any) -> submitit.helpers.DelayedSubmission:
         """On a time limit or preemption (submitit calls this in rank 0): the task again, as
@@ -113,7 +119,8 @@ class TrialWorker(submitit.helpers.Checkpointable):
             if leader.number is not None:
                 hand_over(self.job.study, leader.number)
                 print(f"trial {leader.number}: queued again for the requeued task", flush=True)
-        return submitit.helpers.DelayedSubmission(TrialWorker(self.job, stalled), *args, **kwargs)
+        again = TrialWorker(self.job, stalled, self.attempt + 1)
+        return submitit.helpers.DelayedSubmission(again, *args, **kwargs)
 
     def __call__(self, index: int = 0) -> list[int]:
         """Pull and train trials until the study's budget is spent (`index`: this task's
@@ -125,7 +132,7 @@ class TrialWorker(submitit.helpers.Checkpointable):
         if layout is None or layout.rank == 0:
             print(f"search task {index}: pulling trials of study {self.job.study.name}", flush=True)
             self._leader = _Leader(self.job, folder, layout.file if layout else None, self.stalled)
-            return self._leader.run()
+            return self._leader.run(index, self.attempt)
         _follow(folder)
         return []
 
@@ -176,11 +183,12 @@ class _Leader:
             return check_stalled(self.stalled + 1, self.job.base.max_requeues, -1)
         return count_stalled(self.training)  # the trial counts as a single job
 
-    def run(self) -> list[int]:
+    def run(self, index: int, attempt: int) -> list[int]:
+        """Trials until the budget is spent; the sampler seeded for task `index`'s `attempt`."""
         import optuna
 
         ref = self.job.study
-        study = open_study(ref)
+        study = open_study(ref, task_seed(ref, self.job.stream, index, attempt))
         try:
             while True:
                 optuna.storages.fail_stale_trials(study)  # lost tasks' trials: retries queued
