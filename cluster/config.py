@@ -4,6 +4,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from trainflow.cluster.job_environment import ContainerConfig, check_setup_lines
 from trainflow.config_base import StrictModel
 
 # sbatch options trainflow sets itself from the fields above (or submitit needs): an
@@ -169,6 +170,12 @@ class ClusterConfig(StrictModel):
     the training job fails instead of requeueing again. Attempts that checkpointed progress
     and preemptions do not count: a job runs to its end across as many time limits as it
     needs."""
+    setup: list[str] = Field(default_factory=list)
+    """Shell lines the Slurm training job runs before it starts its ranks, in order, e.g.
+    ["module load cuda/12.4", "source /shared/envs/train/bin/activate"] (executor=slurm)."""
+    container: ContainerConfig | None = None
+    """An image every rank of the Slurm training job runs in (Apptainer, Singularity or
+    Pyxis; executor=slurm); None: the ranks run in the submitting environment's Python."""
     dask: DaskConfig = DaskConfig()
     """The dask cluster for preprocessing."""
 
@@ -204,6 +211,14 @@ class ClusterConfig(StrictModel):
             )
         for key in self.sbatch_extra:
             _check_sbatch_key(key)
+        check_setup_lines(self.setup)
+        if (self.setup or self.container) and self.executor != "slurm":
+            key = "cluster.setup" if self.setup else "cluster.container"
+            raise ValueError(
+                f"{key} applies to the Slurm job script, but executor={self.executor!r} starts "
+                "ranks in this environment: use executor='slurm', or leave it out here (in an "
+                "allocation, put those lines in your sbatch script before `trainflow run`)"
+            )
         return self
 
 

@@ -12,6 +12,7 @@ import submitit
 from submitit.core.utils import DelayedSubmission
 
 from trainflow.cluster.config import ClusterConfig
+from trainflow.cluster.job_environment import rank_launch
 from trainflow.cluster.job_folder import prepare_job_folder, private_umask, seal_files
 from trainflow.cluster.srun_executor import AllocationExecutor
 
@@ -72,6 +73,8 @@ class _GuardedPrivate:
     and jobs are submitted privately (umask 077: pickles, logs and job processes)."""
 
     peer_timeout_s: int = ClusterConfig().peer_timeout_s
+    launch_prefix: str = ""
+    """Before the rank's command (a container runtime's `exec`: cluster.job_environment)."""
     folder: Path
     python: str
 
@@ -80,7 +83,8 @@ class _GuardedPrivate:
         # submitit's `<python> -u -m submitit.core._submit <folder>`, through our entry that
         # shields rank 0's requeue first (cluster.rank_main).
         command = f"{self.python} -u -m trainflow.cluster.rank_main {shlex.quote(str(self.folder))}"
-        return _guarded(command, self.python, self.peer_timeout_s)
+        guarded = _guarded(command, self.python, self.peer_timeout_s)
+        return f"{self.launch_prefix} {guarded}" if self.launch_prefix else guarded
 
     def _internal_process_submissions(
         self, delayed_submissions: list[DelayedSubmission]
@@ -120,9 +124,13 @@ def restore_sigint() -> None:
 
 def _slurm_executor(cfg: ClusterConfig, folder: Path) -> submitit.SlurmExecutor:
     """A SlurmExecutor whose sbatch options come from cfg (checked by cluster.slurm_checks)."""
-    executor = TrainflowSlurmExecutor(folder, max_num_timeout=SUBMITIT_MAX_TIMEOUTS)
+    launch = rank_launch(cfg.container, folder, cfg.gpus_per_node)
+    executor = TrainflowSlurmExecutor(
+        folder, max_num_timeout=SUBMITIT_MAX_TIMEOUTS, python=launch.python
+    )
     executor.peer_timeout_s = cfg.peer_timeout_s
-    executor.update_parameters(**slurm_parameters(cfg))
+    executor.launch_prefix = launch.prefix
+    executor.update_parameters(**slurm_parameters(cfg), srun_args=launch.srun_args)
     return executor
 
 
@@ -157,6 +165,8 @@ def slurm_parameters(cfg: ClusterConfig) -> dict[str, Any]:
         params["mem"] = f"{math.ceil(cfg.mem_gb * 1024)}M"
     optional = {"partition": cfg.partition, "account": cfg.account, "qos": cfg.qos}
     params |= {k: v for k, v in optional.items() if v is not None}
+    if cfg.setup:
+        params["setup"] = list(cfg.setup)
     if cfg.sbatch_extra:
         # Underscored like submitit's own keys: job-name then replaces ours instead of adding one.
         params["additional_parameters"] = {

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from trainflow.cluster.config import ClusterConfig
 from trainflow.cluster.dev.slurm import slurm_conf
+from trainflow.cluster.job_environment import check_image
 from trainflow.errors import ConfigError
 
 _NO_CLUSTER_FIX = (
@@ -277,6 +278,10 @@ def check_cluster(cfg: ClusterConfig) -> None:
     """check_request for the Slurm executor; for allocation, that this process runs in a Slurm
     job with the nodes asked for; nothing to check for local or debug."""
     if cfg.executor == "slurm":
+        try:
+            check_image(cfg.container)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
         check_request(cfg)
     if cfg.executor == "allocation":
         from trainflow.cluster.srun_executor import check_allocation
