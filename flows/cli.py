@@ -69,6 +69,27 @@ def _parser() -> argparse.ArgumentParser:
         help="a train.* key and its values as a JSON list (repeatable: the grid is the product)",
     )
     _search_args(sw)
+    res = sub.add_parser(
+        "resume",
+        help="continue a pipeline run that failed, was cancelled or lost its process (or "
+        "extend a finished one) from its last checkpoint, in the same MLflow runs",
+        parents=[common],
+    )
+    res.add_argument("run", help="the run's folder (<workdir>/runs/<id>) or its parent run id")
+    res.add_argument(
+        "--workdir",
+        default=str(PipelineConfig().workdir),
+        help="where to find a run given by id (default: %(default)s)",
+    )
+    res.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="what may change: a longer train.epochs, the hang and straggler allowances, "
+        "cluster.* (repeatable)",
+    )
     sub.add_parser("presets", help="list the named presets")
     clu = sub.add_parser("cluster", help="a dev Slurm cluster of N nodes on this machine")
     clu.add_argument("action", choices=["up", "down", "status"])
@@ -140,6 +161,7 @@ def _print_summary(summary: object, cfg: PipelineConfig) -> None:
         f"({'cached' if summary.preprocess_cached else 'built'})\n"
         f"stage seconds   {summary.stage_seconds}\n"
         f"model version   {version}\n"
+        f"run folder      {(cfg.workdir / 'runs' / summary.parent_run_id).resolve()}\n"
         f"MLflow UI       {ui_line}"
     )
 
@@ -295,6 +317,32 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _resume(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from trainflow.cluster.snapshot import code_path
+    from trainflow.flows.preflight import preflight
+    from trainflow.flows.resume import build_resume
+
+    cfg, record, run_dir = build_resume(args.run, Path(args.workdir), args.overrides)
+    with code_path(record.code_paths):  # the user's code as the run snapshotted it
+        model = preflight(cfg)
+    print(model.line(), flush=True)
+    print(f"resuming run {record.parent_run_id} from {run_dir}", flush=True)
+    _prepare_flow_process()
+    from trainflow.flows.resume import resumed_pipeline
+
+    try:
+        summary = resumed_pipeline(cfg, model, record, run_dir)
+    except KeyboardInterrupt:
+        print("trainflow: interrupted; the training job was cancelled", file=sys.stderr)
+        return 130
+    except Exception as err:
+        return _refused(err)
+    _print_summary(summary, cfg)
+    return 0
+
+
 def _config(args: argparse.Namespace) -> PipelineConfig:
     """The config the command's preset, experiment file and --set build (validated)."""
     return build_config(args.preset, args.overrides, args.experiment)
@@ -325,6 +373,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             from trainflow.cluster.dev.slurm import run as slurm
 
             return slurm(args.action, nodes=args.nodes, fresh=args.fresh)
+        if args.command == "resume":
+            return _resume(args)
         if args.command == "cleanup":
             return _cleanup(_config(args))
         if args.command == "ui":

@@ -113,7 +113,8 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return key.strip().split("."), value
 
 
-def _set_path(tree: dict[str, Any], path: list[str], value: Any) -> None:
+def set_path(tree: dict[str, Any], path: list[str], value: Any) -> None:
+    """Set the dotted `path` of a config tree to `value` (sections made as needed)."""
     node = tree
     for part in path[:-1]:
         child = node.setdefault(part, {})
@@ -132,6 +133,14 @@ def _valid_keys(model: type[StrictModel], prefix: str = "") -> list[str]:
         else:
             keys.append(prefix + name)
     return keys
+
+
+def validated(tree: dict[str, Any]) -> PipelineConfig:
+    """The config of a tree (ConfigError with one line per mistake)."""
+    try:
+        return PipelineConfig.model_validate(tree)
+    except ValidationError as err:
+        raise ConfigError(_format_error(err, lambda loc: None)) from None
 
 
 def _format_error(err: ValidationError, where: Callable[[str], str | None]) -> str:
@@ -178,7 +187,7 @@ def build_config(
     )
     from_file = leaves(exp.tree, PipelineConfig) if exp else {}
     for path, value in [(k.split("."), v) for k, v in from_file.items()] + items:
-        _set_path(tree, path, value)
+        set_path(tree, path, value)
     overridden = {".".join(path) for path, _ in items}
 
     def where(loc: str) -> str | None:

@@ -19,6 +19,7 @@ from trainflow.flows import experiment
 from trainflow.flows.config import PipelineConfig, build_config, config_hash, flatten
 from trainflow.flows.error_output import quiet_user_errors
 from trainflow.flows.preflight import preflight, user_modules
+from trainflow.flows.run_record import new_record, update_record
 from trainflow.tasks.preprocess.ref import DatasetRef
 from trainflow.tasks.tracking.report import run_link, runs_and_plots_markdown, summary_markdown
 from trainflow.tasks.train.model_report import ModelReport
@@ -106,15 +107,20 @@ def run_pipeline(cfg: PipelineConfig, model: ModelReport) -> PipelineSummary:
     get_run_logger().info(model.line())
     runs = PipelineRuns(cfg.tracking, cfg.workdir, cfg.name)
     run_dir = (cfg.workdir / "runs" / runs.parent_id).resolve()
+    record = new_record(run_dir, runs.parent_id, runs.tracking_uri, cfg.model_dump_json())
     t: dict[str, float] = {}
     with runs.parent(flatten(cfg)):
         runs.tag(runs.parent_id, {"config_hash": config_hash(cfg)})
         log_experiment(runs, runs.parent_id, cfg)
+        get_run_logger().info("run folder %s (trainflow resume continues it)", run_dir)
         code = snapshot_code(runs, user_modules(cfg, model), run_dir / "jobs")
         paths = code.paths if code else []
         code_hash = code.sha256 if code else None
+        record = update_record(run_dir, record, code_hash=code_hash, code_paths=paths)
         dataset, cached = preprocess_stage(runs, cfg, t, paths)
+        record = update_record(run_dir, record, dataset_hash=dataset.content_hash)
         with runs.stage("train", flatten(cfg.train) | model.params()) as run_id, timed(t, "train"):
+            update_record(run_dir, record, train_run_id=run_id)
             log_dataset_input(runs.client, run_id, dataset, "training")
             runs.tag(run_id, lineage_of(runs, cfg, dataset, code_hash=code_hash).tags())
             spec = train_spec(cfg, dataset, run_dir, runs.tracking_uri, run_id, paths)
@@ -199,7 +205,19 @@ def preprocess_stage(
     from trainflow.tasks.tracking.stage_logs import log_dataset
 
     get_run_logger().info("MLflow parent run %s in %s", runs.parent_id, runs.tracking_uri)
-    for job, cancelled in cancel_orphans(cfg.workdir):
+    cancel_orphaned_jobs(cfg.workdir)
+    with runs.stage("preprocess", flatten(cfg.preprocess)) as run_id, timed(t, "preprocess"):
+        dataset, cached = preprocess(
+            cfg.preprocess, cfg.cluster.dask, cfg.workdir / "datasets", code
+        )
+        log_dataset(runs.client, run_id, dataset, cached)
+    runs.tag(runs.parent_id, {"dataset_hash": dataset.content_hash})
+    return dataset, cached
+
+
+def cancel_orphaned_jobs(workdir: Path) -> None:
+    """Cancel the jobs of flow processes that died under `workdir`, each said in a line."""
+    for job, cancelled in cancel_orphans(workdir):
         get_run_logger().warning(
             "%s orphaned %s job %s of flow process %d%s",
             "cancelled"
@@ -211,13 +229,6 @@ def preprocess_stage(
             job.owner_pid,
             f" (it could not: {job.cancel_requested})" if job.cancel_requested else " (it died)",
         )
-    with runs.stage("preprocess", flatten(cfg.preprocess)) as run_id, timed(t, "preprocess"):
-        dataset, cached = preprocess(
-            cfg.preprocess, cfg.cluster.dask, cfg.workdir / "datasets", code
-        )
-        log_dataset(runs.client, run_id, dataset, cached)
-    runs.tag(runs.parent_id, {"dataset_hash": dataset.content_hash})
-    return dataset, cached
 
 
 def evaluate_stage(

@@ -51,7 +51,11 @@ def quiet_store_setup() -> None:
 class PipelineRuns:
     """Creates and closes the parent and stage runs of one pipeline run."""
 
-    def __init__(self, cfg: TrackingConfig, workdir: Path, name: str) -> None:
+    def __init__(
+        self, cfg: TrackingConfig, workdir: Path, name: str, parent_id: str | None = None
+    ) -> None:
+        """A new parent run named `name`; or, given `parent_id`, that earlier one again
+        (`trainflow resume`: RUNNING again, its stages continued with `resume_stage`)."""
         limit_http_retries()
         quiet_store_setup()
         self.tracking_uri = resolve_tracking_uri(cfg, workdir)
@@ -62,9 +66,13 @@ class PipelineRuns:
             self.client = MlflowClient(self.tracking_uri)
             self.experiment_id = runs.ensure_experiment(self.client, cfg.experiment, workdir)
         self.commit = runs.git_commit()
-        self.parent_id = runs.create_run(
-            self.client, self.experiment_id, name, tags={"git_commit": self.commit}
-        )
+        if parent_id is None:
+            parent_id = runs.create_run(
+                self.client, self.experiment_id, name, tags={"git_commit": self.commit}
+            )
+        else:
+            runs.reopen_run(self.client, parent_id)
+        self.parent_id = parent_id
         self.stage_ids: dict[str, str] = {}
         """Run id of each stage opened so far, by stage name."""
 
@@ -76,9 +84,28 @@ class PipelineRuns:
             yield self.parent_id
 
     @contextmanager
+    def resume_parent(self) -> Iterator[str]:
+        """Scope of a resumed parent run: its params stay as logged, status set on exit."""
+        with self._closing(self.parent_id):
+            yield self.parent_id
+
+    @contextmanager
     def stage(self, name: str, params: dict[str, str]) -> Iterator[str]:
         """A child run for one stage, closed with the stage's outcome."""
         run_id = self.open_stage(name, params)
+        with self._closing(run_id):
+            yield run_id
+
+    @contextmanager
+    def resume_stage(self, name: str, run_id: str | None, params: dict[str, str]) -> Iterator[str]:
+        """The stage run `run_id` of an earlier attempt of this pipeline run, RUNNING again
+        and closed with the stage's outcome (a new one when it has none: it never started)."""
+        if run_id is None:
+            with self.stage(name, params) as new_id:
+                yield new_id
+            return
+        runs.reopen_run(self.client, run_id)
+        self.stage_ids[name] = run_id
         with self._closing(run_id):
             yield run_id
 

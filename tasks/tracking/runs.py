@@ -93,6 +93,11 @@ def finish_run(client: MlflowClient, run_id: str, status: str = "FINISHED") -> N
     client.set_terminated(run_id, status=status)
 
 
+def reopen_run(client: MlflowClient, run_id: str) -> None:
+    """Mark an ended run RUNNING again, to continue it (its params, metrics and tags stay)."""
+    client.update_run(run_id, status="RUNNING")
+
+
 def log_metrics(client: MlflowClient, run_id: str, values: dict[str, float], step: int = 0) -> None:
     """Log several metrics in one call."""
     ts = int(time.time() * 1000)
