@@ -1,0 +1,267 @@
+"""What the docs tell a user to type is what the command line and the config take: every
+`trainflow ...` line of README.md's and docs/*.md's shell blocks parses with the real argument
+parser and builds its config (a sweep its grid, a search its space); every config key a page
+names in inline code exists, with the value it gives; every TOML block and every experiment
+file a page includes loads as an experiment file. A renamed key or flag fails here."""
+
+import argparse
+import re
+import tomllib
+import typing
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic import BaseModel
+
+from tests.docs_text import PAGES, ROOT, SECTIONS, Command, Setting, commands, fences, settings
+from trainflow.config_base import StrictModel
+from trainflow.errors import ConfigError
+from trainflow.flows.cli import main, parser
+from trainflow.flows.config import PipelineConfig, build_config, build_sweep, parse_override
+from trainflow.tasks.search.config import SearchConfig
+from trainflow.tasks.search.space import Param, parse_space
+from trainflow.tasks.search.study import StudyRef, make_ref
+from trainflow.tasks.train.job_spec import TrainJobSpec
+
+CONFIG_COMMANDS = {"run", "config", "sweep", "cleanup", "ui"}
+"""Commands that build a config from a preset, an experiment file and --set."""
+
+EXAMPLE_FILES = {p.name: p for p in sorted((ROOT / "examples").glob("*/*.toml"))}
+"""Experiment files the pages run by name (`trainflow run charlm.toml` in its folder)."""
+
+
+def _experiment(name: str, tmp: Path) -> Path:
+    """The file a documented command runs: an example's own file, else (a name standing for
+    the reader's file, `experiment.toml`) an empty file, which starts from the demo preset."""
+    if Path(name).name in EXAMPLE_FILES:
+        return EXAMPLE_FILES[Path(name).name]
+    stand_in = tmp / "experiment.toml"
+    stand_in.write_text("")
+    return stand_in
+
+
+def _args(command: Command) -> argparse.Namespace:
+    argv = [a for a in command.argv if a != "..."]  # `trainflow --debug run ...`
+    try:
+        return parser().parse_args(argv)
+    except SystemExit:
+        pytest.fail(f"{command.where}: `{command.text}` is refused by trainflow's parser")
+
+
+def _reader_paths(overrides: list[str], tmp: Path) -> list[str]:
+    """The overrides with each absolute path that a page gives as the reader's own
+    (`preprocess.path=/data/imgs`) made a folder under `tmp`: the config checks it exists."""
+    out = []
+    for text in overrides:
+        key, _, value = text.partition("=")
+        if value.startswith("/") and not Path(value).exists():
+            value = str(tmp / value.lstrip("/"))
+            Path(value).mkdir(parents=True)
+        out.append(f"{key}={value}")
+    return out
+
+
+def _build(command: Command, args: argparse.Namespace, tmp: Path) -> None:
+    """Build what the command would build before any work starts."""
+    experiment = _experiment(args.experiment, tmp) if args.experiment else None
+    args.overrides = _reader_paths(args.overrides, tmp)
+    if args.command != "sweep":
+        build_config(args.preset, args.overrides, experiment)
+    elif args.grid:
+        grid = {".".join(path): value for path, value in map(parse_override, args.grid)}
+        build_sweep(args.preset, args.overrides, grid, experiment)
+    else:
+        space = {p.key: p.text() for p in parse_space(args.space)}
+        search = SearchConfig(space=space, trials=args.trials, parallel=args.parallel)
+        search = search.model_copy(update={"storage": args.storage, "seed": args.seed})
+        base = build_config(args.preset, args.overrides, experiment)
+        make_ref(search, tmp, base.cluster.executor, base.name, "val_accuracy", True)
+        for param in parse_space(search.space):
+            for value in param.samples():
+                build_config(args.preset, [*args.overrides, f"{param.key}={value}"], experiment)
+
+
+COMMANDS = commands()
+
+
+def test_the_docs_show_the_commands() -> None:
+    """The reader's list is found (a change to how pages are read cannot empty it)."""
+    assert len(COMMANDS) >= 30, [c.text for c in COMMANDS]
+    shown = {c.argv[0] for c in COMMANDS if c.argv}
+    assert {"run", "config", "sweep", "ui", "cleanup", "presets", "cluster"} <= shown
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=lambda c: f"{c.where} {c.text[:60]}")
+def test_a_documented_command_parses_and_builds_its_config(
+    command: Command, tmp_path: Path
+) -> None:
+    args = _args(command)
+    if args.command not in CONFIG_COMMANDS:
+        return
+    try:
+        _build(command, args, tmp_path)
+    except ConfigError as err:
+        pytest.fail(f"{command.where}: `{command.text}`:\n{err}")
+
+
+def _field(key: str) -> tuple[bool, Any]:
+    """Whether dotted `key` is a config key (or a key inside one holding a dict), and the
+    field's annotation."""
+    model: type[StrictModel] = PipelineConfig
+    parts = key.split(".")
+    for i, part in enumerate(parts):
+        info = model.model_fields.get(part)
+        if info is None:
+            return False, None
+        ann = info.annotation
+        if isinstance(ann, type) and issubclass(ann, StrictModel):
+            model = ann
+            continue
+        rest = parts[i + 1 :]
+        return (not rest or "dict" in str(ann)), ann
+    return True, model
+
+
+SETTINGS = settings()
+_PLACEHOLDER = re.compile(r"<[^>]*>|\.\.\.|^N$")
+
+
+def test_the_docs_name_settings() -> None:
+    assert len(SETTINGS) >= 150
+    assert {s.key.split(".")[0] for s in SETTINGS} >= set(SECTIONS)
+
+
+@pytest.mark.parametrize("setting", SETTINGS, ids=lambda s: f"{s.where} {s.key}")
+def test_a_documented_key_exists_and_takes_its_value(setting: Setting) -> None:
+    exists, _ = _field(setting.key)
+    assert exists, f"{setting.where}: `{setting.key}` is not a config key"
+    if setting.value is None or _PLACEHOLDER.search(setting.value):
+        return
+    if re.fullmatch(r"[a-z]+\(.*\)", setting.value):  # a search space: `train.lr=uniform(0,1)`
+        for param in parse_space([f"{setting.key}={setting.value}"]):
+            for value in param.samples():
+                build_config("tiny", {setting.key: value})
+        return
+    if setting.toml:
+        value = tomllib.loads(f"v = {setting.value}")["v"]
+        override: dict[str, Any] = {setting.key: value}
+    else:
+        override = dict([(setting.key, parse_override(f"k={setting.value}")[1])])
+    try:
+        build_config("tiny", override)
+    except ConfigError as err:
+        pytest.fail(f"{setting.where}: `{setting.key}={setting.value}`:\n{err}")
+
+
+def _toml_fences() -> list[tuple[str, str]]:
+    out = []
+    for page in PAGES:
+        for fence in fences(page):
+            if fence.info == "toml":
+                out.append((fence.where, fence.body))
+            elif fence.info.startswith("{literalinclude}") and fence.info.endswith(".toml"):
+                path = (page.parent / fence.info.split()[1]).resolve()
+                out.append((fence.where, path.read_text()))
+    return out
+
+
+NOT_EXPERIMENTS = {"project", "tool", "build-system"}
+"""Tables of a TOML block that is not an experiment file (pyproject.toml's)."""
+
+
+@pytest.mark.parametrize("where, text", _toml_fences(), ids=lambda x: str(x)[:40])
+def test_a_documented_experiment_file_loads(where: str, text: str, tmp_path: Path) -> None:
+    tree = tomllib.loads(text)
+    if set(tree) & NOT_EXPERIMENTS:
+        return
+    path = tmp_path / "shown.toml"
+    path.write_text(text)
+    try:
+        build_config(None, (), path)
+    except ConfigError as err:
+        pytest.fail(f"{where}: the experiment file shown does not load:\n{err}")
+
+
+def test_each_example_experiment_file_is_shown_or_named() -> None:
+    """Every example project's experiment file appears in the docs (a real file, included or
+    run by name), so a user finds all of them."""
+    text = "\n".join(page.read_text() for page in PAGES)
+    for name, path in EXAMPLE_FILES.items():
+        assert name in text or str(path.relative_to(ROOT)) in text, name
+
+
+def _config_modules(model: type[BaseModel], seen: set[str]) -> set[str]:
+    """The modules of `model` and of every model its fields hold, however deeply."""
+    seen.add(model.__module__)
+    for info in model.model_fields.values():
+        for ann in (info.annotation, *typing.get_args(info.annotation)):
+            model_type = isinstance(ann, type) and issubclass(ann, BaseModel)
+            if model_type and ann.__module__ not in seen:
+                _config_modules(ann, seen)
+    return seen
+
+
+def test_the_api_reference_lists_every_config_and_search_type() -> None:
+    """Every module holding a config model (a section, and any model a section holds), the
+    search's types and a training job's spec has its page in the API reference."""
+    index = (ROOT / "docs" / "api" / "index.md").read_text()
+    listed = set(re.findall(r"^\s+(trainflow\.[\w.]+)$", index, re.MULTILINE))
+    wanted = _config_modules(PipelineConfig, set())
+    for public in (SearchConfig, StudyRef, Param, TrainJobSpec):
+        wanted |= _config_modules(public, set())
+    wanted.discard("trainflow.config_base")
+    assert wanted <= listed, f"not in docs/api/index.md: {sorted(wanted - listed)}"
+
+
+def test_the_experiment_files_shown_are_included_from_real_files() -> None:
+    """A page shows an example's experiment file by including it, so what it shows is the file
+    the examples' tests run."""
+    included = [
+        fence.info.split()[1]
+        for page in PAGES
+        for fence in fences(page)
+        if fence.info.startswith("{literalinclude}")
+    ]
+    assert "../examples/charlm/charlm.toml" in included
+
+
+def test_the_mistakes_example_is_what_the_command_prints(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """experiments.md's error example is the real output for the file it names, with the edits
+    it names: line numbers, values and wording."""
+    page = ROOT / "docs" / "experiments.md"
+    assert "The file above with `epoch = 3` and `lr = -1`:" in page.read_text()
+    (shown,) = [f.body for f in fences(page) if f.body.startswith("trainflow: error:")]
+    original = (ROOT / "examples" / "charlm" / "charlm.toml").read_text()
+    edited = original.replace("\nepochs = 3\n", "\nepoch = 3\n").replace("\nlr = 2e-3", "\nlr = -1")
+    assert edited.count("epoch = 3") == 1 and "lr = -1" in edited
+    (tmp_path / "charlm.toml").write_text(edited)
+    monkeypatch.chdir(tmp_path)
+    assert main(["config", "charlm.toml"]) == 2
+    printed = capsys.readouterr().err.splitlines()
+    assert len(printed) == len(shown.splitlines()), printed
+    for doc, real in zip(shown.splitlines(), printed, strict=True):
+        if doc.endswith(", ..."):
+            assert real.startswith(doc.removesuffix(" ...")), (doc, real)
+        else:
+            assert doc == real
+
+
+def test_one_command_list_in_the_docs() -> None:
+    """The commands are listed once, on docs/run.md; the README keeps a short sample (checked
+    above with the rest) and links to the list and to the reference."""
+    readme = [c for c in COMMANDS if c.where.startswith("README.md")]
+    assert 0 < len(readme) <= 3, [c.text for c in readme]
+    front = (ROOT / "README.md").read_text()
+    assert "(docs/run.md#commands)" in front and "(docs/cli.md)" in front
+    assert len(front.splitlines()) <= 300
+
+
+def test_install_commands_quote_extras() -> None:
+    """`pip install trainflow[hf]` unquoted is a glob to zsh ("no matches found")."""
+    for page in PAGES:
+        for number, line in enumerate(page.read_text().splitlines(), start=1):
+            for unquoted in re.findall(r"pip install [^'\"\s]*\[[^\]]*\]", line):
+                pytest.fail(f"{page.relative_to(ROOT)}:{number}: quote it: {unquoted}")
