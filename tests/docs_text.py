@@ -66,20 +66,20 @@ def prose(page: Path) -> str:
 
 @dataclass(frozen=True)
 class Command:
-    """A `trainflow ...` command line of a page's shell block, as a user would type it."""
+    """A command line of a page's shell block, as a user would type it."""
 
     where: str
     text: str
     argv: list[str]
-    """The arguments after `trainflow` (the shell's quoting undone, comments dropped)."""
+    """The arguments after the program (the shell's quoting undone, comments dropped)."""
 
 
 _SHELL = {"bash", "sh", "shell", "console", "zsh"}
 _SHELL_OPERATORS = {">", ">>", "|", "&&", "||", ";", "&", "2>&1"}
 
 
-def commands() -> list[Command]:
-    """Every `trainflow ...` line of every shell block of every page (continuation lines
+def commands(program: str = "trainflow") -> list[Command]:
+    """Every `<program> ...` line of every shell block of every page (continuation lines
     joined; a leading `VAR=value`, `$ ` or a path to the command dropped)."""
     out = []
     for page in PAGES:
@@ -92,7 +92,7 @@ def commands() -> list[Command]:
                     words = words[1:]
                 ends = [i for i, w in enumerate(words) if w in _SHELL_OPERATORS]
                 words = words[: ends[0]] if ends else words  # `> file`, `| tee`, `&& ...`
-                if words and (words[0] == "trainflow" or words[0].endswith("/trainflow")):
+                if words and (words[0] == program or words[0].endswith(f"/{program}")):
                     out.append(Command(fence.where, text.strip(), words[1:]))
     return out
 

@@ -5,6 +5,9 @@ names in inline code exists, with the value it gives; every TOML block and every
 file a page includes loads as an experiment file. A renamed key or flag fails here."""
 
 import argparse
+import importlib
+import inspect
+import json
 import re
 import tomllib
 import typing
@@ -12,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from pydantic import BaseModel
 
 from tests.docs_text import PAGES, ROOT, SECTIONS, Command, Setting, commands, fences, settings
@@ -265,3 +269,66 @@ def test_install_commands_quote_extras() -> None:
         for number, line in enumerate(page.read_text().splitlines(), start=1):
             for unquoted in re.findall(r"pip install [^'\"\s]*\[[^\]]*\]", line):
                 pytest.fail(f"{page.relative_to(ROOT)}:{number}: quote it: {unquoted}")
+
+
+def _flow_parameters(entrypoint: str) -> tuple[str, list[str]]:
+    """The flow's name and parameters of a prefect.yaml entrypoint (`flows/x.py:function`)."""
+    path, function = entrypoint.split(":")
+    module = importlib.import_module("trainflow." + path.removesuffix(".py").replace("/", "."))
+    flow = getattr(module, function)
+    return flow.name, list(inspect.signature(flow.fn).parameters)
+
+
+def _as_yaml(value: Any) -> str:
+    """`value` as YAML writes it inline: null, {}, 16, tpe."""
+    return yaml.safe_dump(value, default_flow_style=True).removesuffix("\n...\n").strip()
+
+
+def test_the_deployments_table_is_prefect_yaml() -> None:
+    """docs/deployments.md's table gives every deployment of deploy/prefect.yaml with each of
+    its parameters and default as the file has them, and a deployment run by hand (adhoc)
+    offers every parameter of its flow."""
+    deployments = yaml.safe_load((ROOT / "deploy" / "prefect.yaml").read_text())["deployments"]
+    page = (ROOT / "docs" / "deployments.md").read_text()
+    rows = {m[0]: m[1] for m in re.findall(r"^\| `([\w-]+/[\w-]+)` \|[^|]*\|(.*)\|$", page, re.M)}
+    assert len(rows) == len(deployments), rows
+    for deployment in deployments:
+        flow, parameters = _flow_parameters(deployment["entrypoint"])
+        row = rows[f"{flow}/{deployment['name']}"]
+        shown = dict(re.findall(r"`(\w+): ([^`]*)`", row))
+        given = {k: _as_yaml(v) for k, v in deployment["parameters"].items()}
+        assert shown == given, (flow, deployment["name"])
+        assert set(given) <= set(parameters)
+        if deployment["name"] == "adhoc":
+            assert set(given) == set(parameters), (flow, set(parameters) - set(given))
+
+
+DEPLOYMENT_RUNS = [c for c in commands("prefect") if c.argv[:2] == ["deployment", "run"]]
+
+
+def test_the_docs_show_deployment_runs() -> None:
+    assert len(DEPLOYMENT_RUNS) >= 6
+
+
+@pytest.mark.parametrize("command", DEPLOYMENT_RUNS, ids=lambda c: f"{c.where} {c.text[:50]}")
+def test_a_documented_deployment_run_passes_its_flow_parameters(command: Command) -> None:
+    """`prefect deployment run <flow>/<deployment> --param k=v`: the deployment is in
+    prefect.yaml, each k is a parameter of its flow, and the overrides build a config."""
+    deployments = yaml.safe_load((ROOT / "deploy" / "prefect.yaml").read_text())["deployments"]
+    flows = {}
+    for deployment in deployments:
+        flow, parameters = _flow_parameters(deployment["entrypoint"])
+        flows[f"{flow}/{deployment['name']}"] = parameters
+    name, *rest = command.argv[2:]
+    assert name in flows, f"{command.where}: no deployment {name} in deploy/prefect.yaml"
+    params: dict[str, str] = {}
+    words = iter(rest)
+    for word in words:
+        if word == "--param":
+            key, _, value = next(words).partition("=")
+            params[key] = value
+    assert set(params) <= set(flows[name]), f"{command.where}: {set(params) - set(flows[name])}"
+    overrides = json.loads(params.get("overrides", "{}"))
+    preset = params.get("preset")
+    if "experiment" not in params:  # a path on the worker's machine
+        build_config(preset, overrides)
