@@ -23,6 +23,7 @@ from trainflow.config_base import StrictModel
 from trainflow.errors import ConfigError
 from trainflow.flows.cli import main, parser
 from trainflow.flows.config import PipelineConfig, build_config, build_sweep, parse_override
+from trainflow.tasks.objectives import BUILTINS
 from trainflow.tasks.search.config import SearchConfig
 from trainflow.tasks.search.space import Param, parse_space
 from trainflow.tasks.search.study import StudyRef, make_ref
@@ -332,3 +333,24 @@ def test_a_documented_deployment_run_passes_its_flow_parameters(command: Command
     preset = params.get("preset")
     if "experiment" not in params:  # a path on the worker's machine
         build_config(preset, overrides)
+
+
+def test_the_search_page_names_each_objectives_metric() -> None:
+    """docs/search.md says which validation metric a search reports and prunes on, for every
+    built-in objective: the one the search asks the pruner about (val_ + the objective's
+    select metric)."""
+    text = " ".join((ROOT / "docs" / "search.md").read_text().split())
+    for name, ref in BUILTINS.items():
+        module, cls = ref.split(":")
+        metric = f"val_{getattr(importlib.import_module(module), cls).select}"
+        said = re.search(rf"`{metric}` for ([a-z, ]+?)[,;)]", text)
+        assert said and name in said.group(1), (name, metric)
+
+
+def test_the_install_page_names_every_extra() -> None:
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    page = (ROOT / "docs" / "install.md").read_text()
+    for extra in extras:
+        assert f"\n| `{extra}` |" in page, extra
