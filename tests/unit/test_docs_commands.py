@@ -354,3 +354,13 @@ def test_the_install_page_names_every_extra() -> None:
     page = (ROOT / "docs" / "install.md").read_text()
     for extra in extras:
         assert f"\n| `{extra}` |" in page, extra
+
+
+def test_the_sbatch_options_said_refused_are_refused() -> None:
+    """where-it-runs.md names GPU options that sbatch_extra refuses, and what to set instead."""
+    text = " ".join((ROOT / "docs" / "where-it-runs.md").read_text().split())
+    said = re.search(r"Options that trainflow sets from the fields are refused there.*?\. ", text)
+    assert said and "(`cluster.gpus_per_node`)" in said.group(0)
+    for option in re.findall(r"`(\w+)`", said.group(0).split("(`cluster.gpus_per_node`)")[0]):
+        with pytest.raises(ConfigError, match=r"use cluster\.gpus_per_node instead"):
+            build_config("tiny", {"cluster.sbatch_extra": {option: "gpu:a100:4"}})
