@@ -364,3 +364,40 @@ def test_the_sbatch_options_said_refused_are_refused() -> None:
     for option in re.findall(r"`(\w+)`", said.group(0).split("(`cluster.gpus_per_node`)")[0]):
         with pytest.raises(ConfigError, match=r"use cluster\.gpus_per_node instead"):
             build_config("tiny", {"cluster.sbatch_extra": {option: "gpu:a100:4"}})
+
+
+NARRATION = re.compile(
+    r"not run yet|recorded before|test machine|\bthis session|µs\b|\bload \d|\bmeasured:",
+    re.IGNORECASE,
+)
+"""What belongs on the performance page (figures and their machines) or in git history (what
+was recorded when), not on a user page."""
+BENCH = re.compile(r"bench/results|python -m bench")
+"""A benchmark quoted: only the performance page quotes them (contributing says how they are
+run, architecture where they lie)."""
+
+
+def test_figures_and_narration_stay_off_the_user_pages() -> None:
+    for page in PAGES:
+        if page.name == "performance.md":
+            continue
+        for number, line in enumerate(page.read_text().splitlines(), start=1):
+            found = NARRATION.search(line)
+            if page.name not in ("contributing.md", "architecture.md"):
+                found = found or BENCH.search(line)
+            assert not found, f"{page.relative_to(ROOT)}:{number}: {found.group(0)!r}: {line}"
+
+
+def test_each_figure_on_the_performance_page_names_its_result_file() -> None:
+    """Every section of the performance page that gives figures (a table of numbers) names the
+    bench/results file they come from, and that file exists."""
+    text = (ROOT / "docs" / "performance.md").read_text()
+    for section in re.split(r"^## ", text, flags=re.MULTILINE)[1:]:
+        title = section.splitlines()[0]
+        figures = re.search(r"^\|[^\n]*\d[^\n]*\|$", section, re.MULTILINE)
+        if not figures or title.startswith("Other"):
+            continue
+        files = re.findall(r"`(?:bench/results/)?([\w.-]+\.json)`", section)
+        assert files, f"performance.md, {title}: figures without their bench/results file"
+        for file in files:
+            assert (ROOT / "bench" / "results" / file).is_file(), (title, file)
