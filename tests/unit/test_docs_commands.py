@@ -401,3 +401,38 @@ def test_each_figure_on_the_performance_page_names_its_result_file() -> None:
         assert files, f"performance.md, {title}: figures without their bench/results file"
         for file in files:
             assert (ROOT / "bench" / "results" / file).is_file(), (title, file)
+
+
+PIPELINE_JOBS = [
+    Command(c.where, c.text, ["run", *c.argv[i + 1 :]])
+    for c in commands("sbatch")
+    for i, word in enumerate(c.argv)
+    if word.endswith("/pipeline.sbatch")
+]
+"""Documented `sbatch deploy/slurm/pipeline.sbatch ARGS`: the job runs `trainflow run ARGS`."""
+
+
+def test_the_docs_show_pipeline_jobs() -> None:
+    assert len(PIPELINE_JOBS) >= 4
+
+
+@pytest.mark.parametrize("command", PIPELINE_JOBS, ids=lambda c: f"{c.where} {c.text[:50]}")
+def test_a_documented_pipeline_job_builds_its_config(command: Command, tmp_path: Path) -> None:
+    _build(command, _args(command), tmp_path)
+
+
+def _quoted_keys() -> list[tuple[str, str]]:
+    """Dotted config keys written as strings in the pages' code blocks (Python dicts, JSON
+    parameters): `{"train.lr": ...}`."""
+    pattern = re.compile(rf"\"((?:{'|'.join(SECTIONS)})\.[A-Za-z_][\w.]*)\"")
+    return [
+        (fence.where, key)
+        for page in PAGES
+        for fence in fences(page)
+        for key in pattern.findall(fence.body)
+    ]
+
+
+@pytest.mark.parametrize("where, key", _quoted_keys(), ids=lambda x: str(x))
+def test_a_key_quoted_in_a_code_block_exists(where: str, key: str) -> None:
+    assert _field(key)[0], f"{where}: {key!r} is not a config key"
