@@ -18,7 +18,17 @@ import pytest
 import yaml
 from pydantic import BaseModel
 
-from tests.docs_text import PAGES, ROOT, SECTIONS, Command, Setting, commands, fences, settings
+from tests.docs_text import (
+    PAGES,
+    ROOT,
+    SECTIONS,
+    Command,
+    Setting,
+    commands,
+    fences,
+    prose,
+    settings,
+)
 from trainflow.config_base import StrictModel
 from trainflow.errors import ConfigError
 from trainflow.flows.cli import main, parser
@@ -436,3 +446,49 @@ def _quoted_keys() -> list[tuple[str, str]]:
 @pytest.mark.parametrize("where, key", _quoted_keys(), ids=lambda x: str(x))
 def test_a_key_quoted_in_a_code_block_exists(where: str, key: str) -> None:
     assert _field(key)[0], f"{where}: {key!r} is not a config key"
+
+
+def _leaves(model: type[StrictModel] = PipelineConfig, prefix: str = "") -> dict[str, list[str]]:
+    """Leaf name -> the dotted keys that end in it (`lr` -> [`train.lr`])."""
+    out: dict[str, list[str]] = {}
+    for name, info in model.model_fields.items():
+        ann = info.annotation
+        if isinstance(ann, type) and issubclass(ann, StrictModel):
+            for leaf, keys in _leaves(ann, f"{prefix}{name}.").items():
+                out.setdefault(leaf, []).extend(keys)
+        else:
+            out.setdefault(name, []).append(prefix + name)
+    return out
+
+
+NOT_TRAINFLOW = {
+    "epoch = 3",  # experiments.md's example of a file with mistakes (its output checked above)
+    "lr = -1",
+    "default_permission = READ",  # production.md: MLflow's basic_auth.ini
+    "default_permission = NO_PERMISSIONS",
+}
+"""`key = value` spans of the pages that are not lines of a valid experiment file."""
+
+
+def _toml_spans() -> list[tuple[str, str]]:
+    out = []
+    for page in PAGES:
+        for number, line in enumerate(prose(page).splitlines(), start=1):
+            for span in re.findall(r"(?<!`)`([A-Za-z_]\w* = [^`]+)`(?!`)", line):
+                out.append((f"{page.relative_to(ROOT)}:{number}", span))
+    return out
+
+
+@pytest.mark.parametrize("where, span", _toml_spans(), ids=lambda x: str(x))
+def test_a_documented_toml_line_sets_a_key_of_a_file(where: str, span: str) -> None:
+    """`registered_model = false`, `model_args = { dim = 64 }`: a line of an experiment file,
+    inside its section: the key is a config key and takes the value."""
+    name, value = (part.strip() for part in span.split("=", 1))
+    keys = _leaves().get(name, [])
+    if span in NOT_TRAINFLOW:
+        return
+    if name == "preset":
+        build_config(tomllib.loads(span)["preset"])
+        return
+    assert len(keys) == 1, f"{where}: `{span}`: {name} is no config key of one section ({keys})"
+    build_config("tiny", {keys[0]: tomllib.loads(f"v = {value}")["v"]})
