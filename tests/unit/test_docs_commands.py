@@ -112,12 +112,19 @@ def test_a_documented_command_parses_and_builds_its_config(
     command: Command, tmp_path: Path
 ) -> None:
     args = _args(command)
+    if args.command == "presets":
+        assert main(["presets"]) == 0
     if args.command not in CONFIG_COMMANDS:
         return
     try:
         _build(command, args, tmp_path)
     except ConfigError as err:
         pytest.fail(f"{command.where}: `{command.text}`:\n{err}")
+    if args.command == "config":  # cheap: run it as the page shows it
+        argv = ["config", "--format", args.format, *(["--preset", args.preset] * bool(args.preset))]
+        argv += [word for o in args.overrides for word in ("--set", o)]
+        argv += [str(_experiment(args.experiment, tmp_path))] if args.experiment else []
+        assert main(argv) == 0, command.text
 
 
 def _field(key: str) -> tuple[bool, Any]:
