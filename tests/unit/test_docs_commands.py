@@ -56,10 +56,20 @@ def _experiment(name: str, tmp: Path) -> Path:
     return stand_in
 
 
+def _strict_parser() -> argparse.ArgumentParser:
+    """trainflow's parser taking options only as spelled (argparse takes `--trial` for
+    `--trials`: a page must give the option's whole name)."""
+    top = parser()
+    subcommands = [a for a in top._actions if isinstance(a, argparse._SubParsersAction)]
+    for each in [top, *(p for a in subcommands for p in a.choices.values())]:
+        each.allow_abbrev = False
+    return top
+
+
 def _args(command: Command) -> argparse.Namespace:
     argv = [a for a in command.argv if a != "..."]  # `trainflow --debug run ...`
     try:
-        return parser().parse_args(argv)
+        return _strict_parser().parse_args(argv)
     except SystemExit:
         pytest.fail(f"{command.where}: `{command.text}` is refused by trainflow's parser")
 
