@@ -1,7 +1,6 @@
 """Config of the evaluation stage."""
 
 import re
-
 from typing import Any
 
 from pydantic import Field, field_serializer, field_validator, model_validator
