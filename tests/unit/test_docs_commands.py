@@ -509,3 +509,32 @@ def test_a_documented_toml_line_sets_a_key_of_a_file(where: str, span: str) -> N
         return
     assert len(keys) == 1, f"{where}: `{span}`: {name} is no config key of one section ({keys})"
     build_config("tiny", {keys[0]: tomllib.loads(f"v = {value}")["v"]})
+
+
+def _inline_commands() -> list[tuple[str, str]]:
+    """`trainflow ...` named in inline code in the pages' prose."""
+    return [
+        (f"{page.relative_to(ROOT)}:{number}", span)
+        for page in PAGES
+        for number, line in enumerate(prose(page).splitlines(), start=1)
+        for span in re.findall(r"(?<!`)`(trainflow [^`]+)`(?!`)", line)
+    ]
+
+
+@pytest.mark.parametrize("where, text", _inline_commands(), ids=lambda x: str(x))
+def test_a_command_named_in_prose_has_its_options(where: str, text: str) -> None:
+    """`trainflow sweep --space`, `trainflow ui --port <free port>`: the command exists and
+    has each option named (spelled whole)."""
+    top = parser()
+    (subcommands,) = [a for a in top._actions if isinstance(a, argparse._SubParsersAction)]
+    words = text.split()[1:]
+    name = next((w for w in words if not w.startswith("-")), None)
+    if name in (None, "...", "<command>"):
+        command = top
+    else:
+        assert name in subcommands.choices, f"{where}: `{text}`: no command {name!r}"
+        command = subcommands.choices[name]
+    options = {s for a in [*top._actions, *command._actions] for s in a.option_strings}
+    for word in words:
+        if word.startswith("--"):
+            assert word.split("=")[0] in options, f"{where}: `{text}`: no option {word}"
