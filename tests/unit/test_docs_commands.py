@@ -538,3 +538,27 @@ def test_a_command_named_in_prose_has_its_options(where: str, text: str) -> None
     for word in words:
         if word.startswith("--"):
             assert word.split("=")[0] in options, f"{where}: `{text}`: no option {word}"
+
+
+UNKNOWN_ON_PURPOSE = {"train.foo"}
+"""Keys the pages show being refused (an error message's example)."""
+
+
+def _keys_in_prose() -> list[tuple[str, str]]:
+    """Every dotted config key anywhere in the prose's inline code, messages quoted whole
+    included (`cluster.cpus_per_task=<c> with cluster.ranks_per_node=<r> ...`)."""
+    key = re.compile(rf"(?<![\w/.-])((?:{'|'.join(SECTIONS)})\.[A-Za-z_][\w.]*\w)")
+    return [
+        (f"{page.relative_to(ROOT)}:{number}", found)
+        for page in PAGES
+        for number, line in enumerate(prose(page).splitlines(), start=1)
+        for span in re.findall(r"(?<!`)`([^`\n]+)`(?!`)", line)
+        for found in key.findall(span)
+    ]
+
+
+def test_every_key_in_the_prose_exists() -> None:
+    keys = _keys_in_prose()
+    assert len(keys) >= 200
+    wrong = [f"{where}: {key}" for where, key in keys if not _field(key)[0]]
+    assert [w for w in wrong if w.rsplit(" ", 1)[1] not in UNKNOWN_ON_PURPOSE] == []
