@@ -272,13 +272,28 @@ def test_the_mistakes_example_is_what_the_command_prints(
     (tmp_path / "charlm.toml").write_text(edited)
     monkeypatch.chdir(tmp_path)
     assert main(["config", "charlm.toml"]) == 2
-    printed = capsys.readouterr().err.splitlines()
-    assert len(printed) == len(shown.splitlines()), printed
-    for doc, real in zip(shown.splitlines(), printed, strict=True):
+    _same_output(shown, capsys.readouterr().err)
+
+
+def _same_output(shown: str, printed: str) -> None:
+    """A page's output example is what was printed, line by line; a shown line that ends in
+    `, ...` is the start of the printed one."""
+    assert len(printed.splitlines()) == len(shown.splitlines()), printed
+    for doc, real in zip(shown.splitlines(), printed.splitlines(), strict=True):
         if doc.endswith(", ..."):
             assert real.startswith(doc.removesuffix(" ...")), (doc, real)
         else:
             assert doc == real
+
+
+def test_the_config_error_example_is_what_the_command_prints(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """run.md's example of a refused config is the real output of the two mistakes it shows."""
+    page = ROOT / "docs" / "run.md"
+    (shown,) = [f.body for f in fences(page) if f.body.startswith("trainflow: error:")]
+    assert main(["config", "--set", "train.precision=fp8", "--set", "train.foo=1"]) == 2
+    _same_output(shown, capsys.readouterr().err)
 
 
 def test_one_command_list_in_the_docs() -> None:
