@@ -16,13 +16,14 @@ from trainflow.tasks.limits import open_files_advice, too_many_open_files
 _DEBUG_HELP = "show tracebacks of errors (also: TRAINFLOW_DEBUG=1)"
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="trainflow", description=__doc__)
-    parser.add_argument("--debug", action="store_true", help=_DEBUG_HELP)
+def parser() -> argparse.ArgumentParser:
+    """The `trainflow` command's argument parser (docs/cli.md renders it)."""
+    top = argparse.ArgumentParser(prog="trainflow", description=__doc__)
+    top.add_argument("--debug", action="store_true", help=_DEBUG_HELP)
     # `--debug` after the command too; SUPPRESS keeps a top-level --debug from being reset.
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=_DEBUG_HELP)
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = top.add_subparsers(dest="command", required=True)
     config_args = argparse.ArgumentParser(add_help=False)  # how every command builds a config
     config_args.add_argument(
         "experiment",
@@ -107,7 +108,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     ui.add_argument("--host", default="127.0.0.1", help="interface to bind (0.0.0.0: all)")
     ui.add_argument("--port", type=int, default=5000, help="port to listen on")
-    return parser
+    return top
 
 
 def _search_args(sw: argparse.ArgumentParser) -> None:
@@ -123,8 +124,18 @@ def _search_args(sw: argparse.ArgumentParser) -> None:
     )
     sw.add_argument("--trials", type=int, default=16, help="search: trials in the budget")
     sw.add_argument("--parallel", type=int, default=2, help="search: trials trained at once")
-    sw.add_argument("--sampler", choices=["tpe", "grid", "random"], default="tpe")
-    sw.add_argument("--pruner", choices=["asha", "median", "none"], default="asha")
+    sw.add_argument(
+        "--sampler",
+        choices=["tpe", "grid", "random"],
+        default="tpe",
+        help="search: how trials are drawn (grid: every point of choice() spaces)",
+    )
+    sw.add_argument(
+        "--pruner",
+        choices=["asha", "median", "none"],
+        default="asha",
+        help="search: how losing trials are stopped early (none: every trial trains to its end)",
+    )
     sw.add_argument(
         "--storage",
         help="search: the study's database URL (default: SQLite under the workdir; Slurm: "
@@ -350,7 +361,7 @@ def _config(args: argparse.Namespace) -> PipelineConfig:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``trainflow`` command."""
-    args = _parser().parse_args(argv)
+    args = parser().parse_args(argv)
     if args.debug:
         os.environ[DEBUG_ENV] = "1"  # the flows and the training job's payload see it too
     try:

@@ -1,8 +1,9 @@
 """Config of the evaluation stage."""
 
 import re
+from typing import Any
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, field_serializer, field_validator, model_validator
 
 from trainflow.config_base import StrictModel
 
@@ -26,9 +27,10 @@ class EvaluateConfig(StrictModel):
     registered_model: str | None = "auto"
     """MLflow registered model that gets a new version per evaluated model. auto: a name of the
     model and the objective, `<model>-<objective>` (gpt2-sequence, mlp-regression,
-    reference_cnn-classification; tasks.evaluate.naming); None: do not register.
-    Registration needs a logged model: with log_model=false and this left at its default,
-    nothing is registered; setting both explicitly is a config error."""
+    reference_cnn-classification; tasks.evaluate.naming); false (in a file or a --set; null
+    too on the command line): do not register, kept as None. Registration needs a logged model:
+    with log_model=false and this left at its default, nothing is registered; setting both
+    explicitly is a config error."""
     champion_alias: str = "champion"
     """Alias moved to the new version only when its champion_metric strictly beats the current
     holder's (a tie keeps the current champion). Serve `models:/<registered_model>@<alias>`."""
@@ -37,6 +39,18 @@ class EvaluateConfig(StrictModel):
     R², lower loss, RMSE or perplexity). None: the objective's headline (test_accuracy,
     test_r2, test_perplexity)."""
 
+    @field_validator("registered_model", mode="before")
+    @classmethod
+    def _false_is_off(cls, name: Any) -> Any:
+        # TOML has no null: `registered_model = false` is how an experiment file says "off".
+        return None if name is False else name
+
+    @field_serializer("registered_model", when_used="json")
+    def _off_as_false(self, name: str | None) -> str | bool:
+        # Written back as false, so `trainflow config --format toml` keeps it off (a None
+        # would be left out of the file, and reading it back would register again).
+        return False if name is None else name
+
     @field_validator("registered_model")
     @classmethod
     def _check_model_name(cls, name: str | None) -> str | None:
@@ -44,7 +58,7 @@ class EvaluateConfig(StrictModel):
             raise ValueError(
                 f"registered model name {name!r} is not allowed: use 1-256 letters, digits, "
                 "'_', '-' or '.', starting with a letter or digit (e.g. mnist-classifier), "
-                "or null to skip registration"
+                "or false to skip registration"
             )
         return name
 
@@ -70,6 +84,6 @@ class EvaluateConfig(StrictModel):
             raise ValueError(
                 f"registered_model={self.registered_model!r} needs log_model=true (only a logged "
                 "model can be registered): set evaluate.log_model=true, or "
-                "evaluate.registered_model=null to skip registration"
+                "evaluate.registered_model=false to skip registration"
             )
         return self

@@ -96,7 +96,8 @@ def check_same_run(current: dict[str, Any], saved: dict[str, Any], path: Path) -
     if changed:
         raise ConfigError(
             f"{path} was written by a run with other settings ({', '.join(changed)}): "
-            f"use a new out_dir, or delete {path.parent} to start this run from scratch"
+            f"start a new run (it trains in a folder of its own), or delete {path.parent} to "
+            "start this run from scratch"
         )
 
 

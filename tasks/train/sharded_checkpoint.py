@@ -235,8 +235,9 @@ def find_resumable(directory: Path, sharded: bool, ctx: DistContext) -> Resumabl
         was, now = ("ddp", "fsdp") if sharded else ("fsdp", "ddp")
         raise ConfigError(
             f"{directory} holds checkpoints of a train.strategy={was} run ({other[0].name}), "
-            f"which a train.strategy={now} run cannot resume: use train.strategy={was}, a "
-            f"new out_dir, or delete {directory} to start this run from scratch"
+            f"which a train.strategy={now} run cannot resume: use train.strategy={was}, start "
+            f"a new run (it trains in a folder of its own), or delete {directory} to start "
+            "this run from scratch"
         )
     return resumable_sharded(directory, ctx) if sharded else resumable_checkpoint(directory)
 

@@ -1,12 +1,19 @@
 """The documentation site builds as `make docs` builds it: Sphinx with warnings as errors, so a
 broken cross-reference, a missing page in a toctree, a missing image or a docstring the API
-reference cannot render fails the suite."""
+reference cannot render fails the suite. The command-line reference holds every command and
+option of the real parser. (What the pages' commands and keys say is checked against the
+parser and the config in tests/unit/test_docs_commands.py, without Sphinx.)"""
 
+import argparse
+import html
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from trainflow.flows.cli import parser
 
 pytestmark = pytest.mark.integration
 
@@ -34,6 +41,27 @@ def test_docs_build_without_warnings(tmp_path: Path) -> None:
     api = (html / "api" / "generated" / "trainflow.tasks.train.config.html").read_text()
     assert "TrainConfig" in api and "Passes over the training split." in api
     assert (html / "_images" / "mlflow-train-run.png").is_file()
+    search = (html / "api" / "generated" / "trainflow.tasks.search.study.html").read_text()
+    assert "StudyRef" in search
+    _has_every_option(html / "cli.html")
+
+
+def _has_every_option(page: Path) -> None:
+    """The command-line reference, generated from the parser, shows each of its commands with
+    each option and its help."""
+    text = html.unescape(re.sub(r"<[^>]+>", "", page.read_text()))
+    top = parser()
+    (commands,) = [a for a in top._actions if isinstance(a, argparse._SubParsersAction)]
+    assert len(commands.choices) >= 7
+    for name, command in commands.choices.items():
+        assert f"trainflow {name} [-h]" in text, name
+        for action in command._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue  # -h: the reference is the help
+            for flag in action.option_strings:
+                assert flag in text, (name, flag)
+            if action.help and action.help != argparse.SUPPRESS:
+                assert " ".join(action.help.split()) in " ".join(text.split()), (name, action.help)
 
 
 def test_a_broken_reference_fails_the_build(tmp_path: Path) -> None:

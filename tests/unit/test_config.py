@@ -200,5 +200,5 @@ def test_registration_needs_a_logged_model() -> None:
     cfg = build_config("demo", ["evaluate.log_model=false"])
     assert cfg.evaluate.registered_model == "auto"
     # Asking for both explicitly is a contradiction the user must resolve.
-    with pytest.raises(ConfigError, match=r"needs log_model=true.*registered_model=null"):
+    with pytest.raises(ConfigError, match=r"needs log_model=true.*registered_model=false"):
         build_config("demo", ["evaluate.log_model=false", "evaluate.registered_model=m"])

@@ -150,3 +150,25 @@ def test_a_sweep_varies_the_grid_over_the_file(tmp_path: Path) -> None:
     assert [cfg.train.lr for _, cfg in elements] == [0.01, 0.1]
     assert all(cfg.train.model == "char_transformer:build" for _, cfg in elements)
     assert all(cfg.train.epochs == 4 for _, cfg in elements)
+
+
+@pytest.mark.parametrize("off", ["false", "null"])
+def test_registration_turned_off_stays_off_through_a_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], off: str
+) -> None:
+    """TOML has no null: `trainflow config --format toml` writes `registered_model = false`,
+    and the file it prints builds a config that registers nothing, as does a file that says
+    false itself."""
+    argv = ["config", "--preset", "tiny", "--set", f"evaluate.registered_model={off}"]
+    assert main([*argv, "--format", "toml"]) == 0
+    printed = capsys.readouterr().out
+    assert "registered_model = false" in printed
+    path = _write(tmp_path, printed)
+    assert build_config(None, [], path).evaluate.registered_model is None
+    assert build_config(None, [], path) == build_config(
+        "tiny", [f"evaluate.registered_model={off}"]
+    )
+    own = _write(tmp_path, 'preset = "tiny"\n[evaluate]\nregistered_model = false\n', "own.toml")
+    assert build_config(None, [], own).evaluate.registered_model is None
+    assert main(["config", str(own)]) == 0
+    assert '"registered_model": false' in capsys.readouterr().out
