@@ -16,7 +16,7 @@ from typing import Any
 from pydantic import Field, ValidationError
 
 from trainflow.cluster.config import ClusterConfig
-from trainflow.config_base import StrictModel
+from trainflow.config_base import StrictModel, submodel
 from trainflow.errors import ConfigError
 from trainflow.tasks.evaluate.config import EvaluateConfig
 from trainflow.tasks.preprocess.config import PreprocessConfig
@@ -127,9 +127,9 @@ def set_path(tree: dict[str, Any], path: list[str], value: Any) -> None:
 def _valid_keys(model: type[StrictModel], prefix: str = "") -> list[str]:
     keys = []
     for name, field in model.model_fields.items():
-        ann = field.annotation
-        if isinstance(ann, type) and issubclass(ann, StrictModel):
-            keys += _valid_keys(ann, f"{prefix}{name}.")
+        section = submodel(field.annotation)
+        if section is not None:
+            keys += _valid_keys(section, f"{prefix}{name}.")
         else:
             keys.append(prefix + name)
     return keys

@@ -17,7 +17,7 @@ from typing import Any
 
 import tomli_w
 
-from trainflow.config_base import StrictModel
+from trainflow.config_base import StrictModel, submodel
 from trainflow.errors import ConfigError
 
 PRESET_KEY = "preset"
@@ -111,8 +111,8 @@ def leaves(tree: dict[str, Any], model: type[StrictModel]) -> dict[str, Any]:
     items: dict[str, Any] = {}
     for key, value in tree.items():
         info = model.model_fields.get(key)
-        sub = info.annotation if info is not None else None
-        if isinstance(value, dict) and isinstance(sub, type) and issubclass(sub, StrictModel):
+        sub = submodel(info.annotation) if info is not None else None
+        if isinstance(value, dict) and sub is not None:
             items.update({f"{key}.{k}": v for k, v in leaves(value, sub).items()})
         else:
             items[key] = value

@@ -29,7 +29,7 @@ from tests.docs_text import (
     prose,
     settings,
 )
-from trainflow.config_base import StrictModel
+from trainflow.config_base import StrictModel, submodel
 from trainflow.errors import ConfigError
 from trainflow.flows.cli import main, parser
 from trainflow.flows.config import PipelineConfig, build_config, build_sweep, parse_override
@@ -147,8 +147,9 @@ def _field(key: str) -> tuple[bool, Any]:
         if info is None:
             return False, None
         ann = info.annotation
-        if isinstance(ann, type) and issubclass(ann, StrictModel):
-            model = ann
+        section = submodel(ann)
+        if section is not None:
+            model = section
             continue
         rest = parts[i + 1 :]
         return (not rest or "dict" in str(ann)), ann
@@ -484,9 +485,9 @@ def _leaves(model: type[StrictModel] = PipelineConfig, prefix: str = "") -> dict
     """Leaf name -> the dotted keys that end in it (`lr` -> [`train.lr`])."""
     out: dict[str, list[str]] = {}
     for name, info in model.model_fields.items():
-        ann = info.annotation
-        if isinstance(ann, type) and issubclass(ann, StrictModel):
-            for leaf, keys in _leaves(ann, f"{prefix}{name}.").items():
+        section = submodel(info.annotation)
+        if section is not None:
+            for leaf, keys in _leaves(section, f"{prefix}{name}.").items():
                 out.setdefault(leaf, []).extend(keys)
         else:
             out.setdefault(name, []).append(prefix + name)
