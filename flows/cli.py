@@ -80,7 +80,7 @@ def parser() -> argparse.ArgumentParser:
     res.add_argument(
         "--workdir",
         default=str(PipelineConfig().workdir),
-        help="where to find a run given by id (default: %(default)s)",
+        help=f"where to find a run given by id (default: {PipelineConfig().workdir})",
     )
     res.add_argument(
         "--set",
