@@ -84,7 +84,8 @@ def read_record(run_dir: Path) -> RunRecord:
     if not path.is_file():
         raise ConfigError(
             f"{run_dir} holds no pipeline run ({FILE} missing): give a run folder "
-            "<workdir>/runs/<run id> of `trainflow run`, or its MLflow parent run id"
+            "<workdir>/runs/<run id> of `trainflow run`, or its MLflow parent run id (a search "
+            "continues by running its command again: its study keeps its trials)"
         )
     try:
         return RunRecord.model_validate_json(path.read_text())
