@@ -15,7 +15,7 @@ FIND_LINKS := $(if $(wildcard /opt/wheels/torch-*),--find-links /opt/wheels)
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup demo test test-fast lint typecheck unit integration gpu bench lock clean docs \
+.PHONY: setup demo test test-fast lint typecheck unit integration gpu bench lock clean docs group-seconds \
 	stack-up stack-deploy stack-status stack-down
 
 setup: $(VENV)/.installed-$(KIND)
@@ -63,9 +63,13 @@ TEST_WORKERS ?= 4
 test: lint setup
 	@$(MYPY) > .mypy.log 2>&1 & mypy=$$!; \
 	$(BIN)/python -m pytest tests -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder \
-	  --durations=30; tests=$$?; \
+	  --durations=30 --junitxml=test-artifacts/junit.xml; tests=$$?; \
 	wait $$mypy; typed=$$?; echo "== mypy =="; cat .mypy.log; \
 	test $$tests -eq 0 -a $$typed -eq 0
+
+# After `make test` on a quiet machine: the test files' seconds (their order in the next run).
+group-seconds: setup
+	$(BIN)/python -m tests.group_seconds test-artifacts/junit.xml
 
 # Everyday work: lint and the unit tests that start no service (no Prefect or MLflow server,
 # no Slurm, no dask cluster, no rank processes).
