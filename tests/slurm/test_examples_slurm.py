@@ -1,6 +1,9 @@
-"""The two examples/ projects on the 2-node dev Slurm: one rank on each node, each importing the
-user's model from the run's code snapshot (the job runs `code_first` before it builds the model),
-the same checks as on the local executor (tests/integration/test_examples.py).
+"""The examples/ projects that bring their own code, on the 2-node dev Slurm: one rank on each
+node, each importing the user's model from the run's code snapshot (the job runs `code_first`
+before it builds the model), the same checks as on the local executor
+(tests/integration/test_examples.py). hf_finetune brings no code (a built-in source and model):
+what Slurm adds to it, a Hugging Face model fine-tuned on two nodes from a folder named relative
+to the command's working folder, is tests/slurm/test_hf_slurm.py's.
 
 Each rank's log names the file its model factory was imported from; the ranks start in the
 example's folder (the command's working directory), where the same module lies, so a rank
@@ -16,15 +19,13 @@ from tests.integration.test_examples import CASES, EXAMPLES, check_example, run_
 TWO_NODES = ["cluster.executor=slurm", "cluster.nodes=2", "cluster.ranks_per_node=1"]
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("name", sorted(n for n, case in CASES.items() if case.user_files))
 def test_the_example_trains_on_two_slurm_nodes(tmp_path: Path, name: str) -> None:
     ran = run_example(name, tmp_path, TWO_NODES)
     check_example(name, ran)
     train = ran.kids["train"].data.tags
     assert train["slurm_node_list"] == "tfnode[1-2]", train
     assert train["slurm_state"] == "COMPLETED", train
-    if not CASES[name].user_files:
-        return  # a built-in model: nothing of the user's to import
     (run,) = (tmp_path / "work" / "runs").iterdir()
     code = (run / "jobs" / "code").resolve()
     model = CASES[name].model

@@ -36,12 +36,18 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 __all__ = ["dataset"]  # the module fixture, shared with the ddp tests
 
 LIMIT_S = 40.0
-"""The attempts' time limit: start-up (7 to 15 s here, by load), a few steps and a save fit in
-it; an epoch of 96 steps of at least 0.25 s each does not (nor, on one rank, the 96 steps
-of 0.5 s of the accumulation test's epoch 2). The floor under each step (tests.slow_steps),
-not more data, makes the epochs long: this machine's throughput varied 4x with its load, and
-the local executor starts a job at most 6 times, so the attempts must be few on a loaded
-machine and several on an idle one."""
+"""The accumulation test's time limit: start-up (7 to 15 s here, by load), a few steps and a
+save fit in it; its epoch 2 (96 steps on one rank, ACCUMULATION_FLOOR_S each at least) does
+not. The floor under each step (tests.slow_steps), not more data, makes the epoch long: this
+machine's throughput varied 4x with its load, and the local executor starts a job at most 6
+times, so the attempts must be few on a loaded machine."""
+ACCUMULATION_FLOOR_S = 0.4
+"""The accumulation test's step floor: 96 x 0.4 = 38.4 s of steps alone outlast what any
+attempt has before its deadline (40 - 5 s of margin), so the first attempt stops inside
+epoch 2 on the fastest machine. Each attempt here also reserves ~7.5 s for its save (1.5 x
+the 5 s a save is taken to cost before one is measured), so an idle attempt (about 4 s of
+start-up) trains (40 - 5 - 7.5 - 4) / 0.45 = 52 steps and the epoch ends in its 2nd attempt;
+a loaded one (15 s of start-up) 25 steps: 4 attempts of the local executor's 6."""
 FSDP_LIMIT_S, FSDP_FLOOR_S = 60.0, 0.55
 """The 2-rank FSDP test's limit and step floor. Its attempts' fixed costs (the process, FSDP's
 set-up and resume, the save reserved, the margin) took 15 s idle and up to 38 s on a loaded
@@ -149,7 +155,8 @@ def test_a_time_limit_stop_under_gradient_accumulation_resumes_at_its_micro_batc
         shutil.copytree(straight / "checkpoints" / "epoch-000001", epoch_1)
         shutil.copy(straight / "best.pt", spec.out_dir / "best.pt")  # the same in both
     lines: list[str] = []
-    job = _executor(tmp_path / "jobs", LIMIT_S, ranks=1).submit(SlowSteps(limited, 0.5))
+    executor = _executor(tmp_path / "jobs", LIMIT_S, ranks=1)
+    job = executor.submit(SlowSteps(limited, ACCUMULATION_FLOOR_S))
     assert isinstance(wait_for_job(job, _kept(lines)), CheckpointRef)
     assert any("1 ranks x 2 micro-batches of 64 per step" in ln for ln in lines)
     stops = [ln for ln in lines if "checkpointing at step" in ln]
