@@ -192,15 +192,10 @@ def _wait(
         if peer_seen is None:
             found = peer()
             peer_seen = (time.monotonic(), found) if found else None
-        elif time.monotonic() - peer_seen[0] >= PEER_GRACE_S:
-            how = peer_seen[1].get("signal") or f"exit code {peer_seen[1].get('returncode')}"
-            print(
-                f"rank_guard: rank {peer_seen[1].get('task')} of this job ended ({how}) "
-                f"{PEER_GRACE_S:.0f} s ago and this rank still runs: ending it instead of "
-                "waiting for its collectives to time out",
-                file=sys.stderr,
-                flush=True,
-            )
+        if peer_seen is not None and (
+            requeued(peer_seen[1]) or time.monotonic() - peer_seen[0] >= PEER_GRACE_S
+        ):
+            _say_peer_end(peer_seen[1])
             child.kill()
             return child.wait(), False, int(peer_seen[1].get("task", -1))
         if written_at is None:
@@ -225,6 +220,28 @@ def _wait(
         child.kill()
         child.wait()
         return (0 if outcome == "success" else 1), True, None
+
+
+def requeued(record: dict[str, Any]) -> bool:
+    """Whether a peer's exit record is the local executor's requeue of the attempt (rank 0
+    checkpointed and asked for the next attempt): the other ranks end with it at once."""
+    from submitit.local.local import LOCAL_REQUEUE_RETURN_CODE
+
+    return record.get("returncode") == LOCAL_REQUEUE_RETURN_CODE
+
+
+def _say_peer_end(record: dict[str, Any]) -> None:
+    """The guard's line when it ends its rank for a peer's end."""
+    task = record.get("task")
+    if requeued(record):
+        line = f"rank {task} requeued this attempt: this rank ends with it"
+    else:
+        how = record.get("signal") or f"exit code {record.get('returncode')}"
+        line = (
+            f"rank {task} of this job ended ({how}) {PEER_GRACE_S:.0f} s ago and this rank "
+            "still runs: ending it instead of waiting for its collectives to time out"
+        )
+    print(f"rank_guard: {line}", file=sys.stderr, flush=True)
 
 
 def _start(command: list[str], env: dict[str, str]) -> "subprocess.Popen[bytes]":
