@@ -6,10 +6,9 @@ queue every step.
 """
 
 import itertools
-import math
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -26,6 +25,7 @@ from trainflow.tasks.train.distributed import DistContext, all_reduce_sum
 from trainflow.tasks.train.outputs import logits_of
 from trainflow.tasks.train.precision import PrecisionPolicy
 from trainflow.tasks.train.prefetch import Batch
+from trainflow.tasks.train.schedule import Schedule
 from trainflow.tasks.train.sharding import is_sharded
 from trainflow.tasks.train.step_times import NO_TIMER, StepTimer
 from trainflow.tasks.train.throughput import RankClock
@@ -41,7 +41,7 @@ class Trainer:
     model: nn.Module
     """The model, DDP-wrapped when world_size > 1."""
     optimizer: torch.optim.Optimizer
-    """AdamW or SGD; its learning rate is set every step by the cosine schedule."""
+    """AdamW or SGD; its learning rate is set every step by `schedule`."""
     scaler: torch.amp.GradScaler
     """Loss scaler (enabled only under fp16)."""
     policy: PrecisionPolicy
@@ -51,9 +51,9 @@ class Trainer:
     objective: Objective
     """Loss and metrics."""
     peak_lr: float
-    """Learning rate at step 0."""
+    """The schedule's peak learning rate (train.lr)."""
     total_steps: int
-    """Steps of the whole run: the cosine reaches 0 here."""
+    """Optimizer steps of the whole run: the schedule ends here."""
     cuda_graphs: bool = False
     """The model replays CUDA graphs (compiled with mode="reduce-overhead"): each step then
     tells torch a new iteration begins, so the graphs' outputs of the last one may be reused."""
@@ -64,6 +64,12 @@ class Trainer:
     its global batch (tasks.train.resume); their gradients add up before the step."""
     timer: StepTimer = NO_TIMER
     """Told when each step waits for data, starts and ends (tasks.train.step_times)."""
+    schedule: Schedule = field(default_factory=Schedule)
+    """The learning rate's shape over the run (tasks.train.schedule): cosine to 0 unless set."""
+
+    def lr(self, step: int) -> float:
+        """The learning rate of optimizer step `step`."""
+        return self.schedule.lr(step, self.total_steps, self.peak_lr)
 
 
 def make_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
@@ -92,15 +98,6 @@ def _fused_supported(model: nn.Module) -> bool | None:
     (torch's default: foreach on CUDA, a per-parameter loop elsewhere)."""
     devices = {p.device.type for p in model.parameters()}
     return True if devices and devices <= _FUSED_DEVICES else None
-
-
-def cosine_lr(step: int, total_steps: int, peak_lr: float) -> float:
-    """Learning rate at `step`: cosine decay from peak_lr to 0 over total_steps.
-
-    A pure function of the step, so a resumed run needs no scheduler state.
-    """
-    progress = min(step / max(total_steps, 1), 1.0)
-    return 0.5 * peak_lr * (1.0 + math.cos(math.pi * progress))
 
 
 def _train_step(
@@ -170,7 +167,7 @@ def train_epoch(
     if stop is not None and stop.carried and trainer.dist.is_main:
         sums += torch.tensor(stop.carried, dtype=torch.float64, device=device)
     done, steps = 0, -(-len(batches) // trainer.accumulation)  # steps of micro-batches
-    lr = cosine_lr(step, trainer.total_steps, trainer.peak_lr)
+    lr = trainer.lr(step)
     start = time.perf_counter()
     beat, timer = trainer.heartbeat.beat, trainer.timer
     fetched = iter(data.batches(batches, device))
@@ -185,7 +182,7 @@ def train_epoch(
             break
         timer.step()
         beat("step", step)
-        lr = cosine_lr(step, trainer.total_steps, trainer.peak_lr)
+        lr = trainer.lr(step)
         micro = itertools.chain([(x, y)], itertools.islice(fetched, trainer.accumulation - 1))
         step_sums, count = _train_step(trainer, micro, lr)
         sums[:-1] += step_sums
