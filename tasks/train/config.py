@@ -55,6 +55,13 @@ class TrainConfig(StrictModel):
     decay_fraction: float | None = Field(None, gt=0.0, le=1.0)
     """schedule=wsd only: the fraction of the run's optimizer steps (rounded up) of its final
     decay. Unset: 0.1."""
+    max_grad_norm: float = Field(0.0, ge=0.0, le=1e6)
+    """Clip the gradients before each optimizer step so that their global L2 norm (all
+    parameters, all ranks and FSDP shards, after fp16's unscaling) is at most this; each
+    epoch's mean norm before clipping is logged as grad_norm. 0 (the default): no clipping and
+    no norm computed, so a run that does not set it trains exactly as without the key, and
+    the built-in models' tuned learning rates keep their results; Hugging Face's Trainer
+    clips at 1.0, a usual choice for transformers (tasks.train.clipping)."""
     weight_decay: float = Field(1e-4, ge=0.0, le=1.0)
     """Decoupled weight decay."""
     precision: Literal["auto", "bf16", "fp16", "fp32"] = "auto"

@@ -241,6 +241,7 @@ class TrainingJob(submitit.helpers.Checkpointable):
             heartbeat=getattr(self, "_heartbeat", NO_HEARTBEAT),
             accumulation=batch.accumulation,
             schedule=schedule_for(cfg, total_steps),
+            max_grad_norm=cfg.max_grad_norm,
         )
 
     def _resume(self, trainer: Trainer, found: Resumable | None) -> Progress:

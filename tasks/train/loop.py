@@ -18,6 +18,7 @@ from torch import nn
 from trainflow.cluster.heartbeat import NO_HEARTBEAT, Heartbeat
 from trainflow.tasks.objectives import Objective
 from trainflow.tasks.train.checkpoint import unwrap
+from trainflow.tasks.train.clipping import clip_gradients
 from trainflow.tasks.train.config import TrainConfig
 from trainflow.tasks.train.data import SplitData as Split
 from trainflow.tasks.train.data import eval_batches
@@ -64,6 +65,9 @@ class Trainer:
     its global batch (tasks.train.resume); their gradients add up before the step."""
     timer: StepTimer = NO_TIMER
     """Told when each step waits for data, starts and ends (tasks.train.step_times)."""
+    max_grad_norm: float = 0.0
+    """Clip the gradients' global norm to this before each optimizer step (train.max_grad_norm);
+    0: no clipping, no norm computed."""
     schedule: Schedule = field(default_factory=Schedule)
     """The learning rate's shape over the run (tasks.train.schedule): cosine to 0 unless set."""
 
@@ -102,10 +106,11 @@ def _fused_supported(model: nn.Module) -> bool | None:
 
 def _train_step(
     trainer: Trainer, micro_batches: Iterator[Batch], lr: float
-) -> tuple[torch.Tensor, int]:
+) -> tuple[torch.Tensor, int, torch.Tensor | None]:
     """One optimiser step over `trainer.accumulation` micro-batches (each loss divided by
     their number, so the gradients average as over the ranks they stand for); returns their
-    metric sums (on device) and sample count."""
+    metric sums (on device), sample count, and the gradients' global norm before clipping
+    (None without clipping)."""
     for group in trainer.optimizer.param_groups:
         group["lr"] = lr
     sums, count = None, 0
@@ -125,9 +130,13 @@ def _train_step(
         sums = batch_sums if sums is None else sums + batch_sums
         count += int(y.shape[0])
     assert sums is not None, "a step without a batch"
+    norm = None
+    if trainer.max_grad_norm > 0:
+        trainer.scaler.unscale_(trainer.optimizer)  # fp16: clip true gradients (else a no-op)
+        norm = clip_gradients(trainer.model, trainer.max_grad_norm)
     trainer.scaler.step(trainer.optimizer)
     trainer.scaler.update()
-    return sums, count
+    return sums, count, norm
 
 
 class EpochStop(Protocol):
@@ -156,14 +165,18 @@ def train_epoch(
     """Train over `batches` starting at global `step`; returns (metrics, next step).
 
     Metrics: train_<the objective's metrics> (train_loss, train_accuracy...), samples_per_s
-    (all ranks together), lr. `clock` stops when this rank's last step is done, before the
+    (all ranks together), lr, and with clipping grad_norm (the mean over the epoch's steps of
+    the global gradient norm before clipping; steps with an inf/nan norm, which fp16 skips,
+    left out). `clock` stops when this rank's last step is done, before the
     ranks meet (tasks.train.throughput). `stop`: the epoch may end early (a time limit); its
     sums of the batches an earlier attempt did count too (rank 0 adds them).
     """
     device = trainer.dist.device
     trainer.model.train()
     objective = trainer.objective
-    sums = torch.zeros(objective.sums_size + 1, dtype=torch.float64, device=device)
+    # the objective's sums, with clipping rank 0's norm sum and finite steps, the count last
+    norms = 2 if trainer.max_grad_norm > 0 else 0
+    sums = torch.zeros(objective.sums_size + norms + 1, dtype=torch.float64, device=device)
     if stop is not None and stop.carried and trainer.dist.is_main:
         sums += torch.tensor(stop.carried, dtype=torch.float64, device=device)
     done, steps = 0, -(-len(batches) // trainer.accumulation)  # steps of micro-batches
@@ -184,8 +197,12 @@ def train_epoch(
         beat("step", step)
         lr = trainer.lr(step)
         micro = itertools.chain([(x, y)], itertools.islice(fetched, trainer.accumulation - 1))
-        step_sums, count = _train_step(trainer, micro, lr)
-        sums[:-1] += step_sums
+        step_sums, count, norm = _train_step(trainer, micro, lr)
+        sums[: objective.sums_size] += step_sums
+        if norm is not None and trainer.dist.is_main:  # equal on all ranks: counted once
+            finite = torch.isfinite(norm)
+            sums[-3] += torch.where(finite, norm, 0.0)
+            sums[-2] += finite
         sums[-1] += count
         step += 1
         timer.done(step)
@@ -196,8 +213,10 @@ def train_epoch(
     if stop is not None and done < steps:
         stop.stopped(done, [*totals, count])
     elapsed = time.perf_counter() - start
-    metrics = {f"train_{k}": v for k, v in objective.metrics(totals).items()}
+    metrics = {f"train_{k}": v for k, v in objective.metrics(totals[: objective.sums_size]).items()}
     metrics |= {"samples_per_s": count / max(elapsed, 1e-9), "lr": lr}
+    if norms:
+        metrics["grad_norm"] = totals[-2] / max(totals[-1], 1.0)
     return metrics, step
 
 
