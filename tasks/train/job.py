@@ -41,7 +41,7 @@ from trainflow.tasks.train.limit_requeue import (
     count_stalled,
 )
 from trainflow.tasks.train.log_lines import announce
-from trainflow.tasks.train.loop import Trainer, evaluate_split, make_optimizer, train_epoch
+from trainflow.tasks.train.loop import Trainer, evaluate_split, train_epoch
 from trainflow.tasks.train.model_plugins import build_model, resolve_factory
 from trainflow.tasks.train.models import (
     narrowest_conv,
@@ -49,6 +49,7 @@ from trainflow.tasks.train.models import (
     use_channels_last,
     uses_cuda_graphs,
 )
+from trainflow.tasks.train.optimizers import make_optimizer
 from trainflow.tasks.train.precision import PrecisionPolicy, resolve_precision
 from trainflow.tasks.train.progress import (
     Progress,

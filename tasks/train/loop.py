@@ -19,7 +19,6 @@ from trainflow.cluster.heartbeat import NO_HEARTBEAT, Heartbeat
 from trainflow.tasks.objectives import Objective
 from trainflow.tasks.train.checkpoint import unwrap
 from trainflow.tasks.train.clipping import clip_gradients
-from trainflow.tasks.train.config import TrainConfig
 from trainflow.tasks.train.data import SplitData as Split
 from trainflow.tasks.train.data import eval_batches
 from trainflow.tasks.train.distributed import DistContext, all_reduce_sum
@@ -30,9 +29,6 @@ from trainflow.tasks.train.schedule import Schedule
 from trainflow.tasks.train.sharding import is_sharded
 from trainflow.tasks.train.step_times import NO_TIMER, StepTimer
 from trainflow.tasks.train.throughput import RankClock
-
-# Devices with fused AdamW/SGD kernels in torch >= 2.4.
-_FUSED_DEVICES = {"cuda", "cpu"}
 
 
 @dataclass(frozen=True)
@@ -74,34 +70,6 @@ class Trainer:
     def lr(self, step: int) -> float:
         """The learning rate of optimizer step `step`."""
         return self.schedule.lr(step, self.total_steps, self.peak_lr)
-
-
-def make_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
-    """AdamW, or SGD with momentum 0.9, with the config's learning rate and weight decay.
-
-    Fused (one kernel for all parameters) where torch has such kernels: CUDA, and CPU
-    since torch 2.4 (AdamW step here: 200 -> 64 us). Under fp16 a fused optimizer also
-    lets the GradScaler skip inf/nan steps on the device instead of syncing every step.
-    """
-    fused = _fused_supported(model)
-    if cfg.optimizer == "sgd":
-        return torch.optim.SGD(
-            model.parameters(),
-            lr=cfg.lr,
-            momentum=0.9,
-            weight_decay=cfg.weight_decay,
-            fused=fused,
-        )
-    return torch.optim.AdamW(
-        model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=fused
-    )
-
-
-def _fused_supported(model: nn.Module) -> bool | None:
-    """True when every parameter sits on a device with fused optimizer kernels, else None
-    (torch's default: foreach on CUDA, a per-parameter loop elsewhere)."""
-    devices = {p.device.type for p in model.parameters()}
-    return True if devices and devices <= _FUSED_DEVICES else None
 
 
 def _train_step(

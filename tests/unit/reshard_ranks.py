@@ -22,7 +22,7 @@ from tests.unit import fsdp_ranks
 from trainflow.tasks.train.checkpoint import host_copy
 from trainflow.tasks.train.config import TrainConfig
 from trainflow.tasks.train.distributed import DistContext
-from trainflow.tasks.train.loop import make_optimizer
+from trainflow.tasks.train.optimizers import make_optimizer
 from trainflow.tasks.train.sharded_checkpoint import ShardedSaver, load_sharded
 from trainflow.tasks.train.sharded_init import build_on_rank, shard_from_rank0
 from trainflow.tasks.train.sharding import local_numel
