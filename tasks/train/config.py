@@ -2,11 +2,12 @@
 
 from typing import Any, Literal, Self
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from trainflow.config_base import StrictModel
 
 ADAM_KEYS = ("adam_beta1", "adam_beta2", "adam_eps")
+SGD_KEYS = ("momentum", "nesterov")
 
 
 class TrainConfig(StrictModel):
@@ -34,9 +35,17 @@ class TrainConfig(StrictModel):
     """Passes over the training split."""
     batch_size: int = Field(64, ge=1, le=65_536)
     """Samples per rank per optimiser step."""
-    optimizer: Literal["adamw", "sgd"] = "adamw"
-    """adamw (torch.optim.AdamW: train.adam_beta1, adam_beta2, adam_eps), or sgd
-    (torch.optim.SGD: train.momentum, nesterov); fused kernels where torch has them."""
+    optimizer: str = Field("adamw", min_length=1)
+    """adamw (torch.optim.AdamW: train.adam_beta1, adam_beta2, adam_eps) or sgd
+    (torch.optim.SGD: train.momentum, nesterov), fused where torch has the kernels; or a
+    plug-in: an import path 'package.module:factory' or a name an installed package registers
+    under the entry-point group 'trainflow.optimizers', called as factory(param_groups,
+    lr=train.lr, **train.optimizer_args) and returning a torch.optim.Optimizer
+    (trainflow.tasks.train.optimizers)."""
+    optimizer_args: dict[str, Any] = Field(default_factory=dict)
+    """A plug-in optimizer's keyword arguments, a JSON object: --set
+    train.optimizer_args='{"betas":[0.9,0.99]}'. Not for adamw and sgd (their keys are their
+    own)."""
     adam_beta1: float | None = Field(None, ge=0.0, lt=1.0)
     """adamw only: decay rate of the gradient's running mean. Unset: 0.9 (torch's)."""
     adam_beta2: float | None = Field(None, ge=0.0, lt=1.0)
@@ -172,12 +181,14 @@ class TrainConfig(StrictModel):
     four numbers) and compared every this many steps. A straggler is named after
     straggler_windows x straggler_window_steps steps."""
 
-    @field_validator("model_args")
+    @field_validator("model_args", "optimizer_args")
     @classmethod
-    def _json_object(cls, value: dict[str, Any]) -> dict[str, Any]:
+    def _json_object(cls, value: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
         bad = [k for k in value if not k.isidentifier()]
         if bad:
-            raise ValueError(f"model_args keys must be Python identifiers (keyword names): {bad}")
+            raise ValueError(
+                f"{info.field_name} keys must be Python identifiers (keyword names): {bad}"
+            )
         return value
 
     @model_validator(mode="after")
@@ -235,13 +246,24 @@ class TrainConfig(StrictModel):
 
     @model_validator(mode="after")
     def _optimizer_keys_are_its_own(self) -> Self:
-        theirs = {"adamw": ("momentum", "nesterov"), "sgd": tuple(ADAM_KEYS)}[self.optimizer]
-        wrong = [k for k in theirs if getattr(self, k) not in (None, False)]
+        own = {"adamw": ADAM_KEYS, "sgd": SGD_KEYS}.get(self.optimizer, ())
+        unset = {"nesterov": False}  # the others: None
+        wrong = [
+            k
+            for k in (*ADAM_KEYS, *SGD_KEYS)
+            if k not in own and getattr(self, k) is not unset.get(k)
+        ]
         if wrong:
-            other = "sgd" if self.optimizer == "adamw" else "adamw"
+            owner = "adamw" if wrong[0] in ADAM_KEYS else "sgd"
             raise ValueError(
-                f"train.{wrong[0]} is a setting of train.optimizer={other}, not "
-                f"{self.optimizer}: unset it, or set train.optimizer={other}"
+                f"train.{wrong[0]} is a setting of train.optimizer={owner}, not "
+                f"{self.optimizer}: unset it, or set train.optimizer={owner}"
+                + ("" if own else " (a plug-in takes train.optimizer_args)")
+            )
+        if self.optimizer_args and own:
+            raise ValueError(
+                f"train.optimizer_args is for a plug-in optimizer, not {self.optimizer}: set "
+                f"its settings as train keys ({', '.join('train.' + k for k in own)})"
             )
         if self.nesterov and self.momentum == 0:
             raise ValueError(

@@ -13,10 +13,18 @@ import torch
 from torch import nn
 
 from tests.unit.datasets import write_dataset
+from trainflow.cluster.config import ClusterConfig
+from trainflow.cluster.executor import make_executor
+from trainflow.cluster.jobs import wait_for_job
 from trainflow.errors import ConfigError
+from trainflow.flows.config import build_config
+from trainflow.flows.preflight import preflight, user_modules
+from trainflow.tasks.plugins import PluginError
+from trainflow.tasks.train.checkpoint import latest_checkpoint, load_state
 from trainflow.tasks.train.config import TrainConfig
 from trainflow.tasks.train.job import TrainingJob, TrainJobSpec
 from trainflow.tasks.train.optimizers import make_optimizer
+from trainflow.tasks.train.ref import CheckpointRef
 
 
 class Net(nn.Module):
@@ -111,3 +119,78 @@ def test_a_checkpoint_written_when_every_parameter_decayed_resumes_only_so(
     with pytest.raises(ConfigError, match=r"other settings \(weight_decay_all\)"):
         job(TrainConfig())._check_same_run(saved, tmp_path / "old.pt")
     job(TrainConfig(weight_decay_all=True))._check_same_run(saved, tmp_path / "old.pt")
+
+
+LION = "tests.unit.lion_optimizer:Lion"
+
+
+def test_a_plug_in_gets_the_groups_the_learning_rate_and_its_arguments() -> None:
+    model = Net()
+    cfg = TrainConfig(optimizer=LION, optimizer_args={"betas": [0.8, 0.9]}, weight_decay=0.1)
+    optimizer = make_optimizer(cfg, model)
+    assert type(optimizer).__name__ == "Lion"
+    groups = optimizer.param_groups
+    assert [(_names(model, g), g["weight_decay"]) for g in groups] == [(DECAY, 0.1), (EXEMPT, 0.0)]
+    assert [(g["lr"], g["betas"]) for g in groups] == [(cfg.lr, (0.8, 0.9))] * 2
+
+
+@pytest.mark.parametrize(
+    "ref,args,message",
+    [
+        ("no_such_module:Lion", {}, r"^train.optimizer='no_such_module:Lion': no module named"),
+        (
+            "tests.unit.lion_optimizer:returns_a_number",
+            {},
+            r"lion_optimizer.py returned a float, not a torch.optim.Optimizer: return",
+        ),
+        (
+            "tests.unit.lion_optimizer:raises",
+            {},
+            r"^the optimizer factory .* raised RuntimeError: no such optimizer at .*lion_optimizer",
+        ),
+        (LION, {"beta": 0.9}, r"raised TypeError: .*unexpected keyword argument 'beta'"),
+    ],
+)
+def test_each_plug_in_mistake_is_one_line_before_any_work(
+    tmp_path: Path, ref: str, args: dict[str, object], message: str
+) -> None:
+    overrides = {"workdir": str(tmp_path / "work"), "train.optimizer": ref}
+    cfg = build_config("tiny", {**overrides, "train.optimizer_args": args})
+    with pytest.raises(PluginError, match=message) as raised:
+        preflight(cfg)
+    assert "\n" not in str(raised.value)
+    assert not (tmp_path / "work").exists()
+
+
+def test_the_plug_ins_module_is_in_the_runs_code_snapshot(tmp_path: Path) -> None:
+    cfg = build_config("tiny", {"workdir": str(tmp_path), "train.optimizer": LION})
+    assert "tests.unit.lion_optimizer" in user_modules(cfg, preflight(cfg))
+    assert user_modules(build_config("tiny"), preflight(build_config("tiny"))) == [
+        "trainflow.tasks.train.models"
+    ]
+
+
+@pytest.mark.parametrize(
+    "keys,message",
+    [
+        ({"optimizer_args": {"lr_decay": 0.1}}, "train.optimizer_args is for a plug-in optimizer"),
+        ({"optimizer": LION, "adam_beta1": 0.8}, r"a plug-in takes train.optimizer_args"),
+    ],
+)
+def test_plug_in_and_built_in_settings_do_not_mix(keys: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        TrainConfig(**keys)
+
+
+def test_a_job_trains_with_a_plug_in_and_checkpoints_its_state(tmp_path: Path) -> None:
+    """One rank (submitit's debug executor): Lion's momentum is in the checkpoint."""
+    dataset = write_dataset(tmp_path / "ds")
+    cfg = TrainConfig(epochs=1, batch_size=32, device="cpu", optimizer=LION, lr=1e-4)
+    spec = TrainJobSpec(train=cfg, dataset=dataset, out_dir=tmp_path / "run")
+    executor = make_executor(ClusterConfig(executor="debug", ranks_per_node=1), tmp_path / "j")
+    ref = wait_for_job(executor.submit(TrainingJob(spec)), lambda line: None)
+    assert isinstance(ref, CheckpointRef)
+    path = latest_checkpoint(tmp_path / "run" / "checkpoints")
+    assert path is not None
+    state = load_state(path)["optimizer"]["state"]
+    assert state and all(set(s) == {"exp_avg"} for s in state.values())
