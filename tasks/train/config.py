@@ -39,9 +39,9 @@ class TrainConfig(StrictModel):
     """adamw (torch.optim.AdamW: train.adam_beta1, adam_beta2, adam_eps) or sgd
     (torch.optim.SGD: train.momentum, nesterov), fused where torch has the kernels; or a
     plug-in: an import path 'package.module:factory' or a name an installed package registers
-    under the entry-point group 'trainflow.optimizers', called as factory(param_groups,
-    lr=train.lr, **train.optimizer_args) and returning a torch.optim.Optimizer
-    (trainflow.tasks.train.optimizers)."""
+    under the entry-point group 'trainflow.optimizers', called as
+    ``factory(param_groups, lr=train.lr, **train.optimizer_args)`` and returning a
+    torch.optim.Optimizer (trainflow.tasks.train.optimizers)."""
     optimizer_args: dict[str, Any] = Field(default_factory=dict)
     """A plug-in optimizer's keyword arguments, a JSON object: --set
     train.optimizer_args='{"betas":[0.9,0.99]}'. Not for adamw and sgd (their keys are their
