@@ -22,9 +22,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from trainflow.tasks.spec import image_classification
 from trainflow.tasks.train.config import TrainConfig
-from trainflow.tasks.train.loop import make_optimizer
 from trainflow.tasks.train.model_plugins import build_model
 from trainflow.tasks.train.models import place_model
+from trainflow.tasks.train.optimizers import make_optimizer
 from trainflow.tasks.train.precision import resolve_precision
 
 CAPS_MB = (1.0, 5.0, 25.0, 100.0)

@@ -33,8 +33,9 @@ from trainflow.tasks.spec import image_classification
 from trainflow.tasks.train.config import TrainConfig
 from trainflow.tasks.train.data import Split, rank_batches
 from trainflow.tasks.train.distributed import DistContext, distributed, wrap_ddp
-from trainflow.tasks.train.loop import Trainer, make_optimizer, train_epoch
+from trainflow.tasks.train.loop import Trainer, train_epoch
 from trainflow.tasks.train.model_plugins import build_model
+from trainflow.tasks.train.optimizers import make_optimizer
 from trainflow.tasks.train.precision import resolve_precision
 from trainflow.tasks.train.step_times import StepTimes, gather_rows
 from trainflow.tasks.train.stragglers import StragglerWatch

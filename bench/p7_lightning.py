@@ -9,7 +9,8 @@ other DDP rank itself):
   members as trainflow's split: P7t checks that both test sets hold the same samples), and
   normalised with the train split's mean and standard deviation;
 - model and recipe: the demo's model (built by trainflow's model factory), AdamW with the
-  demo's learning rate and weight decay, a per-step cosine from that rate to 0 over all the
+  demo's learning rate and weight decay (not on biases and norm weights, the demo's
+  parameter groups), a per-step cosine from that rate to 0 over all the
   demo's epochs (`cosine`), the demo's batch size per rank, DDP over the demo's ranks (2 on
   CPU; one per GPU), the demo's threads per rank, in the precision trainflow's `auto` picks;
 - a LightningModule, DataLoaders over tensors (train shuffled; Lightning adds the
@@ -101,6 +102,7 @@ def main(recipe: dict[str, Any], workdir: Path) -> None:
     from trainflow.tasks.spec import image_classification
     from trainflow.tasks.train.config import TrainConfig
     from trainflow.tasks.train.model_plugins import build_model
+    from trainflow.tasks.train.optimizers import param_groups
 
     cfg = TrainConfig.model_validate(recipe["train"])
     torch.set_num_threads(recipe["threads"])
@@ -139,7 +141,9 @@ def main(recipe: dict[str, Any], workdir: Path) -> None:
             self._accuracy(batch, "test_accuracy")
 
         def configure_optimizers(self) -> Any:
-            opt = torch.optim.AdamW(self.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+            # the demo's parameter groups: no decay on biases and norm weights
+            groups = param_groups(self.model, cfg.weight_decay, cfg.weight_decay_all)
+            opt = torch.optim.AdamW(groups, lr=cfg.lr)
             schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: cosine(s, steps))
             return {"optimizer": opt, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 

@@ -15,8 +15,9 @@ from trainflow.tasks.spec import image_classification
 from trainflow.tasks.train.config import TrainConfig
 from trainflow.tasks.train.data import Split, rank_batches
 from trainflow.tasks.train.distributed import distributed
-from trainflow.tasks.train.loop import Trainer, make_optimizer, train_epoch
+from trainflow.tasks.train.loop import Trainer, train_epoch
 from trainflow.tasks.train.model_plugins import build_model
+from trainflow.tasks.train.optimizers import make_optimizer
 from trainflow.tasks.train.precision import resolve_precision
 
 

@@ -52,27 +52,34 @@ def check_code(
     cfg: PipelineConfig, spec: "DataSpec", sweep: Iterable[TrainConfig] = ()
 ) -> ModelReport:
     """The checks that import torch and the user's code: the objective against the data, the
-    model (and each sweep element's) built on the meta device, the code snapshot's size."""
+    model (and each sweep element's) built on the meta device and its optimizer built over
+    it, the code snapshot's size."""
     from trainflow.cluster.snapshot import plan_snapshot
     from trainflow.tasks.objectives import check_data
     from trainflow.tasks.train.model_plugins import check_model
+    from trainflow.tasks.train.optimizers import check_optimizer
 
     check_data(cfg.train.objective, cfg.train.objective_args, spec)  # objective vs data
     model = check_model(cfg.train, spec)
+    check_optimizer(cfg.train, spec)
     for train in sweep:
         check_model(train, spec)
+        check_optimizer(train, spec)
     plan_snapshot(user_modules(cfg, model))  # a code folder too big to snapshot
     return model
 
 
 def user_modules(cfg: PipelineConfig, model: ModelReport) -> list[str]:
-    """The modules of the user's plug-ins (model, data source) whose code the run snapshots
-    (cluster.snapshot)."""
+    """The modules of the user's plug-ins (model, optimizer, data source) whose code the run
+    snapshots (cluster.snapshot)."""
     from trainflow.tasks.plugins import resolve
     from trainflow.tasks.preprocess.plugin_source import BUILTINS
     from trainflow.tasks.preprocess.plugin_source import GROUP as SOURCE_GROUP
+    from trainflow.tasks.train.optimizers import BUILTIN_OPTIMIZERS, resolve_optimizer
 
     modules = [model.module]
+    if cfg.train.optimizer not in BUILTIN_OPTIMIZERS:  # ours are trainflow's: never snapshot
+        modules.append(resolve_optimizer(cfg.train).target.partition(":")[0])
     if cfg.preprocess.is_plugin:  # a built-in's module is trainflow's: never snapshot
         source = resolve(
             cfg.preprocess.source,

@@ -41,7 +41,7 @@ from trainflow.tasks.train.limit_requeue import (
     count_stalled,
 )
 from trainflow.tasks.train.log_lines import announce
-from trainflow.tasks.train.loop import Trainer, evaluate_split, make_optimizer, train_epoch
+from trainflow.tasks.train.loop import Trainer, evaluate_split, train_epoch
 from trainflow.tasks.train.model_plugins import build_model, resolve_factory
 from trainflow.tasks.train.models import (
     narrowest_conv,
@@ -49,6 +49,7 @@ from trainflow.tasks.train.models import (
     use_channels_last,
     uses_cuda_graphs,
 )
+from trainflow.tasks.train.optimizers import make_optimizer
 from trainflow.tasks.train.precision import PrecisionPolicy, resolve_precision
 from trainflow.tasks.train.progress import (
     Progress,
@@ -60,6 +61,7 @@ from trainflow.tasks.train.progress import (
 from trainflow.tasks.train.recorder import EpochRecorder
 from trainflow.tasks.train.ref import CheckpointRef
 from trainflow.tasks.train.resume import announce_global_batch, global_batch, restore
+from trainflow.tasks.train.schedule import schedule_for
 from trainflow.tasks.train.sharded_checkpoint import ShardedSaver, find_resumable
 from trainflow.tasks.train.sharded_init import build_on_rank, shard_from_rank0
 from trainflow.tasks.train.sharding import checkpoint_activations, sharding_units
@@ -226,6 +228,7 @@ class TrainingJob(submitit.helpers.Checkpointable):
                 "training samples each rank gets, and train.cuda_graphs=true drops partial "
                 "batches: no step would run. Lower train.batch_size or use fewer ranks"
             )
+        total_steps = cfg.epochs * steps
         return Trainer(
             model=model,
             optimizer=optimizer,
@@ -234,10 +237,12 @@ class TrainingJob(submitit.helpers.Checkpointable):
             dist=dist,
             objective=self.objective(),
             peak_lr=cfg.lr,
-            total_steps=cfg.epochs * steps,
+            total_steps=total_steps,
             cuda_graphs=uses_cuda_graphs(cfg, dist.device),
             heartbeat=getattr(self, "_heartbeat", NO_HEARTBEAT),
             accumulation=batch.accumulation,
+            schedule=schedule_for(cfg, total_steps),
+            max_grad_norm=cfg.max_grad_norm,
         )
 
     def _resume(self, trainer: Trainer, found: Resumable | None) -> Progress:

@@ -6,10 +6,9 @@ queue every step.
 """
 
 import itertools
-import math
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -19,19 +18,17 @@ from torch import nn
 from trainflow.cluster.heartbeat import NO_HEARTBEAT, Heartbeat
 from trainflow.tasks.objectives import Objective
 from trainflow.tasks.train.checkpoint import unwrap
-from trainflow.tasks.train.config import TrainConfig
+from trainflow.tasks.train.clipping import clip_gradients
 from trainflow.tasks.train.data import SplitData as Split
 from trainflow.tasks.train.data import eval_batches
 from trainflow.tasks.train.distributed import DistContext, all_reduce_sum
 from trainflow.tasks.train.outputs import logits_of
 from trainflow.tasks.train.precision import PrecisionPolicy
 from trainflow.tasks.train.prefetch import Batch
+from trainflow.tasks.train.schedule import Schedule
 from trainflow.tasks.train.sharding import is_sharded
 from trainflow.tasks.train.step_times import NO_TIMER, StepTimer
 from trainflow.tasks.train.throughput import RankClock
-
-# Devices with fused AdamW/SGD kernels in torch >= 2.4.
-_FUSED_DEVICES = {"cuda", "cpu"}
 
 
 @dataclass(frozen=True)
@@ -41,7 +38,7 @@ class Trainer:
     model: nn.Module
     """The model, DDP-wrapped when world_size > 1."""
     optimizer: torch.optim.Optimizer
-    """AdamW or SGD; its learning rate is set every step by the cosine schedule."""
+    """AdamW or SGD; its learning rate is set every step by `schedule`."""
     scaler: torch.amp.GradScaler
     """Loss scaler (enabled only under fp16)."""
     policy: PrecisionPolicy
@@ -51,9 +48,9 @@ class Trainer:
     objective: Objective
     """Loss and metrics."""
     peak_lr: float
-    """Learning rate at step 0."""
+    """The schedule's peak learning rate (train.lr)."""
     total_steps: int
-    """Steps of the whole run: the cosine reaches 0 here."""
+    """Optimizer steps of the whole run: the schedule ends here."""
     cuda_graphs: bool = False
     """The model replays CUDA graphs (compiled with mode="reduce-overhead"): each step then
     tells torch a new iteration begins, so the graphs' outputs of the last one may be reused."""
@@ -64,51 +61,24 @@ class Trainer:
     its global batch (tasks.train.resume); their gradients add up before the step."""
     timer: StepTimer = NO_TIMER
     """Told when each step waits for data, starts and ends (tasks.train.step_times)."""
+    max_grad_norm: float = 0.0
+    """Clip the gradients' global norm to this before each optimizer step (train.max_grad_norm);
+    0: no clipping, no norm computed."""
+    schedule: Schedule = field(default_factory=Schedule)
+    """The learning rate's shape over the run (tasks.train.schedule): cosine to 0 unless set."""
 
-
-def make_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
-    """AdamW, or SGD with momentum 0.9, with the config's learning rate and weight decay.
-
-    Fused (one kernel for all parameters) where torch has such kernels: CUDA, and CPU
-    since torch 2.4 (AdamW step here: 200 -> 64 us). Under fp16 a fused optimizer also
-    lets the GradScaler skip inf/nan steps on the device instead of syncing every step.
-    """
-    fused = _fused_supported(model)
-    if cfg.optimizer == "sgd":
-        return torch.optim.SGD(
-            model.parameters(),
-            lr=cfg.lr,
-            momentum=0.9,
-            weight_decay=cfg.weight_decay,
-            fused=fused,
-        )
-    return torch.optim.AdamW(
-        model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, fused=fused
-    )
-
-
-def _fused_supported(model: nn.Module) -> bool | None:
-    """True when every parameter sits on a device with fused optimizer kernels, else None
-    (torch's default: foreach on CUDA, a per-parameter loop elsewhere)."""
-    devices = {p.device.type for p in model.parameters()}
-    return True if devices and devices <= _FUSED_DEVICES else None
-
-
-def cosine_lr(step: int, total_steps: int, peak_lr: float) -> float:
-    """Learning rate at `step`: cosine decay from peak_lr to 0 over total_steps.
-
-    A pure function of the step, so a resumed run needs no scheduler state.
-    """
-    progress = min(step / max(total_steps, 1), 1.0)
-    return 0.5 * peak_lr * (1.0 + math.cos(math.pi * progress))
+    def lr(self, step: int) -> float:
+        """The learning rate of optimizer step `step`."""
+        return self.schedule.lr(step, self.total_steps, self.peak_lr)
 
 
 def _train_step(
     trainer: Trainer, micro_batches: Iterator[Batch], lr: float
-) -> tuple[torch.Tensor, int]:
+) -> tuple[torch.Tensor, int, torch.Tensor | None]:
     """One optimiser step over `trainer.accumulation` micro-batches (each loss divided by
     their number, so the gradients average as over the ranks they stand for); returns their
-    metric sums (on device) and sample count."""
+    metric sums (on device), sample count, and the gradients' global norm before clipping
+    (None without clipping)."""
     for group in trainer.optimizer.param_groups:
         group["lr"] = lr
     sums, count = None, 0
@@ -128,9 +98,13 @@ def _train_step(
         sums = batch_sums if sums is None else sums + batch_sums
         count += int(y.shape[0])
     assert sums is not None, "a step without a batch"
+    norm = None
+    if trainer.max_grad_norm > 0:
+        trainer.scaler.unscale_(trainer.optimizer)  # fp16: clip true gradients (else a no-op)
+        norm = clip_gradients(trainer.model, trainer.max_grad_norm)
     trainer.scaler.step(trainer.optimizer)
     trainer.scaler.update()
-    return sums, count
+    return sums, count, norm
 
 
 class EpochStop(Protocol):
@@ -159,18 +133,22 @@ def train_epoch(
     """Train over `batches` starting at global `step`; returns (metrics, next step).
 
     Metrics: train_<the objective's metrics> (train_loss, train_accuracy...), samples_per_s
-    (all ranks together), lr. `clock` stops when this rank's last step is done, before the
+    (all ranks together), lr, and with clipping grad_norm (the mean over the epoch's steps of
+    the global gradient norm before clipping; steps with an inf/nan norm, which fp16 skips,
+    left out). `clock` stops when this rank's last step is done, before the
     ranks meet (tasks.train.throughput). `stop`: the epoch may end early (a time limit); its
     sums of the batches an earlier attempt did count too (rank 0 adds them).
     """
     device = trainer.dist.device
     trainer.model.train()
     objective = trainer.objective
-    sums = torch.zeros(objective.sums_size + 1, dtype=torch.float64, device=device)
+    # the objective's sums, with clipping rank 0's norm sum and finite steps, the count last
+    norms = 2 if trainer.max_grad_norm > 0 else 0
+    sums = torch.zeros(objective.sums_size + norms + 1, dtype=torch.float64, device=device)
     if stop is not None and stop.carried and trainer.dist.is_main:
         sums += torch.tensor(stop.carried, dtype=torch.float64, device=device)
     done, steps = 0, -(-len(batches) // trainer.accumulation)  # steps of micro-batches
-    lr = cosine_lr(step, trainer.total_steps, trainer.peak_lr)
+    lr = trainer.lr(step)
     start = time.perf_counter()
     beat, timer = trainer.heartbeat.beat, trainer.timer
     fetched = iter(data.batches(batches, device))
@@ -185,10 +163,14 @@ def train_epoch(
             break
         timer.step()
         beat("step", step)
-        lr = cosine_lr(step, trainer.total_steps, trainer.peak_lr)
+        lr = trainer.lr(step)
         micro = itertools.chain([(x, y)], itertools.islice(fetched, trainer.accumulation - 1))
-        step_sums, count = _train_step(trainer, micro, lr)
-        sums[:-1] += step_sums
+        step_sums, count, norm = _train_step(trainer, micro, lr)
+        sums[: objective.sums_size] += step_sums
+        if norm is not None and trainer.dist.is_main:  # equal on all ranks: counted once
+            finite = torch.isfinite(norm)
+            sums[-3] += torch.where(finite, norm, 0.0)
+            sums[-2] += finite
         sums[-1] += count
         step += 1
         timer.done(step)
@@ -199,8 +181,10 @@ def train_epoch(
     if stop is not None and done < steps:
         stop.stopped(done, [*totals, count])
     elapsed = time.perf_counter() - start
-    metrics = {f"train_{k}": v for k, v in objective.metrics(totals).items()}
+    metrics = {f"train_{k}": v for k, v in objective.metrics(totals[: objective.sums_size]).items()}
     metrics |= {"samples_per_s": count / max(elapsed, 1e-9), "lr": lr}
+    if norms:
+        metrics["grad_norm"] = totals[-2] / max(totals[-1], 1.0)
     return metrics, step
 
 

@@ -89,9 +89,11 @@ def check_same_run(current: dict[str, Any], saved: dict[str, Any], path: Path) -
     than `current` (run_identity of this job)."""
     # A field added after the checkpoint was written counts as having its default.
     defaults = TrainConfig().model_dump(mode="json", exclude=MAY_CHANGE_ON_RESUME)
-    saved = {**defaults, **saved}
+    raw, saved = saved, {**defaults, **saved}
     if saved.get("width") == OLD_WIDTH_DEFAULT and current.get("width") is None:
         saved["width"] = None  # written before model plug-ins: the same network
+    if "weight_decay_all" not in raw:  # written when every parameter decayed (one group)
+        saved["weight_decay_all"] = True
     changed = sorted(k for k in current.keys() | saved.keys() if current.get(k) != saved.get(k))
     if changed:
         raise ConfigError(

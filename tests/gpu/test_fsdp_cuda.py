@@ -22,7 +22,7 @@ pytestmark = [
 def _single_on_cuda(precision: str) -> dict[str, Any]:
     model = fsdp_ranks.tiny_model().cuda()
     policy = fsdp_ranks.policy_for(precision, "cuda")
-    losses, norm, _ = fsdp_ranks.train(model, policy, 0, 1, "cuda")
+    losses, norm, _, _ = fsdp_ranks.train(model, policy, 0, 1, "cuda")
     return {"losses": losses, "grad_norm": norm}
 
 

@@ -21,6 +21,7 @@ from torch import nn
 
 from trainflow.tasks.spec import DataSpec
 from trainflow.tasks.train.checkpoint import save_best_weights, unwrap
+from trainflow.tasks.train.clipping import clip_gradients
 from trainflow.tasks.train.distributed import DistContext, wrap_ddp
 from trainflow.tasks.train.first_result import load_best
 from trainflow.tasks.train.precision import PrecisionPolicy
@@ -56,15 +57,22 @@ def global_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def train(
-    model: nn.Module, policy: PrecisionPolicy, rank: int, world: int, device: str = "cpu"
-) -> tuple[list[float], float, torch.optim.Optimizer]:
+    model: nn.Module,
+    policy: PrecisionPolicy,
+    rank: int,
+    world: int,
+    device: str = "cpu",
+    max_norm: float = 0.0,
+) -> tuple[list[float], float, torch.optim.Optimizer, list[float]]:
     """STEPS SGD steps on this rank's contiguous share of each global batch; returns the
-    global losses (averaged over ranks), the first step's full gradient norm and the
-    optimizer. SGD with momentum (state to shard), not Adam: Adam's normalisation turns
-    rounding-level gradient differences into lr-sized weight differences."""
+    global losses (averaged over ranks), the first step's full gradient norm, the optimizer
+    and, when `max_norm` clips the gradients (trainflow's clip_gradients), the norm it
+    returned each step and the first step's full norm after clipping. SGD with momentum
+    (state to shard), not Adam: Adam's normalisation turns rounding-level gradient
+    differences into lr-sized weight differences."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     share = GLOBAL_BATCH // world
-    losses, first_norm = [], math.nan
+    losses, first_norm, clipped = [], math.nan, []
     for step, (x, y) in enumerate(global_batches()):
         x, y = x[rank * share : (rank + 1) * share], y[rank * share : (rank + 1) * share]
         x, y = x.to(device), y.to(device)
@@ -74,12 +82,16 @@ def train(
         loss.backward()
         if step == 0:
             first_norm = grad_norm(model)
+        if max_norm:
+            clipped.append(float(clip_gradients(model, max_norm)))
+            if step == 0:
+                clipped.append(grad_norm(model))
         optimizer.step()
         total = loss.detach().clone()
         if world > 1:
             dist.all_reduce(total)
         losses.append(float(total) / world)
-    return losses, first_norm, optimizer
+    return losses, first_norm, optimizer, clipped
 
 
 def grad_norm(model: nn.Module) -> float:
@@ -92,15 +104,21 @@ def grad_norm(model: nn.Module) -> float:
     return math.sqrt(squares)
 
 
-def single_process(precision: str) -> dict[str, Any]:
+def single_process(precision: str, max_norm: float = 0.0) -> dict[str, Any]:
     """The reference: the whole global batch in this process."""
     model = tiny_model()
-    losses, norm, _ = train(model, policy_for(precision), 0, 1)
-    return {"losses": losses, "grad_norm": norm, "weights": model.state_dict()}
+    losses, norm, _, clipped = train(model, policy_for(precision), 0, 1, max_norm=max_norm)
+    return {"losses": losses, "grad_norm": norm, "weights": model.state_dict(), "clip": clipped}
 
 
 def _rank(
-    rank: int, world: int, port: int, runs: list[tuple[str, str]], out: str, device_type: str
+    rank: int,
+    world: int,
+    port: int,
+    runs: list[tuple[str, str]],
+    out: str,
+    device_type: str,
+    max_norm: float,
 ) -> None:
     torch.set_num_threads(1)
     cuda = device_type == "cuda"
@@ -125,7 +143,7 @@ def _rank(
             model = shard_from_rank0(model, ctx, policy)
         else:
             model = wrap_ddp(model.to(device), ctx)
-        losses, norm, optimizer = train(model, policy, rank, world, str(device))
+        losses, norm, optimizer, clipped = train(model, policy, rank, world, str(device), max_norm)
         states = [t for s in optimizer.state.values() for t in s.values() if t.dim() > 0]
         local = {
             "params": local_numel(model.parameters()),
@@ -152,6 +170,7 @@ def _rank(
             results[f"{strategy}-{precision}"] = {
                 "losses": losses,
                 "grad_norm": norm,
+                "clip": clipped,
                 "weights": weights,
                 "local": gathered,
                 "reloaded": {k: v.cpu() for k, v in reloaded.items()},
@@ -169,15 +188,20 @@ def _rank(
 
 
 def run_ranks(
-    world: int, runs: list[tuple[str, str]], out: Path, device_type: str = "cpu"
+    world: int,
+    runs: list[tuple[str, str]],
+    out: Path,
+    device_type: str = "cpu",
+    max_norm: float = 0.0,
 ) -> dict[str, Any]:
     """Start `world` rank processes (gloo on CPU; NCCL, a GPU each, on cuda) that train each
-    (strategy, precision) of `runs` in turn; rank 0's results, by "strategy-precision"."""
+    (strategy, precision) of `runs` in turn, clipping at `max_norm` when set; rank 0's
+    results, by "strategy-precision"."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    args = (world, port, runs, str(out), device_type)
+    args = (world, port, runs, str(out), device_type, max_norm)
     mp.start_processes(_rank, args, nprocs=world, start_method="spawn")
     results: dict[str, Any] = torch.load(out, weights_only=False)
     return results

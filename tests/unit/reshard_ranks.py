@@ -22,7 +22,7 @@ from tests.unit import fsdp_ranks
 from trainflow.tasks.train.checkpoint import host_copy
 from trainflow.tasks.train.config import TrainConfig
 from trainflow.tasks.train.distributed import DistContext
-from trainflow.tasks.train.loop import make_optimizer
+from trainflow.tasks.train.optimizers import make_optimizer
 from trainflow.tasks.train.sharded_checkpoint import ShardedSaver, load_sharded
 from trainflow.tasks.train.sharded_init import build_on_rank, shard_from_rank0
 from trainflow.tasks.train.sharding import local_numel
@@ -37,7 +37,7 @@ def whole_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str,
 
 
 def _steps(model: nn.Module, optimizer: torch.optim.Optimizer, rank: int, world: int) -> None:
-    """AdamW steps on this rank's share of fsdp_ranks' global batches."""
+    """Optimizer steps on this rank's share of fsdp_ranks' global batches."""
     share = fsdp_ranks.GLOBAL_BATCH // world
     for x, y in fsdp_ranks.global_batches()[:2]:
         x, y = x[rank * share : (rank + 1) * share], y[rank * share : (rank + 1) * share]
@@ -47,7 +47,9 @@ def _steps(model: nn.Module, optimizer: torch.optim.Optimizer, rank: int, world:
         optimizer.step()
 
 
-def _rank(rank: int, world: int, port: int, load: str, save: str, out: str) -> None:
+def _rank(
+    rank: int, world: int, port: int, load: str, save: str, out: str, optimizer_ref: str
+) -> None:
     torch.set_num_threads(1)
     if world > 1:
         store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timedelta(seconds=60))
@@ -55,7 +57,7 @@ def _rank(rank: int, world: int, port: int, load: str, save: str, out: str) -> N
     ctx = DistContext(rank, world, rank, torch.device("cpu"), "gloo")
     model = build_on_rank(fsdp_ranks.tiny_model, "fsdp", ctx)
     model = shard_from_rank0(model, ctx, fsdp_ranks.policy_for("fp32"))
-    optimizer = make_optimizer(TrainConfig(lr=1e-2), model)
+    optimizer = make_optimizer(TrainConfig(lr=1e-2, optimizer=optimizer_ref), model)
     results: dict[str, Any] = {}
     if load:
         load_sharded(model, optimizer, Path(load))
@@ -80,15 +82,18 @@ def _rank(rank: int, world: int, port: int, load: str, save: str, out: str) -> N
     os._exit(0)  # as tests.unit.fsdp_ranks' ranks leave (no interpreter teardown)
 
 
-def run_ranks(world: int, load: Path | None, save: Path | None, out: Path) -> dict[str, Any]:
+def run_ranks(
+    world: int, load: Path | None, save: Path | None, out: Path, optimizer: str = "adamw"
+) -> dict[str, Any]:
     """`world` rank processes that load the checkpoint folder `load` (if any), then train
-    and write theirs under `save` (if any); rank 0's results: the whole state `loaded` and
-    `saved`, and each rank's `local` [parameter, optimizer state] element counts."""
+    and write theirs under `save` (if any), with train.optimizer=`optimizer`; rank 0's
+    results: the whole state `loaded` and `saved`, and each rank's `local` [parameter,
+    optimizer state] element counts."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    args = (world, port, str(load or ""), str(save or ""), str(out))
+    args = (world, port, str(load or ""), str(save or ""), str(out), optimizer)
     mp.start_processes(_rank, args, nprocs=world, start_method="spawn")
     results: dict[str, Any] = torch.load(out, weights_only=False)
     return results

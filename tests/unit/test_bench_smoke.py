@@ -83,7 +83,7 @@ def test_the_lightning_script_splits_and_schedules_as_trainflow_does() -> None:
     from bench.p7_lightning import cosine, samples_digest, split_members
     from trainflow.tasks.preprocess.config import PreprocessConfig
     from trainflow.tasks.preprocess.run import split_indices
-    from trainflow.tasks.train.loop import cosine_lr
+    from trainflow.tasks.train.schedule import Schedule
 
     labels = np.random.default_rng(3).integers(0, 10, 997)
     cfg = PreprocessConfig(source="mnist", seed=7, val_fraction=0.15, test_fraction=0.1)
@@ -91,7 +91,7 @@ def test_the_lightning_script_splits_and_schedules_as_trainflow_does() -> None:
     ours = split_members(labels, seed=7, val=0.15, test=0.1)
     for name in ("train", "val", "test"):
         assert np.array_equal(np.sort(theirs[name]), ours[name])
-    assert all(abs(cosine(s, 256) * 5e-3 - cosine_lr(s, 256, 5e-3)) < 1e-12 for s in range(300))
+    assert all(abs(cosine(s, 256) * 5e-3 - Schedule().lr(s, 256, 5e-3)) < 1e-12 for s in range(300))
     x = np.arange(12, dtype=np.uint8).reshape(4, 3)
     y = np.array([0, 1, 0, 1])
     assert samples_digest(x, y) == samples_digest(x[::-1], y[::-1])

@@ -5,6 +5,7 @@ import json
 import random
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -44,9 +45,15 @@ def dataset(tmp_path_factory: pytest.TempPathFactory) -> DatasetRef:
     return write_dataset(tmp_path_factory.mktemp("data") / "ds")
 
 
-def _spec(dataset: DatasetRef, out_dir: Path, epochs: int) -> TrainJobSpec:
-    train = TrainConfig(epochs=epochs, batch_size=32, precision="fp32", device="cpu", seed=3)
+def _spec(dataset: DatasetRef, out_dir: Path, epochs: int, **keys: Any) -> TrainJobSpec:
+    train = TrainConfig(
+        epochs=epochs, batch_size=32, precision="fp32", device="cpu", seed=3, **keys
+    )
     return TrainJobSpec(train=train, dataset=dataset, out_dir=out_dir)
+
+
+# A recipe's keys: warm-up, a wsd schedule to a floor, clipping on every step.
+RECIPE = {"schedule": "wsd", "warmup_fraction": 0.25, "min_lr_ratio": 0.1, "max_grad_norm": 0.1}
 
 
 class CrashAfterFirstEpoch(TrainingJob):
@@ -72,11 +79,12 @@ def _final_state(out_dir: Path) -> dict:
     return load_state(path)
 
 
+@pytest.mark.parametrize("keys", [{}, RECIPE], ids=["defaults", "recipe"])
 def test_a_resumed_job_ends_exactly_where_an_uninterrupted_one_does(
-    dataset: DatasetRef, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    dataset: DatasetRef, tmp_path: Path, capsys: pytest.CaptureFixture[str], keys: dict[str, Any]
 ) -> None:
-    TrainingJob(_spec(dataset, tmp_path / "straight", epochs=2))()
-    interrupted = _spec(dataset, tmp_path / "resumed", epochs=2)
+    TrainingJob(_spec(dataset, tmp_path / "straight", epochs=2, **keys))()
+    interrupted = _spec(dataset, tmp_path / "resumed", epochs=2, **keys)
     with pytest.raises(RuntimeError, match="simulated preemption"):
         CrashAfterFirstEpoch(interrupted)()
     assert latest_checkpoint(tmp_path / "resumed" / "checkpoints") is not None
@@ -88,6 +96,11 @@ def test_a_resumed_job_ends_exactly_where_an_uninterrupted_one_does(
     for name, tensor in straight["model"].items():
         torch.testing.assert_close(resumed["model"][name], tensor, atol=1e-6, rtol=0)
     assert [h["epoch"] for h in resumed["history"]] == [1, 2]
+    learned = ("lr", "train_loss", "val_loss", "grad_norm")  # not the timings
+    assert [{k: h.get(k) for k in learned} for h in resumed["history"]] == [
+        {k: h.get(k) for k in learned} for h in straight["history"]
+    ]
+    assert ("grad_norm" in resumed["history"][1]) == bool(keys)
     assert ref is not None and json.loads(ref.history_path.read_text())[1]["epoch"] == 2
 
 

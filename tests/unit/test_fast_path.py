@@ -20,13 +20,13 @@ from trainflow.tasks.train.data import (
 )
 from trainflow.tasks.train.distributed import DistContext, wrap_ddp
 from trainflow.tasks.train.job import TrainingJob, TrainJobSpec
-from trainflow.tasks.train.loop import make_optimizer
 from trainflow.tasks.train.model_plugins import build_model
 from trainflow.tasks.train.models import (
     ReferenceCNN,
     place_model,
     use_channels_last,
 )
+from trainflow.tasks.train.optimizers import make_optimizer
 
 CPU = torch.device("cpu")
 NHWC = torch.channels_last

@@ -1,7 +1,8 @@
 """A sharded checkpoint loads on fewer ranks with every value it saved: real gloo ranks
 (tests.unit.reshard_ranks) train the charlm transformer under FSDP with AdamW on 4 ranks and
 save; 2 ranks load it (then train and save theirs); 1 rank loads that. Each load is compared
-with what was saved, whole (gathered), value by value."""
+with what was saved, whole (gathered), value by value. A user's optimizer plug-in (Lion,
+tests.unit.lion_optimizer) reshards from 2 ranks to 1 the same way."""
 
 from pathlib import Path
 from typing import Any
@@ -49,3 +50,16 @@ def test_4_ranks_to_2_to_1_load_the_model_and_optimizer_state_value_by_value(
     for rank in two["local"]:  # 2 ranks hold half each (padding: a row per tensor at most)
         assert params / 2 <= rank[0] <= params / 2 * 1.05
         assert moments / 2 <= rank[1] <= moments / 2 * 1.05
+
+
+def test_a_plug_in_optimizers_state_reshards_from_2_ranks_to_1_value_by_value(
+    tmp_path: Path,
+) -> None:
+    lion = "tests.unit.lion_optimizer:Lion"
+    two = reshard_ranks.run_ranks(2, None, tmp_path / "by2", tmp_path / "2.pt", lion)
+    one = reshard_ranks.run_ranks(
+        1, tmp_path / "by2" / "epoch-000001", None, tmp_path / "1.pt", lion
+    )
+    saved = two["saved"]["optimizer"]
+    assert saved["state"] and all(set(s) == {"exp_avg"} for s in saved["state"].values())
+    _assert_equal(two["saved"], one["loaded"])

@@ -39,7 +39,7 @@ from trainflow.tasks.train.data import (
 )
 from trainflow.tasks.train.distributed import DistContext, distributed
 from trainflow.tasks.train.job import Progress, TrainingJob, TrainJobSpec
-from trainflow.tasks.train.loop import Trainer, cosine_lr, evaluate_split
+from trainflow.tasks.train.loop import Trainer, evaluate_split
 from trainflow.tasks.train.models import ReferenceCNN
 from trainflow.tasks.train.precision import (
     PrecisionPolicy,
@@ -48,6 +48,7 @@ from trainflow.tasks.train.precision import (
 )
 from trainflow.tasks.train.recorder import EpochRecorder
 from trainflow.tasks.train.ref import CheckpointRef
+from trainflow.tasks.train.schedule import schedule_for
 
 # The job processes cannot import this test module: ship its classes and functions by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -285,10 +286,11 @@ def test_evaluation_sees_every_sample_once_across_ranks() -> None:
     assert sorted(seen.tolist()) == list(range(50))
 
 
-def test_the_learning_rate_decays_from_peak_to_zero() -> None:
-    assert cosine_lr(0, 100, 0.1) == pytest.approx(0.1)
-    assert cosine_lr(50, 100, 0.1) == pytest.approx(0.05)
-    assert cosine_lr(100, 100, 0.1) == pytest.approx(0.0)
+def test_the_default_learning_rate_decays_from_peak_to_zero() -> None:
+    lr = schedule_for(TrainConfig(), 100).lr
+    assert lr(0, 100, 0.1) == pytest.approx(0.1)
+    assert lr(50, 100, 0.1) == pytest.approx(0.05)
+    assert lr(100, 100, 0.1) == pytest.approx(0.0)
 
 
 def test_a_plain_process_is_a_world_of_one_without_a_process_group() -> None:

@@ -1,0 +1,25 @@
+"""Gradient clipping by the global norm: all of the model's gradients, on every rank and shard.
+
+Under DDP each rank holds the whole gradient, all-reduced, so its own norm is the global one.
+Under FSDP2 each rank holds shards (DTensors): torch's norm of them is a DTensor, reduced over
+the ranks (torch 2.13 returns it replicated; `full_tensor()` makes it a plain tensor, and
+completes the sum where a version leaves it partial), the torchtitan way. Under fp16 the
+caller unscales the gradients first (GradScaler.unscale_), so the norm and the clip are in
+the gradients' own units.
+"""
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+
+def clip_gradients(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """Scale the gradients of `model` so that their global L2 norm is at most `max_norm`;
+    returns the norm before clipping, a plain scalar tensor equal on every rank. It is inf or
+    nan when a gradient is (under fp16 the GradScaler then skips the step)."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return norm
