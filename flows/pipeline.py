@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from trainflow.tasks.evaluate.run import EvalResult
     from trainflow.tasks.tracking.lineage import Lineage
     from trainflow.tasks.tracking.pipeline_runs import PipelineRuns
+    from trainflow.tasks.train.config import TrainConfig
     from trainflow.tasks.train.job import TrainJobSpec
 
 
@@ -185,7 +186,7 @@ def train_spec(
 
     return TrainJobSpec(
         code=code or [],
-        train=cfg.train,
+        train=initial_weights(cfg),
         dataset=dataset,
         out_dir=out_dir,
         cpus_per_task=cfg.cluster.cpus_per_task,
@@ -195,6 +196,19 @@ def train_spec(
         signal_delay_s=cfg.cluster.signal_delay_s,
         max_requeues=cfg.cluster.max_requeues,
     )
+
+
+def initial_weights(cfg: PipelineConfig) -> "TrainConfig":
+    """cfg.train with train.init_from resolved to the weights file the ranks load (a run id
+    or a registered version is found here, where the workdir and the MLflow store are)."""
+    if cfg.train.init_from is None:
+        return cfg.train
+    from trainflow.tasks.tracking.config import resolve_tracking_uri
+    from trainflow.tasks.train.init_from import resolve
+
+    uri = resolve_tracking_uri(cfg.tracking, cfg.workdir)
+    path = resolve(cfg.train.init_from, cfg.workdir, uri)
+    return cfg.train.model_copy(update={"init_from": str(path)})
 
 
 def preprocess_stage(

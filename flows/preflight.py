@@ -62,11 +62,28 @@ def check_code(
     check_data(cfg.train.objective, cfg.train.objective_args, spec)  # objective vs data
     model = check_model(cfg.train, spec)
     check_optimizer(cfg.train, spec)
+    check_init_from(cfg, spec)
     for train in sweep:
         check_model(train, spec)
         check_optimizer(train, spec)
     plan_snapshot(user_modules(cfg, model))  # a code folder too big to snapshot
     return model
+
+
+def check_init_from(cfg: PipelineConfig, spec: "DataSpec") -> None:
+    """train.init_from's weights found and fitting the model built on the meta device."""
+    if cfg.train.init_from is None:
+        return
+    import torch
+
+    from trainflow.flows.pipeline import initial_weights
+    from trainflow.tasks.train.init_from import check_fits, load_weights
+    from trainflow.tasks.train.model_plugins import build_model
+
+    path = Path(str(initial_weights(cfg).init_from))
+    with torch.device("meta"):
+        model = build_model(cfg.train, spec)
+    check_fits(load_weights(path), model, path)
 
 
 def user_modules(cfg: PipelineConfig, model: ModelReport) -> list[str]:

@@ -26,6 +26,11 @@ class TrainConfig(StrictModel):
     width: int | None = Field(None, ge=4, le=1024)
     """Shorthand of model_args.width, passed to factories that take a `width` argument (the
     resnet's base channel width, 32 when unset; reference_cnn takes none)."""
+    init_from: str | None = None
+    """Start from another run's weights (only its weights: optimizer, schedule and data order
+    start afresh): a checkpoint or best.pt file, a run folder, a pipeline run's parent run id
+    under the workdir, or models:/<name>/<version> (trainflow.tasks.train.init_from). Checked
+    against this model before anything is queued."""
     objective: str = "classification"
     """classification, regression or sequence (trainflow.tasks.objectives), an import path
     'package.module:Objective' or an entry-point name (group trainflow.objectives)."""

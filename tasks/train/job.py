@@ -34,6 +34,7 @@ from trainflow.tasks.train.distributed import (
 from trainflow.tasks.train.early_signal import deliver_held_signal
 from trainflow.tasks.train.epoch_records import decide, record, record_sharded
 from trainflow.tasks.train.first_result import first_result
+from trainflow.tasks.train.init_from import initialised
 from trainflow.tasks.train.job_spec import TrainJobSpec
 from trainflow.tasks.train.limit_requeue import (
     LimitRequeue,
@@ -142,7 +143,10 @@ class TrainingJob(submitit.helpers.Checkpointable):
             torch.manual_seed(cfg.seed)
             random.seed(cfg.seed)
             policy = resolve_precision(cfg.precision, dist.device)
-            model = build_on_rank(lambda: build_model(cfg, self.data_spec), cfg.strategy, dist)
+            spec_ = self.data_spec  # the model, with train.init_from's weights if given
+            model = build_on_rank(
+                lambda: initialised(build_model(cfg, spec_), cfg.init_from), cfg.strategy, dist
+            )
             # Each rank's log names the file its model was imported from (the code snapshot).
             print(f"model {cfg.model} from {resolve_factory(cfg).file}", flush=True)
             narrowest = narrowest_conv(model)
