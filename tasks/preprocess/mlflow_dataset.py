@@ -38,6 +38,8 @@ class TrainflowDataset(Dataset):
         super().__init__(source, name=name or ref.path.name, digest=dataset_digest(ref))
 
     def _compute_digest(self) -> str:
+        # The abstract method every mlflow.data Dataset subclass implements (its digest when
+        # none is given): MLflow's extension interface, not an internal.
         return dataset_digest(self._ref)
 
     @property
