@@ -103,6 +103,12 @@ def test_submitits_executor_hooks_keep_their_names_and_signatures() -> None:
         assert isinstance(inspect.getattr_static(executor, "_submitit_command_str"), property)
         method = executor._internal_process_submissions
         assert list(inspect.signature(method).parameters) == ["self", "delayed_submissions"]
+    # What cluster.srun_executor's AllocationExecutor implements: PicklingExecutor's interface.
+    interface = {"_make_submission_file_text", "_make_submission_command", "_num_tasks"}
+    interface |= {"_get_job_id_from_submission_command"}
+    assert interface <= PicklingExecutor.__abstractmethods__
+    for name in ("_submit_command", "_valid_parameters", "_internal_update_parameters"):
+        assert callable(getattr(PicklingExecutor, name))
 
 
 def test_the_sbatch_script_runs_trainflows_guarded_rank_command(tmp_path: Path) -> None:
