@@ -159,9 +159,9 @@ def _run_stage(dataset: Any, train: Any, cluster: Any, folder: Path) -> dict[str
     """
     from trainflow.cluster.executor import make_executor
     from trainflow.cluster.jobs import wait_for_job
-    from trainflow.tasks.evaluate import metrics
     from trainflow.tasks.evaluate.predict import confusion_streamed
     from trainflow.tasks.evaluate.run import load_model
+    from trainflow.tasks.objectives import metrics
     from trainflow.tasks.train.job import TrainingJob, TrainJobSpec
 
     spec = TrainJobSpec(

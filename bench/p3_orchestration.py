@@ -21,10 +21,10 @@ from trainflow.cluster.config import DaskConfig
 from trainflow.cluster.dask import dask_client
 from trainflow.flows.config import build_config
 from trainflow.flows.pipeline import PipelineSummary, pipeline
-from trainflow.tasks.evaluate import metrics
 from trainflow.tasks.evaluate.predict import confusion_streamed
 from trainflow.tasks.evaluate.run import load_model
 from trainflow.tasks.hashing import sha256_file
+from trainflow.tasks.objectives import metrics
 from trainflow.tasks.preprocess.dataset import read_manifest
 from trainflow.tasks.preprocess.run import run_preprocess
 from trainflow.tasks.preprocess.task import dataset_key

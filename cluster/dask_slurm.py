@@ -28,7 +28,7 @@ import distributed
 from trainflow.cluster import registry
 from trainflow.cluster.config import DaskConfig
 from trainflow.cluster.dask_slurm_checks import check_dask_workers, worker_mem_mb
-from trainflow.compat import import_slurm_cluster
+from trainflow.compat import import_slurm_cluster, start_requested_workers
 from trainflow.errors import ConfigError, JobError
 
 Backend = Literal["numpy", "cupy"]
@@ -112,7 +112,7 @@ def submit_workers(cluster: Any, n: int) -> None:
     while len(cluster.worker_spec) < n:
         cluster.worker_spec.update(cluster.new_worker_spec())
     try:
-        cluster.sync(cluster._correct_state)
+        start_requested_workers(cluster)
     except RuntimeError as err:  # dask-jobqueue's: the command, its exit code, stdout, stderr
         why = " ".join(str(err).rpartition("stderr:")[2].split()) or str(err)
         raise JobError(

@@ -9,12 +9,12 @@ from pathlib import Path
 from typing import Any
 
 import submitit
-from submitit.core.utils import DelayedSubmission
 
 from trainflow.cluster.config import ClusterConfig
 from trainflow.cluster.job_environment import rank_launch
 from trainflow.cluster.job_folder import prepare_job_folder, private_umask, seal_files
 from trainflow.cluster.srun_executor import AllocationExecutor
+from trainflow.compat import SubmititCommandHooks
 
 SUBMITIT_MAX_TIMEOUTS = 10_000
 """submitit's own bound on requeues after a time limit: far above any job's need. Every job
@@ -68,9 +68,10 @@ def _privately(folder: Path, submit: Callable[[], list[submitit.Job[Any]]]) -> l
     return jobs
 
 
-class _GuardedPrivate:
+class _GuardedPrivate(SubmititCommandHooks):
     """What trainflow adds to a submitit executor: every rank runs under cluster.rank_guard,
-    and jobs are submitted privately (umask 077: pickles, logs and job processes)."""
+    and jobs are submitted privately (umask 077: pickles, logs and job processes). submitit
+    takes both through trainflow.compat.SubmititCommandHooks."""
 
     peer_timeout_s: int = ClusterConfig().peer_timeout_s
     launch_prefix: str = ""
@@ -78,19 +79,16 @@ class _GuardedPrivate:
     folder: Path
     python: str
 
-    @property
-    def _submitit_command_str(self) -> str:
-        # submitit's `<python> -u -m submitit.core._submit <folder>`, through our entry that
-        # shields rank 0's requeue first (cluster.rank_main).
+    def task_command(self) -> str:
+        """submitit's `<python> -u -m submitit.core._submit <folder>`, through our entry that
+        shields rank 0's requeue first (cluster.rank_main), under the guard."""
         command = f"{self.python} -u -m trainflow.cluster.rank_main {shlex.quote(str(self.folder))}"
         guarded = _guarded(command, self.python, self.peer_timeout_s)
         return f"{self.launch_prefix} {guarded}" if self.launch_prefix else guarded
 
-    def _internal_process_submissions(
-        self, delayed_submissions: list[DelayedSubmission]
-    ) -> list[submitit.Job[Any]]:
-        base = super()._internal_process_submissions  # type: ignore[misc]
-        return _privately(self.folder, lambda: base(delayed_submissions))
+    def submitting(self, submit: Callable[[], list[Any]]) -> list[Any]:
+        """Submit privately (umask 077), then tighten what is in the folder."""
+        return _privately(self.folder, submit)
 
 
 class TrainflowLocalExecutor(_GuardedPrivate, submitit.LocalExecutor):

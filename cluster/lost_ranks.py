@@ -89,7 +89,7 @@ class RankEnd:
             return f"{where} vanished without an exit status (its node or its parent died)"
         if self.returncode < 0:
             sig = -self.returncode
-            name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else "?"
+            name = signal.Signals(sig).name if sig in set(signal.Signals) else "?"
             oom = ": an OOM kill (the kernel's memory.events counted one)" if self.oom_kill else ""
             return f"{where} was killed by signal {sig} ({name}){oom}"
         return f"{where} exited with code {self.returncode} without a result"

@@ -30,13 +30,42 @@ class NodeEvent:
 
 
 def expand_nodes(nodelist: str) -> list[str]:
-    """Slurm's compact node list (``tfnode[1-2]``) as names, expanded by submitit's own parser
-    (no scontrol call); [] for none."""
-    from submitit.slurm.slurm import _parse_node_list
+    """Slurm's compact node list (``tfnode[1-2]``, ``gpu[01-03,7],login1``, ``r[1-2]n[1-2]``)
+    as names, in Slurm's order; [] for none.
 
+    Parsed here, not by ``scontrol show hostnames`` (it needs the cluster's configuration and
+    waits up to a minute without it) nor by submitit (only a private function of it parses).
+    """
     if not nodelist or nodelist == "None assigned":
         return []
-    return list(_parse_node_list(nodelist))
+    return [name for item in _top_level(nodelist) for name in _expand(item)]
+
+
+def _top_level(nodelist: str) -> list[str]:
+    """The comma-separated items of a node list, commas inside brackets kept."""
+    items, depth, start = [], 0, 0
+    for i, char in enumerate(nodelist):
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            items.append(nodelist[start:i])
+            start = i + 1
+    return [*items, nodelist[start:]]
+
+
+def _expand(item: str) -> list[str]:
+    """One item's names: its first bracket's ranges (zero-padded to the range's start), each
+    followed by the rest of the item, expanded the same way."""
+    opening = item.find("[")
+    if opening < 0:
+        return [item]
+    closing = item.index("]", opening)
+    head, ranges, tail = item[:opening], item[opening + 1 : closing], item[closing + 1 :]
+    names = []
+    for part in ranges.split(","):
+        low, _, high = part.partition("-")
+        for number in range(int(low), int(high or low) + 1):
+            names += [f"{head}{number:0{len(low)}d}{rest}" for rest in _expand(tail)]
+    return names
 
 
 def node_events(nodes: list[str], since: str, wait_s: float = 10.0) -> list[NodeEvent]:

@@ -32,6 +32,7 @@ from submitit.core import core, utils
 
 from trainflow.cluster.config import ClusterConfig
 from trainflow.cluster.node_events import expand_nodes
+from trainflow.compat import SubmititCommandHooks
 from trainflow.errors import ConfigError
 
 STEP_PREFIX = "trainflow-train-"
@@ -204,7 +205,7 @@ class AllocationJob(core.Job[core.R]):
             process.wait()
 
 
-class AllocationExecutor(core.PicklingExecutor):
+class AllocationExecutor(SubmititCommandHooks, core.PicklingExecutor):
     """Submits a function as one srun step of the current Slurm job (see the module doc)."""
 
     job_class = AllocationJob
@@ -231,8 +232,8 @@ class AllocationExecutor(core.PicklingExecutor):
             raise ValueError(f"AllocationExecutor does not take {sorted(unknown)}")
         super()._internal_update_parameters(**kwargs)
 
-    @property
-    def _submitit_command_str(self) -> str:
+    def task_command(self) -> str:
+        """submitit's own task command, as its Slurm and local executors build it."""
         return " ".join([self.python, "-u -m submitit.core._submit", shlex.quote(str(self.folder))])
 
     def _num_tasks(self) -> int:

@@ -11,7 +11,7 @@ from typing import NoReturn
 from trainflow.errors import DEBUG_ENV, ConfigError, JobError, TrainflowError, debug_enabled
 from trainflow.flows.config import PRESETS, PipelineConfig, build_config
 from trainflow.flows.ui_command import serve_ui, ui_args
-from trainflow.tasks.limits import open_files_advice, too_many_open_files
+from trainflow.tasks.open_files import open_files_advice, too_many_open_files
 
 _DEBUG_HELP = "show tracebacks of errors (also: TRAINFLOW_DEBUG=1)"
 

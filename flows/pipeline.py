@@ -19,9 +19,9 @@ from trainflow.flows import experiment
 from trainflow.flows.config import PipelineConfig, build_config, config_hash, flatten
 from trainflow.flows.error_output import quiet_user_errors
 from trainflow.flows.preflight import preflight, user_modules
+from trainflow.flows.report import run_link, runs_and_plots_markdown, summary_markdown
 from trainflow.flows.run_record import new_record, update_record
 from trainflow.tasks.preprocess.ref import DatasetRef
-from trainflow.tasks.tracking.report import run_link, runs_and_plots_markdown, summary_markdown
 from trainflow.tasks.train.model_report import ModelReport
 from trainflow.tasks.train.ref import CheckpointRef
 
@@ -100,9 +100,9 @@ def checked_pipeline(
 
 def run_pipeline(cfg: PipelineConfig, model: ModelReport) -> PipelineSummary:
     """The pipeline body for a validated and checked config (must run inside a flow)."""
-    from trainflow.tasks.tracking.lineage import log_dataset_input
+    from trainflow.tasks.preprocess.mlflow_dataset import log_dataset_input
     from trainflow.tasks.tracking.pipeline_runs import PipelineRuns
-    from trainflow.tasks.tracking.stage_logs import log_checkpoint
+    from trainflow.tasks.train.checkpoint_tags import log_checkpoint
     from trainflow.tasks.train.task import train_task
 
     get_run_logger().info(model.line())
@@ -215,8 +215,8 @@ def preprocess_stage(
     runs: "PipelineRuns", cfg: PipelineConfig, t: dict[str, float], code: list[Path] | None = None
 ) -> tuple[DatasetRef, bool]:
     """The preprocess child run: dataset (cached on content) and whether the cache served it."""
+    from trainflow.tasks.preprocess.mlflow_dataset import log_dataset
     from trainflow.tasks.preprocess.task import preprocess
-    from trainflow.tasks.tracking.stage_logs import log_dataset
 
     get_run_logger().info("MLflow parent run %s in %s", runs.parent_id, runs.tracking_uri)
     cancel_orphaned_jobs(cfg.workdir)
@@ -259,7 +259,7 @@ def evaluate_stage(
     (the snapshot's folders) is where the model export imports the user's modules from.
     """
     from trainflow.tasks.evaluate.task import evaluate_task
-    from trainflow.tasks.tracking.lineage import log_dataset_input
+    from trainflow.tasks.preprocess.mlflow_dataset import log_dataset_input
 
     tags = lineage_of(runs, cfg, dataset, ckpt, code_hash).tags()
     with runs.stage("evaluate", flatten(cfg.evaluate)) as run_id, timed(t, "evaluate"):

@@ -1,13 +1,14 @@
-"""The one place trainflow replaces part of a library's private internals.
+"""The one place trainflow reaches into a library's private or protected internals.
 
-Each entry says what it replaces, why no public API does the job, the upstream code it tracks,
-and the versions it was checked against; tests/unit/test_compat.py fails when an installed
-version differs or the replaced code no longer looks as the entry expects.
+Each entry says what it uses or replaces, why no public API does the job, the upstream issue
+(or that none was found), and the versions it was checked against; tests/unit/test_compat.py
+fails when an installed version differs or the internals no longer behave as the entry expects.
 """
 
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 SUBMITIT_VERSIONS = ("1.5.4",)
@@ -18,6 +19,12 @@ TORCH_FAKE_VERSIONS = ("2.13.0",)
 """torch versions (without the local +cpu/+cu tag) whose FakeTensorMode `fake_forward` uses."""
 TRANSFORMERS_FAKE_VERSIONS = ("5.24.0",)
 """transformers versions whose meta-device forward `fake_forward` was checked against."""
+MLFLOW_VERSIONS = ("3.17.2",)
+"""mlflow versions whose `_use_tracking_uri` `mlflow_tracking_uri` uses."""
+TORCH_MKLDNN_VERSIONS = ("2.13.0",)
+"""torch versions (without the local tag) whose mkldnn op `mkldnn_bf16_supported` calls."""
+DISTRIBUTED_VERSIONS = ("2026.7.1",)
+"""distributed versions whose `SpecCluster._correct_state` `start_requested_workers` awaits."""
 
 
 def shield_submitit_requeue(requeue: Callable[[str], None]) -> None:
@@ -78,3 +85,85 @@ def fake_forward(model: Any, *args: Any) -> Any:
 
     with FakeTensorMode(allow_non_fake_inputs=True):
         return model(*args)
+
+
+@contextmanager
+def mlflow_tracking_uri(uri: str) -> Iterator[None]:
+    """MLflow's process-wide tracking URI set to `uri` for the block, then set back to what it
+    was, "nothing set" included (MLflow's own `_use_tracking_uri`).
+
+    Why: MLflow's public API can read the URI in effect (`get_tracking_uri`, which falls back to
+    MLFLOW_TRACKING_URI and then a default) and set one, but not tell which one this process set
+    nor go back to none: `set_tracking_uri` is typed and documented for a string only (an empty
+    string is a URI: mlflow/mlflow#14267). No upstream issue asks for a public way back; none
+    found. Versions: MLFLOW_VERSIONS.
+    """
+    from mlflow.tracking._tracking_service.utils import _use_tracking_uri
+
+    with _use_tracking_uri(uri):
+        yield
+
+
+def mkldnn_bf16_supported() -> bool:
+    """Whether oneDNN (mkldnn) computes bf16 on this CPU at all, natively or emulated.
+
+    Why: torch answers this only through the private op `torch.ops.mkldnn.
+    _is_mkldnn_bf16_supported` (torch's own tests call it, e.g. pytorch/pytorch#136290);
+    `torch.backends.cpu.get_cpu_capability()` names the vector ISA torch dispatches to, which
+    an environment variable can lower and which says nothing of Arm's bf16. No upstream issue
+    asks for a public check; none found (pytorch/pytorch#60459 is about the same check's
+    platforms). False when the op is missing or fails. Versions: TORCH_MKLDNN_VERSIONS.
+    """
+    import torch
+
+    try:
+        return bool(
+            torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        )
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def start_requested_workers(cluster: Any) -> None:
+    """Have a dask SpecCluster (dask-jobqueue's SLURMCluster) start the workers its
+    `worker_spec` asks for now, raising what starting one raised.
+
+    Why: the public `scale(n)` only schedules `_correct_state` on the cluster's event loop, where
+    a failing `sbatch` is logged as "Task exception was never retrieved" and the worker never
+    comes (dask/dask-jobqueue#619, open). SpecCluster's docstring names `_correct_state` as the
+    way to align workers with `worker_spec`; it is awaited here on the cluster's loop.
+    Versions: DISTRIBUTED_VERSIONS.
+    """
+    cluster.sync(cluster._correct_state)
+
+
+class SubmititCommandHooks:
+    """What a submitit executor runs for each task, and around submitting, through two public
+    methods a trainflow executor defines: `task_command()` and `submitting(submit)`.
+
+    Why: submitit has no public option for either; its executors build both from the protected
+    `_submitit_command_str` (the command each task runs: `python -u -m submitit.core._submit
+    <folder>`) and `_internal_process_submissions` (pickles the calls, submits the jobs), which
+    its own Slurm and local executors override too. This mixin is the only place trainflow
+    overrides them (first in the bases, before the submitit executor). The other methods an
+    executor implements (`_submit_command`, `_num_tasks`, `_make_submission_file_text`, ...)
+    are the abstract interface of `submitit.core.core.PicklingExecutor`, which submitit's
+    executor plug-ins (submitit.core.plugins) implement. No upstream issue found.
+    Versions: SUBMITIT_VERSIONS.
+    """
+
+    def task_command(self) -> str:
+        """The shell command each of a job's tasks runs."""
+        raise NotImplementedError
+
+    def submitting(self, submit: Callable[[], list[Any]]) -> list[Any]:
+        """Submit through `submit()` (which returns the jobs), with whatever must surround it."""
+        return submit()
+
+    @property
+    def _submitit_command_str(self) -> str:
+        return self.task_command()
+
+    def _internal_process_submissions(self, delayed_submissions: list[Any]) -> list[Any]:
+        base = super()._internal_process_submissions  # type: ignore[misc]
+        return self.submitting(lambda: base(delayed_submissions))

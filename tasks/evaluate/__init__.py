@@ -10,8 +10,6 @@ Modules:
     task           the Prefect @task.
     run            the stage: checkpoint -> test metrics, plots, logged and registered model.
     predict        the test split streamed through the model, batch by batch.
-    metrics        accuracy, confusion matrix and per-class precision, recall and F1.
-    plots          confusion matrix, training curves, predicted vs true, residuals.
     model_logging  the model exported (pt2) and logged with signature and requirements.
     hf_export      a transformers model logged as a save_pretrained folder.
     naming         the registered model's default name, <model>-<objective>.

@@ -155,7 +155,7 @@ def _log_results(
     client: MlflowClient, run_id: str, report: Report, objective: Objective, history_path: Path
 ) -> None:
     """The report's metrics, documents and figures, and the training curves."""
-    from trainflow.tasks.evaluate import plots  # matplotlib: imported when figures are drawn
+    from trainflow.tasks.objectives import plots  # matplotlib: imported when figures are drawn
 
     ts = int(1000 * time.time())
     client.log_batch(run_id, metrics=[Metric(k, v, ts, 0) for k, v in report.metrics.items()])

@@ -16,6 +16,8 @@ Modules:
     classification  one class per sample: cross-entropy, accuracy, a confusion matrix.
     regression      float targets of any shape: MSE or L1; MAE, RMSE and R² per output.
     sequence        an integer class per position: token accuracy and perplexity.
+    metrics         accuracy, confusion matrix and per-class precision, recall and F1.
+    plots           confusion matrix, training curves, predicted vs true, residuals.
 """
 
 from collections.abc import Iterable

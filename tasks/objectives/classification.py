@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from trainflow.errors import DataError
-from trainflow.tasks.evaluate import metrics as class_metrics
 from trainflow.tasks.objectives import Report
+from trainflow.tasks.objectives import metrics as class_metrics
 from trainflow.tasks.spec import DataSpec
 
 
@@ -64,7 +64,7 @@ class Classification:
         self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], classes: list[str]
     ) -> Report:
         """Accuracy, macro F1, per-class P/R/F1, the confusion matrix (JSON and figure)."""
-        from trainflow.tasks.evaluate import plots
+        from trainflow.tasks.objectives import plots
 
         k = int(self.spec.num_classes or len(classes))
         classes = classes or [str(i) for i in range(k)]

@@ -90,7 +90,7 @@ class Regression:
         self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], classes: list[str]
     ) -> Report:
         """Test metrics, a predicted-vs-true plot and a residual histogram."""
-        from trainflow.tasks.evaluate import plots
+        from trainflow.tasks.objectives import plots
 
         total = torch.zeros(self.sums_size, dtype=torch.float64)
         pred: list[np.ndarray] = []

@@ -78,7 +78,7 @@ class Sequence:
         self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], classes: list[str]
     ) -> Report:
         """Test metrics and token accuracy per position (JSON and figure)."""
-        from trainflow.tasks.evaluate import plots
+        from trainflow.tasks.objectives import plots
 
         total = torch.zeros(self.sums_size, dtype=torch.float64)
         hits = np.zeros(math.prod(self.spec.target_shape))

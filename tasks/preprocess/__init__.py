@@ -8,6 +8,7 @@ Skipped when the raw data's fingerprint and the config are unchanged (task.py's 
 Modules:
     config        PreprocessConfig.
     ref           DatasetRef, the stage's output, and dataset_spec (what a model is told).
+    mlflow_dataset what a run records of the dataset: facts, and the MLflow dataset input.
     task          the Prefect @task: cache key on content, the dask client, then run.
     run           the stage: list and check, split, statistics, shards on the workers, publish.
     preflight     header-only checks of the raw data before any server, cluster or job starts.

@@ -21,7 +21,7 @@ import numpy as np
 
 from trainflow.errors import DataError, TrainflowError
 from trainflow.tasks.hashing import sha256_file
-from trainflow.tasks.limits import TooManyOpenFilesError, open_files_advice, too_many_open_files
+from trainflow.tasks.open_files import TooManyOpenFilesError, open_files_advice, too_many_open_files
 from trainflow.tasks.preprocess.ref import DatasetRef, Normalisation
 
 MANIFEST = "manifest.json"

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from trainflow.errors import DataError
-from trainflow.tasks.limits import open_files_advice, too_many_open_files
+from trainflow.tasks.open_files import open_files_advice, too_many_open_files
 
 T = TypeVar("T")
 

@@ -14,12 +14,12 @@ from prefect.context import TaskRunContext
 from trainflow.cluster.config import DaskConfig
 from trainflow.errors import DataError
 from trainflow.tasks.diskspace import disk_stage
+from trainflow.tasks.prefect_progress import TaskProgress
 from trainflow.tasks.preprocess.config import PreprocessConfig
 from trainflow.tasks.preprocess.dataset import dataset_dir, read_manifest
 from trainflow.tasks.preprocess.ref import DatasetRef
 from trainflow.tasks.preprocess.size import array_bytes, dataset_bytes
 from trainflow.tasks.preprocess.sources import fingerprint
-from trainflow.tasks.tracking.progress import TaskProgress
 
 LAYOUT = "layout 2: a shard's rows in source order"
 """Part of every dataset's key, changed whenever the same inputs and config give other shards:

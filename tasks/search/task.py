@@ -15,12 +15,12 @@ from prefect.cache_policies import NO_CACHE
 
 from trainflow.cluster.config import ClusterConfig
 from trainflow.cluster.slurm_checks import check_cluster
+from trainflow.tasks.prefect_progress import TrialProgress
 from trainflow.tasks.search.array import run_arrays
 from trainflow.tasks.search.study import StudyRef, open_study
 from trainflow.tasks.search.trial_runs import RUN_ATTR, close_trial_run
 from trainflow.tasks.search.trial_worker import SearchJob
 from trainflow.tasks.search.watch import StudyWatch
-from trainflow.tasks.tracking.progress import TrialProgress
 
 
 @task(name="search-array", cache_policy=NO_CACHE, persist_result=False)

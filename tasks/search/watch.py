@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from trainflow.tasks.search.study import HANDED_ATTR, OVER_BUDGET_ATTR, StudyRef, open_study
 
 if TYPE_CHECKING:
-    from trainflow.tasks.tracking.progress import TrialProgress
+    from trainflow.tasks.prefect_progress import TrialProgress
 
 WATCH_S = 2.0
 """How often the flow reads the study for trials that ended."""

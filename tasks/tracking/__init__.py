@@ -14,15 +14,12 @@ Modules:
     reachability    bounded waits on the tracking server; its /health probe.
     logger          the MetricLogger the loop calls: journal on rank 0, nothing elsewhere.
     journal         what ranks record for the run, as JSON lines.
-    handed          the last step an attempt's logger wrote, so a retry logs no step twice.
+    logged_through  the last step an attempt's logger wrote, so a retry logs no step twice.
     relay           the flow sends a job's journal to its run, while it runs and at its end.
     sender          a bounded buffer sent by a background thread, with its own retries.
     system_metrics  CPU, memory and GPU metrics per node, into the journal.
-    lineage         the data, code, config and package set a run came from.
+    lineage         the data, code, config and package set a run came from, as tags.
     packages        the installed package set as one hash.
-    stage_logs      what each stage's run records about the references it produced.
-    slurm_logs      what a stage's run records about the Slurm job that ran it.
+    job_accounting  what a stage's run records about the Slurm job that ran it.
     lost_ranks      what a stage's run records about ranks its job lost.
-    progress        Prefect progress artifacts of training and preprocessing.
-    report          the pipeline run's summary as Markdown for the Prefect UI.
 """

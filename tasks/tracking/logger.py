@@ -10,8 +10,8 @@ import time
 from pathlib import Path
 from typing import Literal, Protocol
 
-from trainflow.tasks.tracking.handed import save_handed
 from trainflow.tasks.tracking.journal import Journal, Point
+from trainflow.tasks.tracking.logged_through import save_handed
 
 DRAIN_S = 30.0
 """How long the end of a job waits for the server to take the points still buffered."""
@@ -47,7 +47,8 @@ class NullLogger:
 class JournalLogger:
     """Buffers metrics and writes them to rank 0's journal at each flush; the flow sends them
     to the MLflow run (tasks.tracking.journal, tasks.tracking.relay). A flush also records the
-    step it reached (tasks.tracking.handed): a resumed attempt does not log those steps again.
+    step it reached (tasks.tracking.logged_through): a resumed attempt does not log those
+    steps again.
     A journal that cannot be written (a full disk) is one warning; training goes on."""
 
     def __init__(self, journal: Journal, out_dir: Path) -> None:

@@ -11,10 +11,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import mlflow
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
-from mlflow.tracking._tracking_service import utils as tracking_utils
+
+from trainflow.compat import mlflow_tracking_uri
 
 # log_batch accepts at most 100 params per call.
 _MAX_PARAMS = 100
@@ -113,13 +113,10 @@ def use_tracking_uri(uri: str) -> Iterator[None]:
     every process it starts (e.g. another pipeline's training ranks), to this run's store.
     """
     env_before = os.environ.get("MLFLOW_TRACKING_URI")
-    uri_before = tracking_utils._tracking_uri
-    mlflow.set_tracking_uri(uri)
     try:
-        yield
+        with mlflow_tracking_uri(uri):  # and back to what this process had set, or to none
+            yield
     finally:
-        # None (nothing set before) is accepted at run time and unsets the variable too.
-        tracking_utils.set_tracking_uri(uri_before)  # type: ignore[arg-type]
         if env_before is None:
             os.environ.pop("MLFLOW_TRACKING_URI", None)
         else:

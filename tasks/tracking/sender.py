@@ -22,6 +22,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from datetime import datetime
+from urllib.parse import urlparse
 
 from mlflow.entities import Metric
 from mlflow.exceptions import MlflowException
@@ -168,24 +169,23 @@ class MetricSender:
 
 def _batch_sender(tracking_uri: str, run_id: str) -> Callable[[list[Metric]], None]:
     """A function sending one batch: over HTTP with one short attempt, else via the client."""
-    client = MlflowClient(tracking_uri)
-    store = client._tracking_client.store  # the REST store's host credentials (auth, TLS)
-    from mlflow.store.tracking.rest_store import RestStore
-
-    if not isinstance(store, RestStore):
+    if urlparse(tracking_uri).scheme not in ("http", "https"):
+        client = MlflowClient(tracking_uri)
 
         def log_batch(batch: list[Metric]) -> None:
             client.log_batch(run_id, metrics=batch)
 
         return log_batch
     from mlflow.protos.service_pb2 import LogBatch
+    from mlflow.utils.credentials import get_default_host_creds
     from mlflow.utils.proto_json_utils import message_to_json
     from mlflow.utils.rest_utils import http_request, verify_rest_response
 
     def send(batch: list[Metric]) -> None:
         body = message_to_json(LogBatch(run_id=run_id, metrics=[m.to_proto() for m in batch]))
         response = http_request(
-            store.get_host_creds(),
+            # What MLflow's REST store sends for an http(s) URI: auth, token, TLS settings.
+            get_default_host_creds(tracking_uri),
             _LOG_BATCH,
             "POST",
             max_retries=0,

@@ -8,7 +8,9 @@ Prefect, logs only from rank 0 and resumes from its latest checkpoint by itself.
 Modules:
     config             TrainConfig: model, optimisation, precision, checkpointing, strategy.
     ref                CheckpointRef, the stage's output.
+    checkpoint_tags    what the train run records of the checkpoint evaluation used.
     task               the Prefect @tasks: submit (one job or an array), forward logs, wait.
+    epoch_progress     the Prefect progress artifact of the epochs checkpointed.
     job                TrainingJob, the callable submitit runs once per rank.
     job_spec           TrainJobSpec, what a training job is given.
     epoch_records      what an epoch leaves: logged metrics, best.pt, checkpoint, its line.

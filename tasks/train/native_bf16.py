@@ -3,7 +3,7 @@
 precision=auto must pick what is fastest where the rank runs. On a CPU, bf16 autocast pays off
 only where the cores have bf16 instructions (x86: avx512_bf16, or AMX's amx_bf16; Arm: the
 bf16 feature): elsewhere oneDNN emulates it, and
-``torch.ops.mkldnn._is_mkldnn_bf16_supported()`` still answers True on any AVX-512 core
+oneDNN's own check (trainflow.compat.mkldnn_bf16_supported) still answers True on any AVX-512 core
 (measured on an Intel Xeon with avx512f and avx512_vnni but neither avx512_bf16 nor AMX: the
 demo trained 1.5x slower in bf16 than in fp32). So the CPU's own flags decide, from
 /proc/cpuinfo: free, the same answer on every rank and every restart, unlike a timing taken at

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from trainflow.compat import mkldnn_bf16_supported
 from trainflow.errors import ConfigError
 from trainflow.tasks.train.native_bf16 import native_bf16, this_cpu
 
@@ -43,12 +44,7 @@ class PrecisionPolicy:
 def cpu_supports_bf16() -> bool:
     """True when oneDNN runs bf16 on this CPU at all: natively, or emulated on AVX-512 cores
     (tasks.train.native_bf16 tells which)."""
-    try:
-        return bool(
-            torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-        )
-    except (AttributeError, RuntimeError):
-        return False
+    return mkldnn_bf16_supported()
 
 
 def device_supports_bf16(device: torch.device) -> bool:

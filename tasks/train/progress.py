@@ -10,7 +10,7 @@ from typing import Any
 from trainflow.errors import ConfigError
 from trainflow.tasks.hashing import sha256_file
 from trainflow.tasks.preprocess.ref import DatasetRef
-from trainflow.tasks.tracking.handed import handed_through
+from trainflow.tasks.tracking.logged_through import handed_through
 from trainflow.tasks.tracking.logger import MetricLogger
 from trainflow.tasks.tracking.packages import package_lock_hash
 from trainflow.tasks.train.config import TrainConfig

@@ -20,10 +20,10 @@ from trainflow.cluster.slurm_checks import check_cluster
 from trainflow.errors import JobError
 from trainflow.tasks.diskspace import disk_stage, require_space
 from trainflow.tasks.tracking import orphaned_runs
+from trainflow.tasks.tracking.job_accounting import record_job_accounting
 from trainflow.tasks.tracking.lost_ranks import record_lost_ranks
-from trainflow.tasks.tracking.progress import EpochProgress
 from trainflow.tasks.tracking.relay import relaying
-from trainflow.tasks.tracking.slurm_logs import record_job_accounting
+from trainflow.tasks.train.epoch_progress import EpochProgress
 from trainflow.tasks.train.job import TrainingJob, TrainJobSpec
 from trainflow.tasks.train.model_report import ModelReport
 from trainflow.tasks.train.ref import CheckpointRef

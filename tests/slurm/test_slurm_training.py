@@ -33,8 +33,8 @@ from trainflow.cluster.slurm_checks import (
 )
 from trainflow.errors import ConfigError, JobError
 from trainflow.tasks.preprocess.ref import DatasetRef
+from trainflow.tasks.tracking.job_accounting import record_job_accounting
 from trainflow.tasks.tracking.relay import relaying
-from trainflow.tasks.tracking.slurm_logs import record_job_accounting
 from trainflow.tasks.train.config import TrainConfig
 from trainflow.tasks.train.distributed import _export_submitit_env
 from trainflow.tasks.train.job import TrainingJob, TrainJobSpec

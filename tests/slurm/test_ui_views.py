@@ -24,8 +24,8 @@ from tests.browser import Page, chromium, require_chromium
 from tests.gates import GatedJob
 from tests.services import mlflow_server, post_ok, wait_for
 from trainflow.flows.pipeline import pipeline
-from trainflow.tasks.tracking.lineage import DIGEST_CHARS
-from trainflow.tasks.tracking.report import MODEL_TRAINING_VIEW, experiment_link
+from trainflow.flows.report import MODEL_TRAINING_VIEW, experiment_link
+from trainflow.tasks.preprocess.mlflow_dataset import DIGEST_CHARS
 from trainflow.tasks.train import task as train_task_module
 
 pytestmark = pytest.mark.timeout(900)

@@ -70,7 +70,7 @@ def test_the_step_runs_every_rank_guarded_over_the_nodes_asked_for(
     executor = make_executor(cfg, tmp_path)
     assert isinstance(executor, AllocationExecutor)
     executor.update_parameters(exclude="tfnode9")
-    command = executor._submitit_command_str
+    command = executor.task_command()
     assert "-m trainflow.cluster.rank_guard --peer-timeout-s 60 " in command
     argv = executor.srun_argv(command, "41-abcd")
     assert argv[:2] == ["srun", f"--job-name={STEP_PREFIX}41-abcd"]

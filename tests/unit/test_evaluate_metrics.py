@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from trainflow.tasks.evaluate import metrics, plots
+from trainflow.tasks.objectives import metrics, plots
 
 
 def test_confusion_matrix_counts() -> None:

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from trainflow.errors import DataError
-from trainflow.tasks.evaluate import metrics
 from trainflow.tasks.evaluate.predict import confusion_streamed
 from trainflow.tasks.hashing import sha256_file
+from trainflow.tasks.objectives import metrics
 from trainflow.tasks.preprocess.dataset import load_split, read_manifest
 from trainflow.tasks.preprocess.ref import DatasetRef
 from trainflow.tasks.spec import image_classification

@@ -2,8 +2,10 @@
 
 trainflow's root modules (errors, config_base) are what every layer uses, so they import
 nothing from the layers; cluster/ (where work runs) knows nothing of tasks/ (the stage work);
-only flows/ imports flows/; and among flows/, tasks/, cluster/ and the root modules no import
-chain leads back to where it started. Imports are read from the source (ast), at the top of a
+only flows/ imports flows/; inside tasks/ imports follow the data path (preprocess -> train ->
+evaluate, a search above train) and the shared leaves (objectives, tracking, the modules at
+tasks/'s top) import no stage; and among flows/, tasks/, cluster/ and the root modules no
+import chain leads back to where it started. Imports are read from the source (ast), at the top of a
 module, inside functions and under TYPE_CHECKING alike: a deferred import still ties two
 modules together.
 """
@@ -14,6 +16,18 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 LAYERS = {"flows": "trainflow.flows", "tasks": "trainflow.tasks", "cluster": "trainflow.cluster"}
+
+TASK_LEVELS = {
+    "objectives": 1,
+    "tracking": 1,
+    "preprocess": 2,
+    "train": 3,
+    "evaluate": 4,
+    "search": 4,
+}
+"""Where each package of tasks/ sits on the data path; the modules at tasks/'s top are level 0.
+A module imports only from lower levels or its own package: objectives and tracking are
+shared leaves (the stages use them, they use no stage), and a stage uses only earlier ones."""
 
 Graph = dict[str, dict[str, int]]
 """Module -> {module it imports: line of the first such import}."""
@@ -110,6 +124,60 @@ def cycles(graph: Graph) -> list[list[str]]:
 
 def _where(graph: Graph, module: str, target: str) -> str:
     return f"{module} -> {target} (line {graph[module][target]})"
+
+
+def _task_place(module: str) -> tuple[str, int] | None:
+    """(package, level) of a tasks/ module; None outside tasks/."""
+    parts = module.split(".")
+    if parts[:2] != ["trainflow", "tasks"]:
+        return None
+    package = parts[2] if len(parts) > 2 and parts[2] in TASK_LEVELS else ""
+    return package, TASK_LEVELS.get(package, 0)
+
+
+def against_the_data_path(graph: Graph) -> list[str]:
+    """The imports inside tasks/ that go up or sideways between its packages."""
+    found = []
+    for module, edges in graph.items():
+        here = _task_place(module)
+        for target in edges:
+            there = _task_place(target)
+            if here and there and here[0] != there[0] and there[1] >= here[1]:
+                found.append(_where(graph, module, target))
+    return found
+
+
+def test_tasks_import_along_the_data_path_only() -> None:
+    arrows = against_the_data_path(import_graph())
+    assert not arrows, "tasks/ imports against the data path:\n" + "\n".join(arrows)
+
+
+def test_the_data_path_check_finds_the_arrows_that_went_back_up() -> None:
+    """The three arrows issue 46 removed, and a top module reaching a stage, each fail."""
+    graph: Graph = {
+        "trainflow.tasks.objectives.classification": {"trainflow.tasks.evaluate.plots": 67},
+        "trainflow.tasks.tracking.progress": {"trainflow.tasks.train.checkpoint": 20},
+        "trainflow.tasks.tracking.stage_logs": {"trainflow.tasks.preprocess.ref": 6},
+        "trainflow.tasks.tracking.lineage": {"trainflow.tasks.objectives": 3},
+        "trainflow.tasks.hashing": {"trainflow.tasks.preprocess.dataset": 9},
+        "trainflow.tasks.evaluate.run": {"trainflow.tasks.search.study": 4},
+        "trainflow.tasks.train.job": {
+            "trainflow.tasks.preprocess.ref": 1,
+            "trainflow.tasks.tracking.journal": 2,
+            "trainflow.tasks.objectives": 3,
+            "trainflow.tasks.spec": 4,
+            "trainflow.tasks.train.loop": 5,
+            "trainflow.cluster.config": 6,
+        },
+    }
+    assert against_the_data_path(graph) == [
+        "trainflow.tasks.objectives.classification -> trainflow.tasks.evaluate.plots (line 67)",
+        "trainflow.tasks.tracking.progress -> trainflow.tasks.train.checkpoint (line 20)",
+        "trainflow.tasks.tracking.stage_logs -> trainflow.tasks.preprocess.ref (line 6)",
+        "trainflow.tasks.tracking.lineage -> trainflow.tasks.objectives (line 3)",
+        "trainflow.tasks.hashing -> trainflow.tasks.preprocess.dataset (line 9)",
+        "trainflow.tasks.evaluate.run -> trainflow.tasks.search.study (line 4)",
+    ]
 
 
 def test_cluster_imports_nothing_from_tasks() -> None:

@@ -7,8 +7,9 @@ import pytest
 from mlflow.tracking import MlflowClient
 from mlflow.types import TensorSpec
 
+from trainflow.tasks.preprocess.mlflow_dataset import TrainflowDataset, log_dataset_input
 from trainflow.tasks.preprocess.ref import DatasetRef
-from trainflow.tasks.tracking.lineage import Lineage, TrainflowDataset, log_dataset_input
+from trainflow.tasks.tracking.lineage import Lineage
 from trainflow.tasks.tracking.packages import installed_packages, package_lock_hash
 
 

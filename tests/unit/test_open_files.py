@@ -12,7 +12,7 @@ import pytest
 
 from tests.unit.datasets import write_dataset
 from trainflow.errors import DataError
-from trainflow.tasks.limits import TooManyOpenFilesError
+from trainflow.tasks.open_files import TooManyOpenFilesError
 from trainflow.tasks.preprocess.dataset import load_raw_split, read_npy_into, shard_error
 from trainflow.tasks.train.streaming import OPEN_SHARDS, ShardRows
 

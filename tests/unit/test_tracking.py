@@ -7,8 +7,8 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from trainflow.tasks.tracking.config import TrackingConfig, resolve_tracking_uri
-from trainflow.tasks.tracking.handed import handed_through
 from trainflow.tasks.tracking.journal import Journal, read_records
+from trainflow.tasks.tracking.logged_through import handed_through
 from trainflow.tasks.tracking.logger import (
     JournalLogger,
     NullLogger,

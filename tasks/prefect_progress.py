@@ -1,23 +1,17 @@
-"""Progress of the long stages as Prefect progress artifacts: training, updated each epoch,
-preprocessing, by shard-writing tasks done, and a search, by trials ended.
+"""Progress of the long stages as Prefect progress artifacts: preprocessing, by shard-writing
+tasks done, a search, by trials ended, and the base of training's (tasks.train.epoch_progress).
 
-The flow side learns how far a job got from what the job already writes for resuming: one
-checkpoint per epoch, renamed into place (``epoch-NNNNNN.pt``), on the filesystem that the
-flow and the ranks share. The check runs whenever the job's log lines are forwarded (rank 0
-prints a line per epoch right after its checkpoint), so no extra thread or poll is needed. A
-resumed job starts from the epoch it reached. A Prefect API error never fails the training:
-it is said once and progress stops being updated.
+Prefect's, not MLflow's: the stages' Prefect @task entries create them, the plain stage code
+never does. A Prefect API error never fails the stage: it is said once and progress stops
+being updated.
 """
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from pathlib import Path
 from typing import cast
 from uuid import UUID
 
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
-
-from trainflow.tasks.train.checkpoint import checkpoint_epoch, checkpoints
 
 TRAIN_KEY = "train-progress"
 """Key of the train stage's progress artifact (Prefect: lowercase letters, digits, dashes)."""
@@ -27,7 +21,7 @@ SEARCH_KEY = "search-progress"
 """Key of a search's progress artifact (tasks.search)."""
 
 
-class _Artifact(ABC):
+class ProgressArtifact(ABC):
     """One progress artifact; a Prefect API error is said once and ends the updates.
     Subclasses set what `percent` reads before calling this constructor."""
 
@@ -63,7 +57,7 @@ class _Artifact(ABC):
         self._warn(f"{self._what} progress not shown in Prefect: {type(exc).__name__}: {exc}"[:400])
 
 
-class TaskProgress(_Artifact):
+class TaskProgress(ProgressArtifact):
     """The share of a stage's dask tasks done (preprocessing: the shard-writing tasks), updated
     at most every `step` percent: each update costs the Prefect server a write."""
 
@@ -87,51 +81,7 @@ class TaskProgress(_Artifact):
         return f"preprocessing: {self._finished} of {self._total} shard-writing tasks done"
 
 
-class EpochProgress(_Artifact):
-    """A progress artifact showing the share of a run's epochs that are checkpointed."""
-
-    def __init__(
-        self, checkpoint_dir: Path, epochs: int, warn: Callable[[str], None], key: str = TRAIN_KEY
-    ) -> None:
-        self._dir, self._epochs = checkpoint_dir, epochs
-        self._epoch = self._done()
-        super().__init__(key, "training", warn)
-
-    @property
-    def percent(self) -> float:
-        """Share of the epochs done, 0 to 100."""
-        return 100.0 * min(self._epoch, self._epochs) / self._epochs
-
-    def watching(self, log: Callable[[str], None]) -> Callable[[str], None]:
-        """`log`, then an update of the artifact when another epoch is checkpointed."""
-
-        def log_and_observe(line: str) -> None:
-            log(line)
-            self.observe()
-
-        return log_and_observe
-
-    def observe(self) -> None:
-        """Update the artifact if the newest checkpoint is of a later epoch than shown."""
-        done = self._done()
-        if done > self._epoch:
-            self._epoch = done
-            self._update()
-
-    def finish(self) -> None:
-        """Show the run as complete (every epoch trained)."""
-        self._epoch = self._epochs
-        self._update()
-
-    def _done(self) -> int:
-        newest = checkpoints(self._dir)
-        return checkpoint_epoch(newest[0]) if newest else 0
-
-    def _description(self) -> str:
-        return f"training: epoch {self._epoch} of {self._epochs} checkpointed"
-
-
-class TrialProgress(_Artifact):
+class TrialProgress(ProgressArtifact):
     """A search's trials: the share of the budget ended, and how many completed, were pruned,
     failed or are running, with the best value so far, in its description."""
 
