@@ -18,7 +18,7 @@ from trainflow.cluster.snapshot import CodeSnapshot, snapshot_for_jobs
 from trainflow.flows import experiment
 from trainflow.flows.config import PipelineConfig, build_config, config_hash, flatten
 from trainflow.flows.error_output import quiet_user_errors
-from trainflow.flows.preflight import preflight, user_modules
+from trainflow.flows.preflight import initial_weights, preflight, user_modules
 from trainflow.flows.report import run_link, runs_and_plots_markdown, summary_markdown
 from trainflow.flows.run_record import new_record, update_record
 from trainflow.tasks.preprocess.ref import DatasetRef
@@ -29,7 +29,6 @@ if TYPE_CHECKING:
     from trainflow.tasks.evaluate.run import EvalResult
     from trainflow.tasks.tracking.lineage import Lineage
     from trainflow.tasks.tracking.pipeline_runs import PipelineRuns
-    from trainflow.tasks.train.config import TrainConfig
     from trainflow.tasks.train.job import TrainJobSpec
 
 
@@ -196,19 +195,6 @@ def train_spec(
         signal_delay_s=cfg.cluster.signal_delay_s,
         max_requeues=cfg.cluster.max_requeues,
     )
-
-
-def initial_weights(cfg: PipelineConfig) -> "TrainConfig":
-    """cfg.train with train.init_from resolved to the weights file the ranks load (a run id
-    or a registered version is found here, where the workdir and the MLflow store are)."""
-    if cfg.train.init_from is None:
-        return cfg.train
-    from trainflow.tasks.tracking.config import resolve_tracking_uri
-    from trainflow.tasks.train.init_from import resolve
-
-    uri = resolve_tracking_uri(cfg.tracking, cfg.workdir)
-    path = resolve(cfg.train.init_from, cfg.workdir, uri)
-    return cfg.train.model_copy(update={"init_from": str(path)})
 
 
 def preprocess_stage(

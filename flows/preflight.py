@@ -76,7 +76,6 @@ def check_init_from(cfg: PipelineConfig, spec: "DataSpec") -> None:
         return
     import torch
 
-    from trainflow.flows.pipeline import initial_weights
     from trainflow.tasks.train.init_from import check_fits, load_weights
     from trainflow.tasks.train.model_plugins import build_model
 
@@ -84,6 +83,19 @@ def check_init_from(cfg: PipelineConfig, spec: "DataSpec") -> None:
     with torch.device("meta"):
         model = build_model(cfg.train, spec)
     check_fits(load_weights(path), model, path)
+
+
+def initial_weights(cfg: PipelineConfig) -> "TrainConfig":
+    """cfg.train with train.init_from resolved to the weights file the ranks load (a run id
+    or a registered version is found here, where the workdir and the MLflow store are)."""
+    if cfg.train.init_from is None:
+        return cfg.train
+    from trainflow.tasks.tracking.config import resolve_tracking_uri
+    from trainflow.tasks.train.init_from import resolve
+
+    uri = resolve_tracking_uri(cfg.tracking, cfg.workdir)
+    path = resolve(cfg.train.init_from, cfg.workdir, uri)
+    return cfg.train.model_copy(update={"init_from": str(path)})
 
 
 def user_modules(cfg: PipelineConfig, model: ModelReport) -> list[str]:
