@@ -34,13 +34,9 @@ def parser() -> argparse.ArgumentParser:
         "--preset",
         help=f"start from a preset: {', '.join(PRESETS)} (default: the file's, else demo)",
     )
-    config_args.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="dotted override over the preset and the file, e.g. --set train.epochs=3 (repeatable)",
+    _set_option(
+        config_args,
+        "dotted override over the preset and the file, e.g. --set train.epochs=3 (repeatable)",
     )
     sub.add_parser(
         "run",
@@ -82,14 +78,10 @@ def parser() -> argparse.ArgumentParser:
         default=str(PipelineConfig().workdir),
         help=f"where to find a run given by id (default: {PipelineConfig().workdir})",
     )
-    res.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="what may change: a longer train.epochs, the hang and straggler allowances, "
-        "cluster.* (repeatable)",
+    _set_option(
+        res,
+        "what may change: a longer train.epochs, the hang and straggler allowances, cluster.* "
+        "(repeatable)",
     )
     sub.add_parser("presets", help="list the named presets")
     clu = sub.add_parser("cluster", help="a dev Slurm cluster of N nodes on this machine")
@@ -109,6 +101,13 @@ def parser() -> argparse.ArgumentParser:
     ui.add_argument("--host", default="127.0.0.1", help="interface to bind (0.0.0.0: all)")
     ui.add_argument("--port", type=int, default=5000, help="port to listen on")
     return top
+
+
+def _set_option(parser: argparse.ArgumentParser, help_text: str) -> None:
+    """The repeatable --set KEY=VALUE option (into args.overrides)."""
+    parser.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=help_text
+    )
 
 
 def _search_args(sw: argparse.ArgumentParser) -> None:

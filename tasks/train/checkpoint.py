@@ -164,12 +164,19 @@ def save_checkpoint(state: dict[str, Any], directory: Path) -> Path:
 def checkpoints(directory: Path) -> list[Path]:
     """The checkpoints in directory, newest (highest epoch, then batches into the next) first;
     [] when there is none."""
+    return newest_first(directory, _PATTERN)
+
+
+def newest_first(directory: Path, pattern: re.Pattern[str]) -> list[Path]:
+    """The entries of directory whose names `pattern` matches (group 1: epochs done, group 2,
+    optional: batches into the next), newest first; [] when there is no directory. Full and
+    sharded checkpoints share it: files `epoch-E[+B].pt`, folders `epoch-E[+B]`."""
     if not directory.is_dir():
         return []
     found = [
         ((int(m.group(1)), int(m.group(2) or 0)), p)
         for p in directory.iterdir()
-        if (m := _PATTERN.match(p.name))
+        if (m := pattern.match(p.name))
     ]
     return [p for _, p in sorted(found, reverse=True)]
 

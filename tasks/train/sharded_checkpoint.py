@@ -44,6 +44,7 @@ from trainflow.tasks.train.checkpoint import (
     checkpoints,
     fsync_dir,
     load_state,
+    newest_first,
     resumable_checkpoint,
 )
 from trainflow.tasks.train.distributed import DistContext
@@ -60,14 +61,7 @@ TRAIN_STATE = "train_state.pt"
 def sharded_checkpoints(directory: Path) -> list[Path]:
     """The sharded checkpoint folders of directory, newest (highest epoch, then steps into
     the next) first."""
-    if not directory.is_dir():
-        return []
-    found = [
-        ((int(m.group(1)), int(m.group(2) or 0)), p)
-        for p in directory.iterdir()
-        if (m := _PATTERN.match(p.name))
-    ]
-    return [p for _, p in sorted(found, reverse=True)]
+    return newest_first(directory, _PATTERN)
 
 
 def checkpoint_name(epoch: int, steps: int = 0) -> str:
