@@ -23,6 +23,8 @@ from trainflow.tasks.train.config import TrainConfig
 from trainflow.tasks.train.model_report import ModelReport
 
 if TYPE_CHECKING:  # check_code imports torch (seconds), check_inputs does not
+    from torch import nn
+
     from trainflow.tasks.spec import DataSpec
 
 
@@ -56,32 +58,26 @@ def check_code(
     it, the code snapshot's size."""
     from trainflow.cluster.snapshot import plan_snapshot
     from trainflow.tasks.objectives import check_data
-    from trainflow.tasks.train.model_plugins import check_model
+    from trainflow.tasks.train.model_plugins import checked_model
     from trainflow.tasks.train.optimizers import check_optimizer
 
     check_data(cfg.train.objective, cfg.train.objective_args, spec)  # objective vs data
-    model = check_model(cfg.train, spec)
-    check_optimizer(cfg.train, spec)
-    check_init_from(cfg, spec)
+    model, meta = checked_model(cfg.train, spec)  # the user's factory runs once per config
+    check_optimizer(cfg.train, spec, meta)
+    check_init_from(cfg, meta)
     for train in sweep:
-        check_model(train, spec)
-        check_optimizer(train, spec)
+        check_optimizer(train, spec, checked_model(train, spec)[1])
     plan_snapshot(user_modules(cfg, model))  # a code folder too big to snapshot
     return model
 
 
-def check_init_from(cfg: PipelineConfig, spec: "DataSpec") -> None:
-    """train.init_from's weights found and fitting the model built on the meta device."""
+def check_init_from(cfg: PipelineConfig, model: "nn.Module") -> None:
+    """train.init_from's weights found and fitting `model` (cfg's, built on the meta device)."""
     if cfg.train.init_from is None:
         return
-    import torch
-
     from trainflow.tasks.train.init_from import check_fits, load_weights
-    from trainflow.tasks.train.model_plugins import build_model
 
     path = Path(str(initial_weights(cfg).init_from))
-    with torch.device("meta"):
-        model = build_model(cfg.train, spec)
     check_fits(load_weights(path), model, path)
 
 

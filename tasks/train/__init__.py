@@ -34,6 +34,10 @@ Modules:
     prefetch           host batches copied to the GPU one step ahead.
     normalise          raw shard values to float32 at batch time.
     loop               the train and evaluation epochs: optimiser, schedule, metric sums.
+    optimizers         AdamW / SGD and optimizer plug-ins; no decay on biases, norms, embeddings.
+    schedule           the learning rate as a pure function of the step (warm-up, shapes).
+    clipping           the global gradient norm over ranks and FSDP shards, clipped.
+    init_from          train.init_from: another run's weights, resolved, checked and loaded.
     throughput         samples/s, step time, FLOPs and MFU per rank and per job.
     step_times         each rank's steps split into data wait, compute and communication.
     stragglers         a rank persistently slower than the others, named on rank 0.

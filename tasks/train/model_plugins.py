@@ -67,6 +67,12 @@ def build_model(cfg: TrainConfig, spec: DataSpec) -> nn.Module:
 def check_model(cfg: TrainConfig, spec: DataSpec) -> ModelReport:
     """Build cfg's model on the meta device (no weights allocated) and check one forward pass
     of CHECK_BATCH samples gives spec.output_shape; PluginError (one line) otherwise."""
+    return checked_model(cfg, spec)[0]
+
+
+def checked_model(cfg: TrainConfig, spec: DataSpec) -> tuple[ModelReport, nn.Module]:
+    """check_model's report and the meta-device model it checked (for the checks that need
+    a model, so that the user's factory runs once)."""
     factory = resolve_factory(cfg)
     with torch.device("meta"):
         model = _build(factory, cfg, spec)
@@ -96,12 +102,13 @@ def check_model(cfg: TrainConfig, spec: DataSpec) -> ModelReport:
             "model's output layer"
         )
     params = list(model.parameters())
-    return ModelReport(
+    report = ModelReport(
         target=factory.target,
         file=factory.file,
         parameters=sum(p.numel() for p in params),
         parameter_bytes=sum(p.numel() * p.element_size() for p in params),
     )
+    return report, model
 
 
 def _build(factory: Resolved, cfg: TrainConfig, spec: DataSpec) -> nn.Module:

@@ -81,11 +81,12 @@ def make_optimizer(cfg: TrainConfig, model: nn.Module) -> torch.optim.Optimizer:
     return optimizer
 
 
-def check_optimizer(cfg: TrainConfig, spec: DataSpec) -> Resolved:
-    """Build cfg's optimizer over cfg's model built on the meta device (nothing allocated);
-    PluginError (one line) when it cannot be; the factory it resolved to."""
+def check_optimizer(cfg: TrainConfig, spec: DataSpec, model: nn.Module | None = None) -> Resolved:
+    """Build cfg's optimizer over cfg's model on the meta device (nothing allocated: `model`,
+    one already built there, else built now); PluginError (one line) when it cannot be; the
+    factory it resolved to."""
     with torch.device("meta"):
-        make_optimizer(cfg, build_model(cfg, spec))
+        make_optimizer(cfg, model if model is not None else build_model(cfg, spec))
     return resolve_optimizer(cfg)
 
 
