@@ -179,13 +179,13 @@ def test_submitit_s_routine_lines_stay_off_the_console_its_warnings_do_not(
 def test_a_failed_jobs_tracebacks_show_only_with_debug(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], debug: bool
 ) -> None:
-    from trainflow.flows import cli
+    from trainflow.flows import cli, commands
 
     def failed_job(args: object) -> int:
         raise JobError("job 7 failed in rank 1: rank 1 raised DataError: x", "----- rank 1 -----")
 
     monkeypatch.setenv("TRAINFLOW_DEBUG", "0")  # restored after main() sets it for --debug
-    monkeypatch.setattr(cli, "_run", failed_job)
+    monkeypatch.setattr(commands, "run", failed_job)
     assert cli.main([*(["--debug"] if debug else []), "run", "--preset", "tiny"]) == 2
     err = capsys.readouterr().err
     assert err.endswith("trainflow: error: job 7 failed in rank 1: rank 1 raised DataError: x\n")
@@ -202,13 +202,13 @@ def test_a_failed_jobs_tracebacks_show_only_with_debug(
 def test_too_many_open_files_anywhere_is_one_line_naming_the_limit(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], error: Exception
 ) -> None:
-    from trainflow.flows import cli
+    from trainflow.flows import cli, commands
 
     def failing(args: object) -> int:
         raise error
 
     monkeypatch.setenv("TRAINFLOW_DEBUG", "0")
-    monkeypatch.setattr(cli, "_run", failing)
+    monkeypatch.setattr(commands, "run", failing)
     assert cli.main(["run", "--preset", "tiny"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("trainflow: error: ")
