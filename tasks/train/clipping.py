@@ -4,7 +4,7 @@ Under DDP each rank holds the whole gradient, all-reduced, so its own norm is th
 Under FSDP2 each rank holds shards (DTensors): torch's norm of them is a DTensor, reduced over
 the ranks (torch 2.13 returns it replicated; `full_tensor()` makes it a plain tensor, and
 completes the sum where a version leaves it partial), the torchtitan way. Under fp16 the
-caller unscales the gradients first (GradScaler.unscale_), so the norm and the clip are in
+caller unscales the gradients first (`GradScaler.unscale_`), so the norm and the clip are in
 the gradients' own units.
 """
 
