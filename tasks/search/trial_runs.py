@@ -36,9 +36,9 @@ def open_trial_run(
         parent_id=parent_id,
         tags={"stage": "train", "trial": str(number), "trial_state": "running"},
     )
+    trial.set_user_attr(RUN_ATTR, run_id)  # first: a cancellation from here on closes it
     params = {f"train.{k}": str(v) for k, v in train.model_dump(mode="json").items()}
     runs.log_params(client, run_id, {**params, **_searched(trial.params)})
-    trial.set_user_attr(RUN_ATTR, run_id)
     return run_id
 
 

@@ -32,3 +32,26 @@ def test_an_unreachable_server_is_one_line(capsys: pytest.CaptureFixture[str]) -
     assert orphaned_runs.main(["http://127.0.0.1:9", "0" * 32]) == 1
     out = capsys.readouterr().out.strip().splitlines()
     assert out == [f"MLflow run {'0' * 32} not marked KILLED: http://127.0.0.1:9 is unreachable"]
+
+
+@pytest.mark.services
+def test_a_cancelled_search_kills_the_trial_runs_still_running_and_no_other(
+    tmp_path: Path,
+) -> None:
+    from trainflow.tasks.search.task import kill_running_trial_runs
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = MlflowClient(uri)
+    exp = client.create_experiment("x", artifact_location=str(tmp_path / "art"))
+    search = client.create_run(exp, run_name="tiny-search").info.run_id
+    other = client.create_run(exp, run_name="other-search").info.run_id
+    runs = {}
+    for name, parent in (("set-up", search), ("done", search), ("elsewhere", other)):
+        tags = {orphaned_runs.PARENT_TAG: parent}
+        runs[name] = client.create_run(exp, run_name=name, tags=tags).info.run_id
+    client.set_terminated(runs["done"], "FINISHED")
+    assert kill_running_trial_runs(uri, search) == [runs["set-up"]]
+    status = {name: client.get_run(r).info.status for name, r in runs.items()}
+    assert status == {"set-up": "KILLED", "done": "FINISHED", "elsewhere": "RUNNING"}
+    assert client.get_run(runs["set-up"]).data.tags["trial_state"] == "killed (cancelled)"
+    assert client.get_run(search).info.status == "RUNNING"  # the flow ends it, not this
