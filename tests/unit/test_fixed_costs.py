@@ -1,0 +1,52 @@
+"""Fixed costs of a tiny run that were cut at their source (bench/p8_profile.py measures them):
+each test fails when the cost comes back, by what is imported or done, never by a timing."""
+
+import gc
+import importlib.util
+import subprocess
+import sys
+
+import pytest
+
+_LIGHTNING = """
+import importlib.util, sys
+from trainflow.compat import import_mlflow_pytorch
+module = import_mlflow_pytorch()
+assert callable(module.log_model) and callable(module.load_model)
+heavy = sorted(m for m in ("pytorch_lightning", "lightning", "torchmetrics", "transformers")
+               if m in sys.modules)
+assert not heavy, heavy
+# The block is lifted: Lightning is findable again (a None left in sys.modules would raise).
+assert importlib.util.find_spec("pytorch_lightning") is not None
+print("ok")
+"""
+
+
+@pytest.mark.services
+@pytest.mark.skipif(
+    importlib.util.find_spec("pytorch_lightning") is None, reason="Lightning is not installed"
+)
+def test_the_evaluate_stages_mlflow_pytorch_leaves_lightning_unimported() -> None:
+    """Where Lightning is installed, mlflow.pytorch's import would load it, torchmetrics and
+    transformers (trainflow.compat.import_mlflow_pytorch). ~4 s: one process imports MLflow."""
+    out = subprocess.run(
+        [sys.executable, "-c", _LIGHTNING], capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0 and out.stdout.split() == ["ok"], out.stderr[-2000:]
+
+
+def test_the_command_freezes_the_heap_before_the_interpreters_teardown(monkeypatch) -> None:
+    """`trainflow` leaves its objects out of the exit's garbage collections (gc.freeze), which
+    otherwise walk every module's objects for seconds; ~0.1 s."""
+    from trainflow.flows.cli import entry
+
+    gc.unfreeze()
+    assert gc.get_freeze_count() == 0
+    monkeypatch.setattr(sys, "argv", ["trainflow", "presets"])
+    try:
+        with pytest.raises(SystemExit) as ended:
+            entry()
+        assert ended.value.code == 0
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
