@@ -225,3 +225,21 @@ def test_p11_sees_a_pruned_trial_that_reported_other_values() -> None:
     pruned["trials"] = [{"params": {"train.width": 4}, "curve": [0.5]},
                         {"params": {"train.width": 8}, "curve": [0.4]}]  # fmt: skip
     assert summarise({"unpruned": full, "pruned": pruned})["same_values_until_pruned"] is False
+
+
+def test_the_profile_hook_profiles_a_process_and_its_child_that_exits_at_once(tmp_path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    from bench.p8_profile import HOOK, profiles, summarise
+
+    child = "import os, json; json.dumps([1]); os._exit(0)"  # os._exit skips atexit
+    parent = f"import subprocess, sys; subprocess.run([sys.executable, '-c', {child!r}])"
+    env = {**os.environ, "PYTHONPATH": str(HOOK), "TRAINFLOW_BENCH_PROFILE": str(tmp_path)}
+    subprocess.run([sys.executable, "-c", parent], env=env, check=True, timeout=60)
+    found = profiles(tmp_path)
+    assert len(found) == 2  # the parent at its atexit, the child through os._exit
+    assert found[0][0]["started"] <= found[1][0]["started"] <= found[1][0]["atexit"]
+    out = summarise(found[0][0], found[0][1], found[0][0]["started"], found[0][0]["atexit"])
+    assert out["process"] == "-c" and out["profiled_s"] >= 0
