@@ -2,13 +2,13 @@
 those that run flows or act on jobs are flows.commands)."""
 
 import argparse
-import gc
 import os
 import sys
 import traceback
 from collections.abc import Sequence
 from typing import NoReturn
 
+from trainflow import gc_policy
 from trainflow.errors import DEBUG_ENV, JobError, TrainflowError, debug_enabled
 from trainflow.flows import commands
 from trainflow.flows.config import PRESETS, PipelineConfig
@@ -201,14 +201,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def entry() -> NoReturn:
     """The ``trainflow`` command."""
+    gc_policy.at_start()
     try:
         code = main()
     finally:
-        # The interpreter's exit garbage-collects every module it tears down: with torch,
-        # MLflow and Prefect loaded that is seconds of CPU for memory the OS frees anyway.
-        # Frozen objects are left alone; atexit handlers (Prefect's server stop, logging's
-        # flush, weakref finalizers) still run after this, and so does every flush by refcount.
-        gc.freeze()
+        gc_policy.before_exit()  # the interpreter's teardown then collects nothing
     sys.exit(code)
 
 
