@@ -243,3 +243,16 @@ def test_the_profile_hook_profiles_a_process_and_its_child_that_exits_at_once(tm
     assert found[0][0]["started"] <= found[1][0]["started"] <= found[1][0]["atexit"]
     out = summarise(found[0][0], found[0][1], found[0][0]["started"], found[0][0]["atexit"])
     assert out["process"] == "-c" and out["profiled_s"] >= 0
+
+
+def test_p7t_records_a_side_that_printed_its_result_and_then_aborted_at_exit(tmp_path) -> None:
+    from bench.p7t import record, summary
+    from bench.timed import Timed
+
+    facts = 'p7-lightning {"test_digest": "d", "ended": 1.0}\n'
+    aborted = Timed(-6, 21.0, 19.5, "0.9780", 12.0, ["test accuracy 0.9780\n", facts])
+    r = record("lightning", aborted, tmp_path)
+    assert (r["to_test_accuracy_s"], r["returncode"], r["test_digest"]) == (19.5, -6, "d")
+    assert "exit status -6" in summary(r)
+    with pytest.raises(RuntimeError, match="failed"):  # no result line: nothing to record
+        record("lightning", Timed(-6, 3.0, None, None, 1.0, ["Aborted\n"]), tmp_path)
