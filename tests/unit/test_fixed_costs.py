@@ -54,3 +54,34 @@ def test_the_command_collects_less_and_freezes_its_heap_before_the_teardown(monk
     finally:
         gc.unfreeze()
         gc.set_threshold(*before)
+
+
+_PENDING = """
+import atexit, logging, sys, threading, time
+from trainflow import gc_policy
+
+out = sys.argv[1]
+logging.basicConfig(filename=out + ".log", level=logging.INFO)
+def sender():  # a thread still sending when the command's work ends
+    time.sleep(0.3)
+    with open(out + ".thread", "w") as f:
+        f.write("sent")
+def flush_at_exit():  # as Prefect's log and event workers and MLflow's async logging do
+    time.sleep(0.2)
+    with open(out + ".atexit", "w") as f:
+        f.write("flushed")
+threading.Thread(target=sender).start()
+atexit.register(flush_at_exit)
+logging.getLogger("trainflow").info("last line")
+gc_policy.before_exit()
+"""
+
+
+def test_the_exit_still_waits_for_data_not_yet_written(tmp_path) -> None:
+    """Freezing the heap skips the teardown's collections only: a thread still sending, an
+    atexit flush and the log's last line all land before the process ends; ~0.6 s."""
+    out = tmp_path / "out"
+    subprocess.run([sys.executable, "-c", _PENDING, str(out)], check=True, timeout=60)
+    assert (tmp_path / "out.thread").read_text() == "sent"
+    assert (tmp_path / "out.atexit").read_text() == "flushed"
+    assert "last line" in (tmp_path / "out.log").read_text()
