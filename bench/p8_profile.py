@@ -13,6 +13,9 @@ PREFECT_HOME and TRAINFLOW_CACHE):
    temporary server's process, which Prefect ends with a signal). cProfile slows Python code
    (about 1.2-1.5x here), so this run's seconds say where time goes, not how long a run takes.
 
+It also times `trainflow --help` and `trainflow config --preset tiny` (process launch to exit,
+median of CLI_REPEATS alternated launches).
+
 From the profiled run, per process: its seconds, the imports that cost the most (a package's
 `__init__` module code, cumulative: what `python -X importtime` reports as its cumulative
 time), the trainflow functions that cost the most (cumulative: where a cut would go) and
@@ -35,6 +38,7 @@ from bench.p8_fixed_costs import tiny_run
 from bench.timed import (
     command_env,
     fresh_prefect_home,
+    median,
     migrated_prefect_db,
     running_prefect_server,
     timed_command,
@@ -67,6 +71,9 @@ NAMED = (
      r"train/job\.py:\d+\(_train\)"),
 )  # fmt: skip
 """(cause, the profiled function that holds it): each reported with its cumulative seconds."""
+CLI_REPEATS = 3
+CLI_COMMANDS = {"--help": ["--help"], "config": ["config", "--preset", "tiny"]}
+"""The commands a user runs without a pipeline, each timed on its own."""
 _PACKAGE = re.compile(r"(?:site-packages|lib/python3\.\d+)/([A-Za-z_][\w]*)/__init__\.py$")
 _WRAPPERS = re.compile(r"<frozen |runpy|contextlib|threading|/prefect/|/submitit/|rank_main")
 
@@ -154,11 +161,27 @@ def _top(values: dict[str, float], n: int) -> dict[str, float]:
     return {k: round(v, 2) for k, v in best if v >= 0.05}
 
 
+def cli_seconds(folder: Path) -> dict[str, float | None]:
+    """Launch to exit of each of CLI_COMMANDS, medians of CLI_REPEATS alternated launches."""
+    env = command_env(fresh_prefect_home(folder, None))
+    times: dict[str, list[float]] = {name: [] for name in CLI_COMMANDS}
+    for _ in range(CLI_REPEATS):
+        for name, args in CLI_COMMANDS.items():
+            argv = [sys.executable, "-m", "trainflow.flows.cli", *args]
+            timed = timed_command(argv, env, cwd=folder, timeout_s=120)
+            if timed.returncode != 0:
+                raise RuntimeError(f"trainflow {name} failed:\n{timed.tail()}")
+            times[name].append(timed.exit_s)
+    return {name: median(values) for name, values in times.items()}
+
+
 def run() -> tuple[str, list[tuple[str, str, str]], dict[str, Any]]:
-    """The two unprofiled runs' phases and the profiled run's breakdown."""
+    """The CLI's own seconds, the two unprofiled runs' phases and the profiled run's
+    breakdown."""
     result: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="bench-p8p-") as tmp:
         root = Path(tmp)
+        result["cli_s"] = cli_seconds(root)
         database = migrated_prefect_db(root / "prefect-template.db")
         with running_prefect_server(root / "server") as api:
             result["running server"] = tiny_run(root / "running", api, database)
@@ -173,7 +196,10 @@ def run() -> tuple[str, list[tuple[str, str, str]], dict[str, Any]]:
 
 def rows(result: dict[str, Any]) -> list[tuple[str, str, str]]:
     """The table: each mode's exit and phases, then the profiled run's causes per process."""
-    out: list[tuple[str, str, str]] = []
+    out: list[tuple[str, str, str]] = [
+        (f"trainflow {name}: launch to exit", f"{value} s", "<= 1 s")
+        for name, value in result["cli_s"].items()
+    ]
     for mode in ("running server", "temporary server"):
         r = result[mode]
         out.append((f"{mode}: command to exit (CPU s)", f"{r['exit_s']} s ({r['cpu_s']})", ""))
