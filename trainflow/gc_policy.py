@@ -4,9 +4,8 @@ none of its objects collected at its exit.
 Python 3.11 collects its youngest generation every 700 allocations not yet freed, and the older
 ones every 10 collections of the one below. A process that imports torch, MLflow and Prefect
 creates millions of long-lived objects, and those collections walk them again and again for
-no garbage: 13-18% of the CPU its imports take (bench/p8_profile.py; `import` of the command's
-modules 3.84 -> 3.15 CPU s here, 4 MiB more peak memory). At its exit the interpreter
-collects once more per module it tears down, seconds of CPU for memory the OS frees anyway.
+no garbage (docs/performance.md, P8 profile). At its exit the interpreter collects again as it
+tears the modules down: seconds of CPU for memory the OS frees anyway.
 """
 
 import gc
