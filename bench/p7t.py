@@ -40,6 +40,7 @@ CPU seconds: the launched process's and its reaped descendants' (bench.timed); t
 Prefect server's work on a run's behalf is not in them.
 """
 
+import ast
 import json
 import os
 import sys
@@ -113,6 +114,10 @@ def record(side: str, timed: Timed, work: Path) -> dict[str, Any]:
         banner = next((x for x in timed.lines if "[rank0] training " in x), "")
         out["banner"] = banner.split("[rank0] ", 1)[-1].strip()
         out["test_digest"] = trainflow_test_digest(work)
+        # The summary's stage seconds (the evaluate stage's among them), where it printed one.
+        stages = next((x for x in timed.lines if x.startswith("stage seconds")), None)
+        if stages is not None:
+            out["stages_s"] = ast.literal_eval(stages.split(None, 2)[2])
     return out
 
 
@@ -195,5 +200,7 @@ def rows(result: dict[str, Any]) -> list[tuple[str, str, str]]:
                     f"<= {goal}x"))  # fmt: skip
         out.append((f"ratio {side} / lightning, to exit", str(r["exit_s"]), ""))
         out.append((f"ratio {side} / lightning, CPU s", str(r["cpu_s"]), ""))
+        evaluate = median([x.get("stages_s", {}).get("evaluate") for x in result["runs"][side]])
+        out.append((f"{side}: evaluate stage (median)", f"{evaluate} s", "<= 2 s"))
     out.append(("same test set on every run", str(result["same_test_set"]), "True"))
     return out

@@ -118,7 +118,7 @@ def test_p7t_reports_medians_ratios_and_a_differing_test_set() -> None:
     assert ratios["trainflow running server"]["to_test_accuracy_s"] == round(6 / 11, 2)
     assert ratios["trainflow temporary server"]["to_test_accuracy_s"] is None  # one missed
     assert result["same_test_set"] is False
-    assert len(rows(result)) == len(SIDES) + 3 * len(GOALS) + 1
+    assert len(rows(result)) == len(SIDES) + 4 * len(GOALS) + 1  # ratios and evaluate per mode
 
 
 def test_a_saved_result_names_its_command_load_and_cpu(
