@@ -19,6 +19,7 @@ from trainflow.flows.config import PipelineConfig
 from trainflow.tasks.diskspace import require_space
 from trainflow.tasks.preprocess.preflight import preflight_source, probe_spec
 from trainflow.tasks.preprocess.size import preprocess_need
+from trainflow.tasks.train.batching import data_ranks
 from trainflow.tasks.train.config import TrainConfig
 from trainflow.tasks.train.model_report import ModelReport
 
@@ -36,11 +37,12 @@ def preflight(cfg: PipelineConfig, sweep: Iterable[TrainConfig] = ()) -> ModelRe
 
 
 def check_inputs(cfg: PipelineConfig) -> "DataSpec":
-    """The checks that import neither torch nor a model: the workdir, the data source and its
-    probe, the disk space the dataset needs, the Slurm requests; the data's spec. `trainflow
-    run` calls this before it imports torch or starts any process, so bad data is refused in
-    about a second on an idle machine, alone."""
+    """The checks that import neither torch nor a model: the workdir, the global batch on the
+    job's ranks, the data source and its probe, the disk space the dataset needs, the Slurm
+    requests; the data's spec. `trainflow run` calls this before it imports torch or starts
+    any process, so bad data is refused in about a second on an idle machine, alone."""
     check_workdir(cfg.workdir)
+    check_global_batch(cfg.train, cfg)  # the world size is known here, not in TrainConfig
     preflight_source(cfg.preprocess)
     spec = probe_spec(cfg.preprocess, cfg.train.objective)
     datasets = cfg.workdir / "datasets"  # a dataset the workdir's disk cannot hold: now
@@ -66,9 +68,16 @@ def check_code(
     check_optimizer(cfg.train, spec, meta)
     check_init_from(cfg, meta)
     for train in sweep:
+        check_global_batch(train, cfg)
         check_optimizer(train, spec, checked_model(train, spec)[1])
     plan_snapshot(user_modules(cfg, model))  # a code folder too big to snapshot
     return model
+
+
+def check_global_batch(train: TrainConfig, cfg: PipelineConfig) -> None:
+    """train.global_batch_size makes up whole micro-batches on every rank of the training job
+    (cluster.nodes x cluster.ranks_per_node): ConfigError naming the values that would."""
+    data_ranks(train, cfg.cluster.nodes * cfg.cluster.ranks_per_node)
 
 
 def check_init_from(cfg: PipelineConfig, model: "nn.Module") -> None:

@@ -5,6 +5,7 @@ from typing import Any, Literal, Self
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from trainflow.config_base import StrictModel
+from trainflow.tasks.train.batching import check_batch_keys
 
 ADAM_KEYS = ("adam_beta1", "adam_beta2", "adam_eps")
 SGD_KEYS = ("momentum", "nesterov")
@@ -39,7 +40,18 @@ class TrainConfig(StrictModel):
     epochs: int = Field(8, ge=1, le=10_000)
     """Passes over the training split."""
     batch_size: int = Field(64, ge=1, le=65_536)
-    """Samples per rank per optimiser step."""
+    """Samples per rank per forward and backward pass (a micro-batch): per optimizer step too
+    unless train.global_batch_size or train.grad_accumulation make a step take several."""
+    global_batch_size: int | None = Field(None, ge=1, le=16_777_216)
+    """Samples per optimizer step, all ranks together: each rank then accumulates the
+    gradients of global_batch_size / (batch_size x ranks) micro-batches before it steps, so
+    the step (and the learning rate tuned for it) does not depend on how many ranks train.
+    Must be a multiple of batch_size x ranks (refused before anything is queued). Unset:
+    batch_size x ranks, or with train.grad_accumulation that many times more. A run resumed
+    on fewer ranks keeps its global batch either way (tasks.train.batching)."""
+    grad_accumulation: int | None = Field(None, ge=1, le=65_536)
+    """Micro-batches each rank accumulates per optimizer step (global batch: batch_size x
+    ranks x this); set this or train.global_batch_size, not both. Unset: 1."""
     optimizer: str = Field("adamw", min_length=1)
     """adamw (torch.optim.AdamW: train.adam_beta1, adam_beta2, adam_eps) or sgd
     (torch.optim.SGD: train.momentum, nesterov), fused where torch has the kernels; or a
@@ -222,6 +234,11 @@ class TrainConfig(StrictModel):
                 "train.strategy=fsdp does not support precision=fp16 (loss scaling of sharded "
                 "gradients): set train.precision=bf16, auto or fp32"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _global_batch_is_whole_micro_batches(self) -> Self:
+        check_batch_keys(self.global_batch_size, self.grad_accumulation, self.batch_size)
         return self
 
     @model_validator(mode="after")

@@ -166,7 +166,7 @@ class TrainingJob(submitit.helpers.Checkpointable):
                     journal,
                 )
             found = find_resumable(self.checkpoint_dir, cfg.strategy == "fsdp", dist)
-            self._batch = global_batch(found, cfg.batch_size, dist)  # kept across world sizes
+            self._batch = global_batch(found, cfg, dist)  # kept across world sizes
             trainer = self._trainer(model, dist, policy, len(train))
             # Each rank's step times, compared every window on rank 0 (tasks.train.stragglers)
             trainer = replace(trainer, timer=step_timer(cfg, trainer.model, dist, journal))
@@ -218,13 +218,13 @@ class TrainingJob(submitit.helpers.Checkpointable):
         model = place_model(built, cfg, dist.device)
         if cfg.activation_checkpointing:
             checkpoint_activations(sharding_units(model))
+        batch = getattr(self, "_batch", None) or global_batch(None, cfg, dist)
         if cfg.strategy == "fsdp":  # the optimizer then holds this rank's shards only
             model = shard_from_rank0(model, dist, policy, cfg.reshard_after_forward)
             optimizer = make_optimizer(cfg, model)
         else:
             optimizer = make_optimizer(cfg, model)
-            model = wrap_ddp(model, dist, cfg.ddp_bucket_cap_mb)
-        batch = getattr(self, "_batch", None) or global_batch(None, cfg.batch_size, dist)
+            model = wrap_ddp(model, dist, cfg.ddp_bucket_cap_mb, batch.accumulation)
         steps = steps_per_epoch(n_train, cfg.batch_size, batch.data_world, cfg.cuda_graphs)
         if steps == 0:
             raise ConfigError(
