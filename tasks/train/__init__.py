@@ -45,6 +45,7 @@ Modules:
     checkpoint         atomic full-state checkpoints, resume look-up, best model.
     sharded_checkpoint DCP checkpoints of fsdp runs, resharded on load.
     progress           what a checkpoint holds of the run's progress and identity.
+    batching           the global batch as micro-batches per rank (accumulation), checked.
     resume             resume from a checkpoint; the global batch kept on fewer ranks.
     first_result       the test split through the best weights as the job ends.
     log_lines          the lines a job prints: where it trains, per-epoch progress.
