@@ -11,12 +11,29 @@ No torch here: the config's validation and the preflight (which knows the world 
 cluster.nodes x cluster.ranks_per_node) use it before anything imports torch.
 """
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from trainflow.errors import ConfigError
 
-if TYPE_CHECKING:
-    from trainflow.tasks.train.config import TrainConfig
+
+class BatchKeys(Protocol):
+    """The keys of TrainConfig that make up the global batch (TrainConfig validates with this
+    module, so it is not imported here)."""
+
+    @property
+    def batch_size(self) -> int:
+        """train.batch_size."""
+        ...
+
+    @property
+    def global_batch_size(self) -> int | None:
+        """train.global_batch_size."""
+        ...
+
+    @property
+    def grad_accumulation(self) -> int | None:
+        """train.grad_accumulation."""
+        ...
 
 
 def check_batch_keys(global_batch: int | None, accumulation: int | None, batch_size: int) -> None:
@@ -36,7 +53,7 @@ def check_batch_keys(global_batch: int | None, accumulation: int | None, batch_s
         )
 
 
-def data_ranks(cfg: "TrainConfig", world: int) -> int:
+def data_ranks(cfg: BatchKeys, world: int) -> int:
     """Micro-batches per optimizer step, all `world` ranks together, of a run that starts on
     `world` ranks; ConfigError (one line naming the keys and values that would work) when
     train.global_batch_size is no multiple of train.batch_size x `world`."""
