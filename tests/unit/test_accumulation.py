@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from tests.unit.datasets import write_dataset
 from trainflow.cluster.config import ClusterConfig
@@ -34,6 +35,7 @@ from trainflow.tasks.train.loop import Trainer
 from trainflow.tasks.train.precision import PrecisionPolicy
 from trainflow.tasks.train.progress import Progress
 from trainflow.tasks.train.recorder import EpochRecorder
+from trainflow.tasks.train.sharded_checkpoint import sharded_checkpoints
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -90,8 +92,13 @@ def _spec(dataset: DatasetRef, out_dir: Path, **batch: int) -> TrainJobSpec:
 
 
 def _weights(out_dir: Path) -> dict[str, torch.Tensor]:
-    newest = sorted((out_dir / "checkpoints").glob("epoch-*.pt"))[-1]
-    state: dict[str, Any] = torch.load(newest, weights_only=True)
+    """The newest checkpoint's model weights (an fsdp run's sharded one gathered whole)."""
+    whole = sorted((out_dir / "checkpoints").glob("epoch-*.pt"))
+    if whole:
+        state: dict[str, Any] = torch.load(whole[-1], weights_only=True)
+    else:
+        dcp_to_torch_save(sharded_checkpoints(out_dir / "checkpoints")[0], out_dir / "whole.pt")
+        state = torch.load(out_dir / "whole.pt", weights_only=False)
     return {k: v.double() for k, v in state["model"].items()}
 
 
@@ -104,7 +111,8 @@ def _distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 def test_a_global_batch_of_16_trains_the_same_weights_on_any_ranks_with_one_allreduce_a_step(
     tmp_path: Path,
 ) -> None:
-    """global_batch_size=16 as 1 rank x 16, 2 ranks x 8 and 2 ranks x 4 x 2 micro-batches:
+    """global_batch_size=16 as 1 rank x 16, 2 ranks x 8 and 2 ranks x 4 x 2 micro-batches
+    (under DDP, and under FSDP, whose SGD is then unfused):
     every step takes the same 16 samples (tasks.train.data.accumulated_batches), so the
     weights differ only by float32 rounding of sums taken in another order. The tolerance is
     that rounding's first-order bound: per step the float32 unit roundoff of the largest
@@ -120,8 +128,11 @@ def test_a_global_batch_of_16_trains_the_same_weights_on_any_ranks_with_one_allr
         "micro": _spec(dataset, tmp_path / "micro", batch_size=4, global_batch_size=16),
         "half": _spec(dataset, tmp_path / "half", batch_size=4),  # global batch 8
     }
-    jobs = {name: executor.submit(CountsAllReduces(spec)) for name, spec in runs.items()}
-    for job in jobs.values():
+    jobs = [executor.submit(CountsAllReduces(spec)) for spec in runs.values()]
+    fsdp = _spec(dataset, tmp_path / "fsdp", batch_size=4, global_batch_size=16)
+    fsdp = fsdp.model_copy(update={"train": fsdp.train.model_copy(update={"strategy": "fsdp"})})
+    jobs.append(executor.submit(TrainingJob(fsdp)))  # reduce-scatters every micro-batch
+    for job in jobs:
         assert wait_for_job(job, print, 0.2) is not None
 
     want = _weights(one.out_dir)
@@ -131,6 +142,7 @@ def test_a_global_batch_of_16_trains_the_same_weights_on_any_ranks_with_one_allr
     )
     for name in ("two", "micro"):
         assert _distance(_weights(runs[name].out_dir), want) <= tolerance, name
+    assert _distance(_weights(fsdp.out_dir), want) <= tolerance
     assert _distance(_weights(runs["half"].out_dir), want) > 100 * tolerance
     for rank in (0, 1):
         counted = {
