@@ -86,7 +86,8 @@ def _divisors(n: int) -> str:
 
 def announce_global_batch(batch: GlobalBatch, epoch: int, journal: Journal | None) -> None:
     """Rank 0: say how the global batch is made up (a line, and the run's params): always
-    `global_batch`, and `grad_accumulation` where the config's holds; a line when ranks
+    `global_batch`, and `grad_accumulation.used` where the config's accumulation holds (the
+    config's key `grad_accumulation` is a param of the run already); a line when ranks
     accumulate from the start; after a change of world size which accumulation kept the
     global batch, under a key of its own per resume (MLflow keeps a param's first value)."""
     params = {"global_batch": str(batch.size)}
@@ -107,7 +108,7 @@ def announce_global_batch(batch: GlobalBatch, epoch: int, journal: Journal | Non
         )
         params[f"global_batch.after_epoch_{epoch}"] = line
     else:
-        params["grad_accumulation"] = str(batch.accumulation)
+        params["grad_accumulation.used"] = str(batch.accumulation)
         if batch.accumulation > 1 and epoch == 0:
             print(f"global batch {batch.size}: {line}", flush=True)
     log_run_params(journal, params)
