@@ -27,6 +27,7 @@ from trainflow.flows.config import build_config
 from trainflow.flows.preflight import check_global_batch
 from trainflow.tasks.preprocess.ref import DatasetRef
 from trainflow.tasks.tracking.logger import MetricLogger
+from trainflow.tasks.train.checkpoint import Resumable
 from trainflow.tasks.train.config import TrainConfig
 from trainflow.tasks.train.data import SplitData as Data
 from trainflow.tasks.train.distributed import DistContext
@@ -35,6 +36,7 @@ from trainflow.tasks.train.loop import Trainer
 from trainflow.tasks.train.precision import PrecisionPolicy
 from trainflow.tasks.train.progress import Progress
 from trainflow.tasks.train.recorder import EpochRecorder
+from trainflow.tasks.train.resume import announce_global_batch, global_batch
 from trainflow.tasks.train.sharded_checkpoint import sharded_checkpoints
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -187,3 +189,36 @@ def test_a_global_batch_that_does_not_divide_is_refused_in_one_line_naming_what_
         check_global_batch(four.train, four)
     fine = build_config("tiny", ["train.global_batch_size=128"])
     check_global_batch(fine.train, fine)  # 2 ranks x 2 micro-batches of 32
+
+
+def _resumable(data_world: int) -> Resumable:
+    return Resumable(Path("/runs/a/checkpoints/epoch-000003"), {"data_world": data_world})
+
+
+def test_a_configured_global_batch_is_kept_on_fewer_ranks_by_the_same_rule(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The checkpoint's micro-batches per step decide on resume; the config's on a fresh start."""
+    one, two = (DistContext(0, w, 0, torch.device("cpu"), "gloo") for w in (1, 2))
+    fixed = TrainConfig(batch_size=32, global_batch_size=256)  # 8 micro-batches a step
+    fresh = global_batch(None, fixed, two)
+    assert (fresh.size, fresh.accumulation, fresh.planned) == (256, 4, 4)
+    resumed = global_batch(_resumable(8), fixed, one)  # the config asks for 8 on 1 rank too
+    assert (resumed.size, resumed.accumulation, resumed.planned) == (256, 8, 8)
+    announce_global_batch(resumed, 3, None)
+    assert capsys.readouterr().out == ""  # nothing kept: what the config asks for
+    announce_global_batch(fresh, 0, None)
+    assert capsys.readouterr().out == (
+        "global batch 256: 2 ranks x 4 micro-batches of 32 per step (gradient accumulation)\n"
+    )
+    explicit = TrainConfig(batch_size=32, grad_accumulation=2)  # started on 4 ranks: 8
+    kept = global_batch(_resumable(8), explicit, two)
+    assert (kept.size, kept.accumulation, kept.planned) == (256, 4, 2)
+    announce_global_batch(kept, 3, None)
+    assert capsys.readouterr().out == (
+        "global batch 256 kept: the run takes 8 micro-batches per step and continues after "
+        "epoch 3 on 2 ranks x 4 micro-batches of 32 per step (gradient accumulation)\n"
+    )
+    three = DistContext(0, 3, 0, torch.device("cpu"), "gloo")
+    with pytest.raises(ConfigError, match=r"\(3 does not divide 8\): resume on 1, 2, 4 or 8 ranks"):
+        global_batch(_resumable(8), fixed, three)
