@@ -229,9 +229,9 @@ def wrap_ddp(
       with it (torch tests DDP + compile + static_graph since 2.2). Not with gradient
       `accumulation` (several micro-batches per step): those skip the all-reduce in all but
       the last micro-batch (gradient_sync: DDP's no_sync), and a static graph's first
-      backward inside no_sync fails an internal assert in torch 2.13 (pytorch#143580), and
-      past that assert later steps silently skip their all-reduce (pytorch#187732, open).
-      bench/p13_accumulation.py measures what the static graph saves and no_sync saves.
+      backward inside no_sync fails an internal assert in torch 2.13 (pytorch#143580; its
+      open fix, pytorch#187732, found that past the assert later steps would skip their
+      all-reduce). bench/p13_accumulation.py measures what each saves.
     """
     if ctx.world_size == 1:
         return model
