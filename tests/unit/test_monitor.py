@@ -25,7 +25,8 @@ from trainflow.errors import ConfigError
 from trainflow.tasks.objectives import make_objective
 from trainflow.tasks.preprocess.ref import DatasetRef, dataset_spec
 from trainflow.tasks.train.config import TrainConfig
-from trainflow.tasks.train.job import Progress, TrainingJob, TrainJobSpec
+from trainflow.tasks.train.distributed import DistContext
+from trainflow.tasks.train.job import EpochEnd, Progress, TrainingJob, TrainJobSpec
 from trainflow.tasks.train.monitor import Monitor, check_monitor, monitor_for, top_k
 from trainflow.tasks.train.ref import CheckpointRef
 
@@ -106,11 +107,14 @@ def _spec(dataset: DatasetRef, out_dir: Path, **train: Any) -> TrainJobSpec:
     return TrainJobSpec(train=cfg, dataset=dataset, out_dir=out_dir)
 
 
-def _run(spec: TrainJobSpec, jobs: Path) -> tuple[CheckpointRef, list[dict[str, Any]], list[str]]:
+def _run(
+    spec: TrainJobSpec, jobs: Path, epoch_end: EpochEnd | None = None
+) -> tuple[CheckpointRef, list[dict[str, Any]], list[str]]:
     """Train `spec` on 2 ranks: its CheckpointRef, its logged history and its output lines."""
     executor = make_executor(ClusterConfig(ranks_per_node=2, timeout_min=5), jobs)
     lines: list[str] = []
-    ref = wait_for_job(executor.submit(TrainingJob(spec)), lines.append, poll_s=0.2)
+    job = executor.submit(TrainingJob(spec, epoch_end))
+    ref = wait_for_job(job, lines.append, poll_s=0.2)
     assert isinstance(ref, CheckpointRef)  # the job ended well: the run FINISHED
     history: list[dict[str, Any]] = json.loads(ref.history_path.read_text())
     return ref, history, lines
@@ -207,3 +211,36 @@ def test_keep_checkpoints_keeps_the_k_best_by_the_monitor_and_the_newest(
     kept = {p.name for p in (spec.out_dir / "checkpoints").iterdir() if p.suffix != ".sha256"}
     assert kept == {f"epoch-{e:06d}{suffix}" for e in expected}
     assert ref.epoch == by_loss[0]["epoch"]  # best.pt: the highest val_loss
+
+
+class _Pruner:
+    """A search's epoch_end as tasks.search.trial_worker's: says when it is asked (rank 0),
+    prunes after epoch `prune_at` (0: never; the same answer on every rank)."""
+
+    def __init__(self, prune_at: int = 0) -> None:
+        self.prune_at = prune_at
+
+    def __call__(self, epoch: int, metrics: dict[str, float], dist: DistContext) -> bool:
+        if dist.is_main:
+            print(f"pruner asked after epoch {epoch}", flush=True)
+        return epoch == self.prune_at
+
+
+@pytest.mark.services
+@pytest.mark.parametrize("prune_at", [0, 3])
+def test_the_pruner_asks_first_and_early_stopping_after_the_same_validation(
+    dataset: DatasetRef, tmp_path: Path, prune_at: int
+) -> None:
+    """~6 s each. A run that cannot improve by min_delta stops early after epoch 3 (patience
+    2); the pruner is asked after every validation, that one included, and when it prunes
+    there, the trial is pruned, not early-stopped."""
+    spec = _spec(
+        dataset, tmp_path / "run", epochs=6, lr=1e-9, monitor="val_loss",
+        early_stop_patience=2, early_stop_min_delta=1e-3,
+    )  # fmt: skip
+    _, history, lines = _run(spec, tmp_path / "jobs", _Pruner(prune_at))
+    assert len(history) == 3
+    asked = [line for line in lines if "pruner asked" in line]
+    assert asked == [f"[rank0] pruner asked after epoch {e}" for e in (1, 2, 3)]
+    early = [line for line in lines if "early stop at epoch 3" in line]
+    assert len(early) == (0 if prune_at else 1)
