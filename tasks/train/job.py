@@ -290,7 +290,7 @@ class TrainingJob(submitit.helpers.Checkpointable):
         writes its shards of each checkpoint (one in flight); the last is in place when this
         returns, and a failing job completes the one in flight if it can (ShardedSaver.settle)."""
         cfg, requeue = self.spec.train, self._requeue
-        self._monitor = monitor = monitor_for(cfg, trainer.objective)
+        monitor = monitor_for(cfg, trainer.objective)
         self.keep = monitor.retain
         saver = None
         if cfg.strategy == "fsdp":
