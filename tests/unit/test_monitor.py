@@ -77,6 +77,27 @@ def test_top_k_keeps_the_k_best_and_the_newest() -> None:
     assert top_k([("e4+10", None), ("e4", 0.1), ("e3", 0.3)], 1, False) == {"e4+10", "e4"}
 
 
+def test_retain_reads_each_checkpoints_validation_from_the_history() -> None:
+    """Files and sharded folders alike; a checkpoint inside an epoch (before a time limit)
+    follows no validation; without keep_checkpoints, the two newest."""
+    history = [{"epoch": e, "val_loss": v} for e, v in ((1, 0.9), (2, 0.5), (3, 0.7))]
+    for suffix in (".pt", ""):
+        names = ["epoch-000003+000002", "epoch-000003", "epoch-000002", "epoch-000001"]
+        newest_first = [Path(f"/c/{n}{suffix}") for n in names]
+        best_one = Monitor("val_loss", higher=False, keep=1)
+        assert best_one.retain(newest_first, history) == {
+            f"epoch-000003+000002{suffix}",
+            f"epoch-000002{suffix}",
+        }
+        worst_two = Monitor("val_loss", higher=True, keep=2)
+        assert worst_two.retain(newest_first[1:], history) == {
+            f"epoch-000003{suffix}",
+            f"epoch-000001{suffix}",
+        }
+        default = Monitor("val_loss", higher=False).retain(newest_first, history)
+        assert default == {f"epoch-000003+000002{suffix}", f"epoch-000003{suffix}"}
+
+
 def test_monitor_defaults_to_the_objective_and_is_checked_against_its_metrics(
     dataset: DatasetRef,
 ) -> None:
