@@ -55,20 +55,25 @@ def check_inputs(cfg: PipelineConfig) -> "DataSpec":
 def check_code(
     cfg: PipelineConfig, spec: "DataSpec", sweep: Iterable[TrainConfig] = ()
 ) -> ModelReport:
-    """The checks that import torch and the user's code: the objective against the data, the
-    model (and each sweep element's) built on the meta device and its optimizer built over
-    it, the code snapshot's size."""
+    """The checks that import torch and the user's code: the objective against the data (and
+    train.monitor against the objective's metrics), the model (and each sweep element's) built
+    on the meta device and its optimizer built over it, the code snapshot's size."""
     from trainflow.cluster.snapshot import plan_snapshot
     from trainflow.tasks.objectives import check_data
     from trainflow.tasks.train.model_plugins import checked_model
+    from trainflow.tasks.train.monitor import check_monitor
     from trainflow.tasks.train.optimizers import check_optimizer
 
-    check_data(cfg.train.objective, cfg.train.objective_args, spec)  # objective vs data
+    objective_args = cfg.train.objective_args
+    objective = check_data(cfg.train.objective, objective_args, spec)  # objective vs data
+    check_monitor(cfg.train, objective)  # train.monitor names one of its metrics
     model, meta = checked_model(cfg.train, spec)  # the user's factory runs once per config
     check_optimizer(cfg.train, spec, meta)
     check_init_from(cfg, meta)
     for train in sweep:
         check_global_batch(train, cfg)
+        if (train.objective, train.objective_args) == (cfg.train.objective, objective_args):
+            check_monitor(train, objective)
         check_optimizer(train, spec, checked_model(train, spec)[1])
     plan_snapshot(user_modules(cfg, model))  # a code folder too big to snapshot
     return model

@@ -14,6 +14,7 @@ Modules:
     job                TrainingJob, the callable submitit runs once per rank.
     job_spec           TrainJobSpec, what a training job is given.
     epoch_records      what an epoch leaves: logged metrics, best.pt, checkpoint, its line.
+    monitor            train.monitor: the best validation, early stopping, checkpoints kept.
     time_limit         the time-limit watch: measured times, rank 0's plan, its broadcast.
     limit_requeue      checkpoint where the watch stops, requeue; attempts without progress.
     sweep              a sweep's job array and the choice of its best element.

@@ -118,6 +118,25 @@ class TrainConfig(StrictModel):
     """auto: cuda when the rank sees a GPU, else cpu."""
     seed: int = 0
     """Seed of weights and data order."""
+    monitor: str | None = None
+    """The validation metric, as logged (val_loss, val_accuracy, ...), that picks the best
+    model (best.pt, which evaluation takes), ranks the checkpoints train.keep_checkpoints
+    keeps and that early stopping watches. Unset: the objective's own (val_accuracy for
+    classification, val_loss for regression and sequence). Checked against the objective's
+    metrics before anything is queued."""
+    monitor_mode: Literal["auto", "min", "max"] = "auto"
+    """Whether train.monitor is better lower (min) or higher (max); auto: the objective's
+    direction for that metric (losses and errors lower, accuracies and r2 higher)."""
+    keep_checkpoints: int | None = Field(None, ge=1, le=10_000)
+    """Checkpoints kept on disk: the k best by train.monitor, plus the newest (the one a
+    requeued or resumed run continues from). Unset: the two newest."""
+    early_stop_patience: int = Field(0, ge=0, le=100_000)
+    """Stop training after this many validations in a row in which train.monitor did not
+    improve by more than train.early_stop_min_delta; the run ends FINISHED, and evaluation
+    takes its best model. 0: never stop early."""
+    early_stop_min_delta: float = Field(0.0, ge=0.0, le=1e9)
+    """The improvement of train.monitor that counts for early stopping (more than this,
+    in the metric's units); smaller changes count as none."""
     log_every_epochs: int = Field(1, ge=1)
     """Metrics are flushed to MLflow in one batch every N epochs."""
     test_after_training: bool = True
@@ -291,6 +310,25 @@ class TrainConfig(StrictModel):
             raise ValueError(
                 "train.nesterov=true needs momentum: set train.momentum above 0 (or leave it "
                 "unset: 0.9), or train.nesterov=false"
+            )
+        return self
+
+    @field_validator("monitor")
+    @classmethod
+    def _monitor_is_a_validation_metric(cls, value: str | None) -> str | None:
+        if value is not None and not (value.startswith("val_") and value[4:].isidentifier()):
+            raise ValueError(
+                f"train.monitor={value} is not a validation metric: name one as logged, "
+                f"val_<metric> (e.g. val_{value.split('_', 1)[-1] or 'loss'})"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _early_stop_keys_agree(self) -> Self:
+        if self.early_stop_min_delta and not self.early_stop_patience:
+            raise ValueError(
+                f"train.early_stop_min_delta={self.early_stop_min_delta} has no effect without "
+                "early stopping: set train.early_stop_patience (validations to wait), or unset it"
             )
         return self
 
