@@ -23,6 +23,7 @@ BENCHES = [
     "p10_fsdp_precision",
     "p11_search",
     "p12_stragglers",
+    "p13_accumulation",
 ]
 
 

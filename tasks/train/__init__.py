@@ -14,6 +14,7 @@ Modules:
     job                TrainingJob, the callable submitit runs once per rank.
     job_spec           TrainJobSpec, what a training job is given.
     epoch_records      what an epoch leaves: logged metrics, best.pt, checkpoint, its line.
+    monitor            train.monitor: the best validation, early stopping, checkpoints kept.
     time_limit         the time-limit watch: measured times, rank 0's plan, its broadcast.
     limit_requeue      checkpoint where the watch stops, requeue; attempts without progress.
     sweep              a sweep's job array and the choice of its best element.
@@ -45,6 +46,7 @@ Modules:
     checkpoint         atomic full-state checkpoints, resume look-up, best model.
     sharded_checkpoint DCP checkpoints of fsdp runs, resharded on load.
     progress           what a checkpoint holds of the run's progress and identity.
+    batching           the global batch as micro-batches per rank (accumulation), checked.
     resume             resume from a checkpoint; the global batch kept on fewer ranks.
     first_result       the test split through the best weights as the job ends.
     log_lines          the lines a job prints: where it trains, per-epoch progress.

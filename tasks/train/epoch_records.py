@@ -9,9 +9,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Protocol
 
-from trainflow.tasks.objectives import is_better
 from trainflow.tasks.tracking.logger import MetricLogger
 from trainflow.tasks.train.checkpoint import (
+    Retain,
     host_copy,
     rng_state,
     save_best_weights,
@@ -34,6 +34,7 @@ class EpochJob(Protocol):
     attempt: int
     stalled: int
     saved_step: int
+    keep: Retain
 
     @property
     def checkpoint_dir(self) -> Path: ...
@@ -49,17 +50,12 @@ def decide(
     job: EpochJob, trainer: Trainer, progress: Progress, metrics: dict[str, float]
 ) -> tuple[bool, dict[str, Any] | None]:
     """(whether this epoch flushes the logger, best.pt's meta when this epoch is the best
-    so far, else None); updates `progress` accordingly."""
+    so far by the monitor, else None); updates `progress.logged_epochs` accordingly."""
     cfg, epoch = job.spec.train, progress.epoch
     flush = epoch % cfg.log_every_epochs == 0 or epoch == cfg.epochs
     if flush:
         progress.logged_epochs = epoch
-    select = f"val_{trainer.objective.select}"
-    value = metrics[select]
-    if progress.best_epoch == 0 or is_better(
-        trainer.objective, select, value, progress.best_metric
-    ):
-        progress.best_metric, progress.best_epoch = value, epoch
+    if progress.best_epoch == epoch:  # the monitor's choice (TrainingJob._observe)
         return flush, best_meta(job.spec.train, job.spec.dataset, progress)
     return flush, None
 
@@ -91,7 +87,7 @@ def record(
         if best is not None:
             save_best_weights(state["model"], job.spec.out_dir / "best.pt", best)
         started = time.monotonic()
-        save_checkpoint(state, job.checkpoint_dir)
+        save_checkpoint(state, job.checkpoint_dir, job.keep)
         estimates.save_s = time.monotonic() - started
         job.saved_step = int(state["step"])
         print(f"epoch {epoch}/{cfg.epochs} {progress_line(metrics)}", flush=True)

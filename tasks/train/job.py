@@ -7,6 +7,7 @@ requeued, retried or re-submitted job continues where the last one stopped.
 import random
 import time
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
@@ -22,7 +23,7 @@ from trainflow.tasks.spec import DataSpec
 from trainflow.tasks.tracking.journal import opened
 from trainflow.tasks.tracking.logger import MetricLogger, make_logger
 from trainflow.tasks.tracking.system_metrics import node_monitor
-from trainflow.tasks.train.checkpoint import Resumable
+from trainflow.tasks.train.checkpoint import Resumable, Retain, newest_kept
 from trainflow.tasks.train.data import SplitData as Split
 from trainflow.tasks.train.data import accumulated_batches, load_split_to, steps_per_epoch
 from trainflow.tasks.train.distributed import (
@@ -50,6 +51,7 @@ from trainflow.tasks.train.models import (
     use_channels_last,
     uses_cuda_graphs,
 )
+from trainflow.tasks.train.monitor import Monitor, Verdict, monitor_for
 from trainflow.tasks.train.optimizers import make_optimizer
 from trainflow.tasks.train.precision import PrecisionPolicy, resolve_precision
 from trainflow.tasks.train.progress import (
@@ -96,6 +98,8 @@ class TrainingJob(submitit.helpers.Checkpointable):
 
     saved_step: int = -1
     """The step of the newest checkpoint this attempt wrote or resumed from (-1: none)."""
+    keep: Retain = staticmethod(newest_kept)
+    """Which checkpoints the run keeps (train.keep_checkpoints: the monitor's, set in _train)."""
 
     def __init__(
         self,
@@ -166,7 +170,7 @@ class TrainingJob(submitit.helpers.Checkpointable):
                     journal,
                 )
             found = find_resumable(self.checkpoint_dir, cfg.strategy == "fsdp", dist)
-            self._batch = global_batch(found, cfg.batch_size, dist)  # kept across world sizes
+            self._batch = global_batch(found, cfg, dist)  # kept across world sizes
             trainer = self._trainer(model, dist, policy, len(train))
             # Each rank's step times, compared every window on rank 0 (tasks.train.stragglers)
             trainer = replace(trainer, timer=step_timer(cfg, trainer.model, dist, journal))
@@ -218,13 +222,13 @@ class TrainingJob(submitit.helpers.Checkpointable):
         model = place_model(built, cfg, dist.device)
         if cfg.activation_checkpointing:
             checkpoint_activations(sharding_units(model))
+        batch = getattr(self, "_batch", None) or global_batch(None, cfg, dist)
         if cfg.strategy == "fsdp":  # the optimizer then holds this rank's shards only
             model = shard_from_rank0(model, dist, policy, cfg.reshard_after_forward)
             optimizer = make_optimizer(cfg, model)
         else:
             optimizer = make_optimizer(cfg, model)
-            model = wrap_ddp(model, dist, cfg.ddp_bucket_cap_mb)
-        batch = getattr(self, "_batch", None) or global_batch(None, cfg.batch_size, dist)
+            model = wrap_ddp(model, dist, cfg.ddp_bucket_cap_mb, batch.accumulation)
         steps = steps_per_epoch(n_train, cfg.batch_size, batch.data_world, cfg.cuda_graphs)
         if steps == 0:
             raise ConfigError(
@@ -286,21 +290,31 @@ class TrainingJob(submitit.helpers.Checkpointable):
         writes its shards of each checkpoint (one in flight); the last is in place when this
         returns, and a failing job completes the one in flight if it can (ShardedSaver.settle)."""
         cfg, requeue = self.spec.train, self._requeue
-        saver = ShardedSaver(trainer.dist, requeue.save_took) if cfg.strategy == "fsdp" else None
-        try:
-            while progress.epoch < cfg.epochs:
+        monitor = monitor_for(cfg, trainer.objective)
+        self.keep = monitor.retain
+        saver = None
+        if cfg.strategy == "fsdp":
+            saver = ShardedSaver(trainer.dist, requeue.save_took, monitor.retain)
+        try:  # (a run resumed after its early stop trains no further)
+            while progress.epoch < cfg.epochs and not monitor.stopped(progress):
                 try:
                     metrics = self._run_epoch(trainer, train, val, progress)
                 except StoppedForTimeLimit:  # `progress` says where: save there, requeue
                     requeue.checkpoint_and_requeue(trainer, progress, recorder, saver)
+                verdict = self._observe(monitor, progress, metrics)  # best? stop?
                 trainer.heartbeat.beat("checkpoint", progress.step)
                 if saver is not None:
                     self._record_sharded(trainer, progress, metrics, logger, recorder, saver)
                 elif trainer.dist.is_main:
                     self._record(trainer, progress, metrics, logger, recorder)
+                # a search's pruner asks first (a pruned trial), then early stopping
                 if self.epoch_end is not None and self.epoch_end(
                     progress.epoch, metrics, trainer.dist
                 ):
+                    break
+                if verdict.stop:
+                    if trainer.dist.is_main:  # after the epoch's own line
+                        recorder.submit(partial(print, verdict.line, flush=True))
                     break
         except BaseException:
             if saver is not None:
@@ -356,6 +370,11 @@ class TrainingJob(submitit.helpers.Checkpointable):
         progress.epoch = epoch
         progress.history.append({"epoch": epoch, "step": progress.step, **metrics})
         return metrics
+
+    def _observe(self, monitor: Monitor, progress: Progress, metrics: dict[str, float]) -> Verdict:
+        """Whether this validation is the best so far and whether the run stops improving
+        (tasks.train.monitor; kept in `progress`, on every rank)."""
+        return monitor.observe(progress, metrics)
 
     def _record(
         self,

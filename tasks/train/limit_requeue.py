@@ -140,7 +140,7 @@ class LimitRequeue:
         elif main:
             state = training_state(trainer.model, trainer.optimizer, trainer.scaler, extra)
             started = time.monotonic()
-            save_checkpoint(state, job.checkpoint_dir)
+            save_checkpoint(state, job.checkpoint_dir, job.keep)
             self.save_took(time.monotonic() - started)
         job.saved_step = progress.step
         requeue_now(main)

@@ -17,11 +17,11 @@ from trainflow.tasks.train.config import TrainConfig
 from trainflow.tasks.train.ref import CheckpointRef
 
 NOT_LOGGED = ("epoch", "step")
-# A run may resume with more epochs, on another device, precision or speed setting (memory
-# format, compilation, data placement, DDP buckets, FSDP's resharding and activation
-# checkpointing) or hang allowances; nothing else may change. Not cuda_graphs: it drops each
-# epoch's last partial batch, so it changes which batches a run takes. Not strategy: the
-# checkpoints' layouts differ.
+# A run may resume with more epochs, other checkpoint retention or early stopping (its count
+# is kept), on another device, precision or speed setting (memory format, compilation, data
+# placement, DDP buckets, FSDP's resharding and activation checkpointing) or hang allowances;
+# nothing else may change. Not cuda_graphs: it drops each epoch's last partial batch, so it
+# changes which batches a run takes. Not strategy: the checkpoints' layouts differ.
 MAY_CHANGE_ON_RESUME = {
     "epochs",
     "hang_timeout_s",
@@ -40,6 +40,9 @@ MAY_CHANGE_ON_RESUME = {
     "reshard_after_forward",
     "activation_checkpointing",
     "test_after_training",
+    "keep_checkpoints",
+    "early_stop_patience",
+    "early_stop_min_delta",
 }
 
 
@@ -56,8 +59,13 @@ class Progress:
     step: int = 0
     history: list[dict[str, float]] = field(default_factory=list)
     best_metric: float = -1.0
-    """The objective's selection metric (val_<select>) of the best epoch so far."""
+    """The monitored metric (train.monitor) of the best epoch so far (tasks.train.monitor)."""
     best_epoch: int = 0
+    stale_validations: int = 0
+    """Validations in a row since the monitor last improved by more than
+    train.early_stop_min_delta (early stopping counts these)."""
+    improved_from: float | None = None
+    """The monitor's value at that last improvement (None: no validation yet)."""
     logged_epochs: int = 0
     """Epochs whose metrics reached the logger's flush: later ones are re-logged on resume."""
     data_world: int = 0

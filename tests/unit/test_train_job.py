@@ -12,7 +12,6 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import cloudpickle
 import psutil
@@ -41,6 +40,7 @@ from trainflow.tasks.train.distributed import DistContext, distributed
 from trainflow.tasks.train.job import Progress, TrainingJob, TrainJobSpec
 from trainflow.tasks.train.loop import Trainer, evaluate_split
 from trainflow.tasks.train.models import ReferenceCNN
+from trainflow.tasks.train.monitor import Monitor, Verdict
 from trainflow.tasks.train.precision import (
     PrecisionPolicy,
     cpu_supports_bf16,
@@ -112,15 +112,10 @@ class FirstEpochIsBest(TrainingJob):
     """Keeps epoch 1 as the best whatever later epochs score: the job's test pass must then
     load best.pt instead of testing the weights it ends with."""
 
-    def _decide(
-        self, trainer: Trainer, progress: Progress, metrics: dict[str, float]
-    ) -> tuple[bool, dict[str, Any] | None]:
-        if progress.epoch == 1:
-            return super()._decide(trainer, progress, metrics)
-        kept = progress.best_metric, progress.best_epoch
-        flush, _ = super()._decide(trainer, progress, metrics)
-        progress.best_metric, progress.best_epoch = kept
-        return flush, None
+    def _observe(self, monitor: Monitor, progress: Progress, metrics: dict[str, float]) -> Verdict:
+        verdict = super()._observe(monitor, progress, metrics)
+        progress.best_metric, progress.best_epoch = progress.history[0][monitor.metric], 1
+        return verdict
 
 
 def _test_metrics(dataset: DatasetRef, weights: dict[str, torch.Tensor]) -> dict[str, float]:
