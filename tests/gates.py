@@ -6,6 +6,7 @@ what they check does not depend on how fast this machine trains at the time."""
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import cloudpickle
 
@@ -23,10 +24,10 @@ class GatedJob(TrainingJob):
         super().__init__(spec)
         self.gates = gates
 
-    def _run_epoch(
-        self, trainer: Trainer, train: Split, val: Split, progress: Progress
-    ) -> dict[str, float]:
+    def _run_segment(
+        self, trainer: Trainer, train: Split, val: Split, progress: Progress, *args: Any
+    ) -> Any:
         gate = self.gates.get(progress.epoch + 1)
         while gate is not None and not gate.exists():
             time.sleep(0.05)
-        return super()._run_epoch(trainer, train, val, progress)
+        return super()._run_segment(trainer, train, val, progress, *args)

@@ -6,7 +6,7 @@ requeued, retried or re-submitted job continues where the last one stopped.
 
 import random
 import time
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
@@ -22,7 +22,9 @@ from trainflow.tasks.spec import DataSpec
 from trainflow.tasks.tracking.journal import opened
 from trainflow.tasks.tracking.logger import MetricLogger, make_logger
 from trainflow.tasks.tracking.system_metrics import node_monitor
+from trainflow.tasks.train.cadence import EPOCH_END, Due, RunPlan, run_plan
 from trainflow.tasks.train.checkpoint import Resumable
+from trainflow.tasks.train.config import TrainConfig
 from trainflow.tasks.train.data import SplitData as Split
 from trainflow.tasks.train.data import accumulated_batches, load_split_to, steps_per_epoch
 from trainflow.tasks.train.distributed import (
@@ -61,11 +63,17 @@ from trainflow.tasks.train.progress import (
 )
 from trainflow.tasks.train.recorder import EpochRecorder
 from trainflow.tasks.train.ref import CheckpointRef
-from trainflow.tasks.train.resume import announce_global_batch, global_batch, restore
+from trainflow.tasks.train.resume import (
+    GlobalBatch,
+    announce_global_batch,
+    global_batch,
+    restore,
+)
 from trainflow.tasks.train.schedule import schedule_for
 from trainflow.tasks.train.sharded_checkpoint import ShardedSaver, find_resumable
 from trainflow.tasks.train.sharded_init import build_on_rank, shard_from_rank0
 from trainflow.tasks.train.sharding import checkpoint_activations, sharding_units
+from trainflow.tasks.train.step_metrics import Position, window_metrics
 from trainflow.tasks.train.stragglers import step_timer
 from trainflow.tasks.train.throughput import (
     NO_FLOPS,
@@ -167,6 +175,7 @@ class TrainingJob(submitit.helpers.Checkpointable):
                 )
             found = find_resumable(self.checkpoint_dir, cfg.strategy == "fsdp", dist)
             self._batch = global_batch(found, cfg.batch_size, dist)  # kept across world sizes
+            self._plan = plan_for(cfg, len(train), self._batch, dist)  # length and cadence
             trainer = self._trainer(model, dist, policy, len(train))
             # Each rank's step times, compared every window on rank 0 (tasks.train.stragglers)
             trainer = replace(trainer, timer=step_timer(cfg, trainer.model, dist, journal))
@@ -175,7 +184,7 @@ class TrainingJob(submitit.helpers.Checkpointable):
             if dist.is_main:
                 announce_global_batch(self._batch, progress.epoch, journal)
             logger = recorder.closing(make_logger(journal, spec.out_dir))
-            relog(progress, logger, self.spec.out_dir)
+            relog(progress, logger, self.spec.out_dir, cfg.counts_steps)
             self._train(trainer, train, val, progress, logger, recorder)
             heartbeat.beat("checkpoint")
             recorder.wait()  # the last epoch's line, best.pt and checkpoint are written
@@ -225,14 +234,7 @@ class TrainingJob(submitit.helpers.Checkpointable):
             optimizer = make_optimizer(cfg, model)
             model = wrap_ddp(model, dist, cfg.ddp_bucket_cap_mb)
         batch = getattr(self, "_batch", None) or global_batch(None, cfg.batch_size, dist)
-        steps = steps_per_epoch(n_train, cfg.batch_size, batch.data_world, cfg.cuda_graphs)
-        if steps == 0:
-            raise ConfigError(
-                f"train.batch_size={cfg.batch_size} exceeds the {n_train // dist.world_size} "
-                "training samples each rank gets, and train.cuda_graphs=true drops partial "
-                "batches: no step would run. Lower train.batch_size or use fewer ranks"
-            )
-        total_steps = cfg.epochs * steps
+        total_steps = plan_for(cfg, n_train, batch, dist).total_steps
         return Trainer(
             model=model,
             optimizer=optimizer,
@@ -256,11 +258,9 @@ class TrainingJob(submitit.helpers.Checkpointable):
         data_world = batch.data_world if batch is not None else trainer.dist.world_size
         if found is None:
             return Progress(data_seed=self.spec.train.seed, data_world=data_world)
-        sharded, epochs = self.spec.train.strategy == "fsdp", self.spec.train.epochs
-        progress = restore(trainer, found, self._run_identity(), epochs, sharded)
+        sharded, per_epoch = self.spec.train.strategy == "fsdp", self._plan.steps_per_epoch
+        progress = restore(trainer, found, self._run_identity(), per_epoch, sharded)
         progress.data_world = data_world
-        # a checkpoint before a time limit adds the steps done of the next epoch
-        progress.step += progress.epoch_batches
         self.saved_step = progress.step
         return progress
 
@@ -281,25 +281,40 @@ class TrainingJob(submitit.helpers.Checkpointable):
         logger: MetricLogger,
         recorder: EpochRecorder,
     ) -> None:
-        """Train, validate and record the remaining epochs; before a time limit, checkpoint
-        where the watch stopped and requeue (tasks.train.limit_requeue). Under fsdp every rank
-        writes its shards of each checkpoint (one in flight); the last is in place when this
-        returns, and a failing job completes the one in flight if it can (ShardedSaver.settle)."""
-        cfg, requeue = self.spec.train, self._requeue
+        """Train to the run's last step in segments, each up to the plan's next boundary
+        (tasks.train.cadence: an epoch's end, train.max_steps, a step cadence), doing there
+        what is due: log the steps, validate, checkpoint, print the line, ask `epoch_end`.
+        Before a time limit, checkpoint where the watch stopped and requeue
+        (tasks.train.limit_requeue). Under fsdp every rank writes its shards of each checkpoint
+        (one in flight); the last is in place when this returns, and a failing job completes
+        the one in flight if it can (ShardedSaver.settle)."""
+        cfg, requeue, plan = self.spec.train, self._requeue, self._plan
         saver = ShardedSaver(trainer.dist, requeue.save_took) if cfg.strategy == "fsdp" else None
+        position = Position(plan, cfg.counts_steps)
+        position.start(progress.step)
+        self._epoch = EpochWork()
         try:
-            while progress.epoch < cfg.epochs:
+            while progress.step < plan.total_steps:
                 try:
-                    metrics = self._run_epoch(trainer, train, val, progress)
+                    metrics, due = self._run_segment(trainer, train, val, progress, logger)
                 except StoppedForTimeLimit:  # `progress` says where: save there, requeue
                     requeue.checkpoint_and_requeue(trainer, progress, recorder, saver)
+                if due.log and trainer.dist.is_main:
+                    recorder.flush_when_idle(logger)
+                if not (due.validate or due.checkpoint):
+                    continue
                 trainer.heartbeat.beat("checkpoint", progress.step)
+                line = position.line(progress.epoch, progress.step, due) if due.validate else ""
                 if saver is not None:
-                    self._record_sharded(trainer, progress, metrics, logger, recorder, saver)
+                    self._record_sharded(
+                        trainer, progress, metrics, logger, recorder, saver, due, line
+                    )
                 elif trainer.dist.is_main:
-                    self._record(trainer, progress, metrics, logger, recorder)
-                if self.epoch_end is not None and self.epoch_end(
-                    progress.epoch, metrics, trainer.dist
+                    self._record(trainer, progress, metrics, logger, recorder, due, line)
+                if (
+                    due.epoch_end
+                    and self.epoch_end is not None
+                    and self.epoch_end(progress.epoch, metrics, trainer.dist)
                 ):
                     break
         except BaseException:
@@ -309,13 +324,25 @@ class TrainingJob(submitit.helpers.Checkpointable):
         if saver is not None:
             saver.wait()
 
-    def _run_epoch(
-        self, trainer: Trainer, train: Split, val: Split, progress: Progress
-    ) -> dict[str, float]:
-        """Train and validate one epoch; advances `progress` (on every rank). StoppedForTimeLimit
-        when the epoch stopped early for the time limit (`progress` then says where)."""
-        cfg, dist = self.spec.train, trainer.dist
-        epoch = progress.epoch + 1
+    def _run_segment(
+        self,
+        trainer: Trainer,
+        train: Split,
+        val: Split,
+        progress: Progress,
+        logger: MetricLogger,
+    ) -> tuple[dict[str, float], Due]:
+        """Train from `progress` up to the plan's next boundary, then log the steps and
+        validate there if due (tasks.train.cadence); advances `progress` (on every rank) and
+        returns the metrics (the epoch's so far, with a validation's) and what is due.
+        StoppedForTimeLimit when the time-limit watch stopped it earlier (`progress` then
+        says where)."""
+        cfg, dist, plan = self.spec.train, trainer.dist, self._plan
+        if progress.epoch_batches == 0:
+            self._epoch = EpochWork()
+        work, epoch = self._epoch, progress.epoch + 1
+        steps = plan.next_boundary(progress.step) - progress.step
+        first = progress.epoch_batches * trainer.accumulation  # mid-epoch: where it stopped
         batches = accumulated_batches(
             train,
             cfg.batch_size,
@@ -325,20 +352,34 @@ class TrainingJob(submitit.helpers.Checkpointable):
             dist.world_size,
             trainer.accumulation,
             drop_last=cfg.cuda_graphs,
-        )[progress.epoch_batches * trainer.accumulation :]  # after a time limit's checkpoint
-        started, first_step = time.perf_counter(), progress.step
+        )[first : first + steps * trainer.accumulation]
+        started, before = time.perf_counter(), list(progress.epoch_sums)
         clock = RankClock(dist.device)
-        stop = self._requeue.epoch(progress, -(-len(batches) // trainer.accumulation))
+        stop = self._requeue.epoch(progress, steps)
         metrics, progress.step = train_epoch(trainer, train, batches, progress.step, clock, stop)
-        if stop.done is not None:
-            progress.epoch_batches += stop.done
-            progress.epoch_sums = stop.totals
+        progress.epoch_batches += stop.done
+        progress.epoch_sums = stop.totals
+        if stop.done < steps:
             raise StoppedForTimeLimit
-        progress.epoch_batches, progress.epoch_sums = 0, []
-        samples = sum(int(b.shape[0]) for b in batches)
-        steps = progress.step - first_step
-        parts = trainer.timer.take_epoch()
-        metrics |= epoch_throughput(samples, steps, clock.seconds, dist, self._flops, parts)
+        seconds = time.perf_counter() - started
+        work.add(sum(int(b.shape[0]) for b in batches), steps, clock.seconds, seconds)
+        work.count += stop.totals[-1] - (before[-1] if before else 0.0)
+        metrics["samples_per_s"] = work.count / max(work.elapsed, 1e-9)
+        due = plan.due(progress.step)
+        if due.log and dist.is_main:
+            clipped = trainer.max_grad_norm > 0
+            lr = metrics["lr"]
+            objective = trainer.objective
+            window = window_metrics(objective, stop.totals, before, clipped, seconds, lr)
+            logger.log(window, step=progress.step)
+        if due.epoch_end:
+            progress.epoch, progress.epoch_batches, progress.epoch_sums = epoch, 0, []
+            parts = trainer.timer.take_epoch()
+            metrics |= epoch_throughput(
+                work.samples, work.steps, work.seconds, dist, self._flops, parts
+            )
+        if not due.validate:
+            return metrics, due
         validated = time.monotonic()
         val_metrics = evaluate_split(
             trainer.model,
@@ -352,10 +393,10 @@ class TrainingJob(submitit.helpers.Checkpointable):
         )
         metrics |= {f"val_{k}": v for k, v in val_metrics.items()}
         self._requeue.limit.estimates.eval_s = time.monotonic() - validated
-        metrics["epoch_time_s"] = time.perf_counter() - started
-        progress.epoch = epoch
-        progress.history.append({"epoch": epoch, "step": progress.step, **metrics})
-        return metrics
+        if due.epoch_end:
+            metrics["epoch_time_s"] = time.perf_counter() - work.started
+        progress.history.append({"epoch": progress.epoch, "step": progress.step, **metrics})
+        return metrics, due
 
     def _record(
         self,
@@ -364,10 +405,12 @@ class TrainingJob(submitit.helpers.Checkpointable):
         metrics: dict[str, float],
         logger: MetricLogger,
         recorder: EpochRecorder,
+        due: Due = EPOCH_END,
+        line: str = "",
     ) -> None:
-        """Rank 0's side effects of an epoch (tasks.train.epoch_records.record)."""
+        """Rank 0's side effects of a boundary (tasks.train.epoch_records.record)."""
         estimates = self._requeue.limit.estimates
-        record(self, trainer, progress, metrics, logger, recorder, estimates)
+        record(self, trainer, progress, metrics, logger, recorder, estimates, due, line)
 
     def _decide(
         self, trainer: Trainer, progress: Progress, metrics: dict[str, float]
@@ -384,7 +427,47 @@ class TrainingJob(submitit.helpers.Checkpointable):
         logger: MetricLogger,
         recorder: EpochRecorder,
         saver: ShardedSaver,
+        due: Due = EPOCH_END,
+        line: str = "",
     ) -> None:
-        """An fsdp epoch's side effects (tasks.train.epoch_records.record_sharded)."""
+        """An fsdp boundary's side effects (tasks.train.epoch_records.record_sharded)."""
         estimates = self._requeue.limit.estimates
-        record_sharded(self, trainer, progress, metrics, logger, recorder, saver, estimates)
+        record_sharded(
+            self, trainer, progress, metrics, logger, recorder, saver, estimates, due, line
+        )
+
+
+@dataclass
+class EpochWork:
+    """This attempt's work in the epoch so far, over its segments (for its throughput)."""
+
+    samples: int = 0
+    """This rank's samples."""
+    steps: int = 0
+    seconds: float = 0.0
+    """This rank's time in the loop (RankClock's)."""
+    elapsed: float = 0.0
+    """Wall time in the loop."""
+    count: float = 0.0
+    """Samples of all ranks."""
+    started: float = field(default_factory=time.perf_counter)
+
+    def add(self, samples: int, steps: int, seconds: float, elapsed: float) -> None:
+        """A segment's work."""
+        self.samples += samples
+        self.steps += steps
+        self.seconds += seconds
+        self.elapsed += elapsed
+
+
+def plan_for(cfg: TrainConfig, n_train: int, batch: GlobalBatch, dist: DistContext) -> RunPlan:
+    """The run's length and cadence over `n_train` training samples in `batch`'s layout;
+    ConfigError when no step would run."""
+    steps = steps_per_epoch(n_train, cfg.batch_size, batch.data_world, cfg.cuda_graphs)
+    if steps == 0:
+        raise ConfigError(
+            f"train.batch_size={cfg.batch_size} exceeds the {n_train // dist.world_size} "
+            "training samples each rank gets, and train.cuda_graphs=true drops partial "
+            "batches: no step would run. Lower train.batch_size or use fewer ranks"
+        )
+    return run_plan(cfg, steps)

@@ -118,7 +118,8 @@ class EpochStop(Protocol):
         ...
 
     def stopped(self, done: int, totals: list[float]) -> None:
-        """The loop stopped after `done` of its batches, with these all-rank sums."""
+        """The loop ended after `done` of its steps (all of them, or fewer when it stopped
+        early), with these all-rank sums (the carried ones included, count last)."""
         ...
 
 
@@ -178,7 +179,7 @@ def train_epoch(
     if clock is not None:
         clock.stop()
     *totals, count = all_reduce_sum(sums, trainer.dist).tolist()
-    if stop is not None and done < steps:
+    if stop is not None:
         stop.stopped(done, [*totals, count])
     elapsed = time.perf_counter() - start
     metrics = {f"train_{k}": v for k, v in objective.metrics(totals[: objective.sums_size]).items()}

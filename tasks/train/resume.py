@@ -90,7 +90,11 @@ def announce_global_batch(batch: GlobalBatch, epoch: int, journal: Journal | Non
 
 
 def restore(
-    trainer: Trainer, found: Resumable, identity: dict[str, Any], epochs: int, sharded: bool
+    trainer: Trainer,
+    found: Resumable,
+    identity: dict[str, Any],
+    steps_per_epoch: int,
+    sharded: bool,
 ) -> Progress:
     """Load `found` into `trainer` (resharded onto this job's ranks under fsdp, however many
     wrote it) and return the run's progress; ConfigError when it belongs to another run
@@ -108,7 +112,8 @@ def restore(
     restore_rng(state["rng"])
     progress = Progress.from_state(state)
     # steps of the run's own layout (the global batch is kept: tasks.train.resume docstring)
-    progress.step = progress.epoch * (trainer.total_steps // epochs)
+    progress.step = progress.epoch * steps_per_epoch + progress.epoch_batches
     if trainer.dist.is_main:
-        print(f"resuming from {path} after epoch {progress.epoch}", flush=True)
+        within = f", step {progress.step}" if progress.epoch_batches else ""
+        print(f"resuming from {path} after epoch {progress.epoch}{within}", flush=True)
     return progress

@@ -45,7 +45,7 @@ def train_task(
     require_space("train", spec.out_dir, need)  # before the job is queued
     logger = get_run_logger()
     check_cluster(cluster)
-    progress = EpochProgress(spec.out_dir / "checkpoints", spec.train.epochs, logger.warning)
+    progress = EpochProgress(spec.out_dir / "checkpoints", spec.train.epoch_limit, logger.warning)
     with disk_stage("train", spec.out_dir, need):
         ref = train_with_restarts(
             spec, cluster, job_dir, workdir, progress.watching(logger.info), logger.warning, need

@@ -294,16 +294,17 @@ class EpochLimit:
     limit: TimeLimit
     carried: list[float]
     """Sums of the epoch's batches done by an earlier attempt (all ranks')."""
-    done: int | None = None
-    """Batches done when the loop stopped early; None while it has not."""
+    done: int = 0
+    """Steps done when the loop ended (fewer than it was given: stopped early)."""
     totals: list[float] = field(default_factory=list)
+    """The all-rank sums then, the carried ones included (count last)."""
 
     def should_stop(self, step: int) -> bool:
         """Whether to stop before `step`."""
         return self.limit.should_stop(step)
 
     def stopped(self, done: int, totals: list[float]) -> None:
-        """The loop stopped after `done` batches, with these all-rank sums."""
+        """The loop ended after `done` steps, with these all-rank sums."""
         self.done, self.totals = done, totals
 
 

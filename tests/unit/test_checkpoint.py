@@ -61,12 +61,12 @@ class CrashAfterFirstEpoch(TrainingJob):
 
     crash_after = 1
 
-    def _run_epoch(
-        self, trainer: Trainer, train: Split, val: Split, progress: Progress
-    ) -> dict[str, float]:
+    def _run_segment(
+        self, trainer: Trainer, train: Split, val: Split, progress: Progress, *args: Any
+    ) -> Any:
         if progress.epoch >= self.crash_after:
             raise RuntimeError("simulated preemption")
-        return super()._run_epoch(trainer, train, val, progress)
+        return super()._run_segment(trainer, train, val, progress, *args)
 
 
 class CrashAfterSecondEpoch(CrashAfterFirstEpoch):

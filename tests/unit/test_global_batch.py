@@ -39,10 +39,12 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 class StopsInEpoch2(TrainingJob):
     """Dies as a lost rank's job does: after epoch 1 was checkpointed, before epoch 2 ends."""
 
-    def _run_epoch(self, trainer: Trainer, train: Data, val: Data, progress: Progress) -> Any:
+    def _run_segment(
+        self, trainer: Trainer, train: Data, val: Data, progress: Progress, *args: Any
+    ) -> Any:
         if progress.epoch >= 1:
             raise RuntimeError("simulated loss of a node")
-        return super()._run_epoch(trainer, train, val, progress)
+        return super()._run_segment(trainer, train, val, progress, *args)
 
 
 def _spec(dataset: DatasetRef, out_dir: Path, strategy: str) -> TrainJobSpec:

@@ -86,12 +86,12 @@ class DumpsResumedState(TrainingJob):
 class CrashAfterFirstEpoch(TrainingJob):
     """Dies as a preempted job would: after epoch 1 was checkpointed, before epoch 2 ends."""
 
-    def _run_epoch(
-        self, trainer: Trainer, train: Split, val: Split, progress: Progress
-    ) -> dict[str, float]:
+    def _run_segment(
+        self, trainer: Trainer, train: Split, val: Split, progress: Progress, *args: Any
+    ) -> Any:
         if progress.epoch >= 1:
             raise RuntimeError("simulated preemption")
-        return super()._run_epoch(trainer, train, val, progress)
+        return super()._run_segment(trainer, train, val, progress, *args)
 
 
 class HeldBeforeEpoch3(TrainingJob):
@@ -100,13 +100,13 @@ class HeldBeforeEpoch3(TrainingJob):
     rank 0 leaves); the requeued attempt (a new instance made by `checkpoint`) waits on the
     same file."""
 
-    def _run_epoch(
-        self, trainer: Trainer, train: Split, val: Split, progress: Progress
-    ) -> dict[str, float]:
+    def _run_segment(
+        self, trainer: Trainer, train: Split, val: Split, progress: Progress, *args: Any
+    ) -> Any:
         gate = self.spec.out_dir.with_suffix(".gate")
         while trainer.dist.is_main and progress.epoch + 1 == 3 and not gate.exists():
             time.sleep(0.05)
-        return super()._run_epoch(trainer, train, val, progress)
+        return super()._run_segment(trainer, train, val, progress, *args)
 
 
 def _assert_same_state(a: Any, b: Any) -> None:

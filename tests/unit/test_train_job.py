@@ -78,12 +78,12 @@ def _local(tmp_path: Path, ranks: int = 2) -> submitit.Executor:
 class FailingRank1(TrainingJob):
     """Rank 1 breaks in its first epoch while rank 0 trains on."""
 
-    def _run_epoch(
-        self, trainer: Trainer, train: SplitData, val: SplitData, progress: Progress
-    ) -> dict[str, float]:
+    def _run_segment(
+        self, trainer: Trainer, train: SplitData, val: SplitData, progress: Progress, *args: Any
+    ) -> Any:
         if trainer.dist.rank == 1:
             raise ValueError("rank 1 broke on purpose")
-        return super()._run_epoch(trainer, train, val, progress)
+        return super()._run_segment(trainer, train, val, progress, *args)
 
 
 @pytest.mark.services
@@ -178,7 +178,7 @@ def test_a_failing_rank_fails_the_job_fast_with_its_traceback(
     message = str(failure.value)
     assert "failed in rank 1" in message
     assert "ValueError: rank 1 broke on purpose" in message
-    assert "_run_epoch" in failure.value.detail  # the remote traceback, beside the error line
+    assert "_run_segment" in failure.value.detail  # the remote traceback, beside the error line
 
 
 @pytest.mark.services
