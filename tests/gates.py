@@ -10,9 +10,9 @@ from typing import Any
 
 import cloudpickle
 
-from trainflow.tasks.train.data import SplitData as Split
-from trainflow.tasks.train.job import Progress, TrainingJob, TrainJobSpec
-from trainflow.tasks.train.loop import Trainer
+from trainflow.tasks.train.cadence import Due
+from trainflow.tasks.train.job import TrainingJob, TrainJobSpec
+from trainflow.tasks.train.recipe import Recipe
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -24,10 +24,15 @@ class GatedJob(TrainingJob):
         super().__init__(spec)
         self.gates = gates
 
-    def _run_segment(
-        self, trainer: Trainer, train: Split, val: Split, progress: Progress, *args: Any
-    ) -> Any:
-        gate = self.gates.get(progress.epoch + 1)
-        while gate is not None and not gate.exists():
-            time.sleep(0.05)
-        return super()._run_segment(trainer, train, val, progress, *args)
+    def __call__(self) -> Any:
+        gates = self.gates
+
+        class Gated(Recipe):
+            def segment(self) -> tuple[dict[str, float], Due]:
+                gate = gates.get(self.progress.epoch + 1)
+                while gate is not None and not gate.exists():
+                    time.sleep(0.05)
+                return super().segment()
+
+        self.recipe = Gated
+        return super().__call__()

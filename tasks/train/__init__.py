@@ -11,9 +11,11 @@ Modules:
     checkpoint_tags    what the train run records of the checkpoint evaluation used.
     task               the Prefect @tasks: submit (one job or an array), forward logs, wait.
     epoch_progress     the Prefect progress artifact of the epochs checkpointed.
-    job                TrainingJob, the callable submitit runs once per rank.
+    job                TrainingJob, the callable submitit runs once per rank: builds, resumes.
+    recipe             the training loop: segments, validation, checkpoints, logs, stops.
     job_spec           TrainJobSpec, what a training job is given.
-    epoch_records      what an epoch leaves: logged metrics, best.pt, checkpoint, its line.
+    cadence            the run's length and step cadences: where the loop stops, what is due.
+    step_metrics       per-step metrics of a window of steps; the progress line's step, ETA.
     time_limit         the time-limit watch: measured times, rank 0's plan, its broadcast.
     limit_requeue      checkpoint where the watch stops, requeue; attempts without progress.
     sweep              a sweep's job array and the choice of its best element.

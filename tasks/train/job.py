@@ -5,28 +5,27 @@ requeued, retried or re-submitted job continues where the last one stopped.
 """
 
 import random
-import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 import submitit
 import torch
 
-from trainflow.cluster.heartbeat import NO_HEARTBEAT, Heartbeat
+from trainflow.cluster.heartbeat import Heartbeat
 from trainflow.cluster.snapshot import code_first
 from trainflow.errors import ConfigError
 from trainflow.tasks.objectives import Objective, make_objective
 from trainflow.tasks.preprocess.ref import dataset_spec
 from trainflow.tasks.spec import DataSpec
 from trainflow.tasks.tracking.journal import opened
-from trainflow.tasks.tracking.logger import MetricLogger, make_logger
+from trainflow.tasks.tracking.logger import make_logger
 from trainflow.tasks.tracking.system_metrics import node_monitor
-from trainflow.tasks.train.cadence import EPOCH_END, Due, RunPlan, run_plan
+from trainflow.tasks.train.cadence import RunPlan, run_plan
 from trainflow.tasks.train.checkpoint import Resumable
 from trainflow.tasks.train.config import TrainConfig
 from trainflow.tasks.train.data import SplitData as Split
-from trainflow.tasks.train.data import accumulated_batches, load_split_to, steps_per_epoch
+from trainflow.tasks.train.data import load_split_to, steps_per_epoch
 from trainflow.tasks.train.distributed import (
     DistContext,
     distributed,
@@ -34,17 +33,15 @@ from trainflow.tasks.train.distributed import (
     wrap_ddp,
 )
 from trainflow.tasks.train.early_signal import deliver_held_signal
-from trainflow.tasks.train.epoch_records import decide, record, record_sharded
 from trainflow.tasks.train.first_result import first_result
 from trainflow.tasks.train.init_from import initialised
 from trainflow.tasks.train.job_spec import TrainJobSpec
 from trainflow.tasks.train.limit_requeue import (
     LimitRequeue,
-    StoppedForTimeLimit,
     count_stalled,
 )
 from trainflow.tasks.train.log_lines import announce
-from trainflow.tasks.train.loop import Trainer, evaluate_split, train_epoch
+from trainflow.tasks.train.loop import Trainer
 from trainflow.tasks.train.model_plugins import build_model, resolve_factory
 from trainflow.tasks.train.models import (
     narrowest_conv,
@@ -61,6 +58,7 @@ from trainflow.tasks.train.progress import (
     relog,
     run_identity,
 )
+from trainflow.tasks.train.recipe import EpochEnd, Recipe
 from trainflow.tasks.train.recorder import EpochRecorder
 from trainflow.tasks.train.ref import CheckpointRef
 from trainflow.tasks.train.resume import (
@@ -70,28 +68,14 @@ from trainflow.tasks.train.resume import (
     restore,
 )
 from trainflow.tasks.train.schedule import schedule_for
-from trainflow.tasks.train.sharded_checkpoint import ShardedSaver, find_resumable
+from trainflow.tasks.train.sharded_checkpoint import find_resumable
 from trainflow.tasks.train.sharded_init import build_on_rank, shard_from_rank0
 from trainflow.tasks.train.sharding import checkpoint_activations, sharding_units
-from trainflow.tasks.train.step_metrics import Position, window_metrics
 from trainflow.tasks.train.stragglers import step_timer
 from trainflow.tasks.train.throughput import (
     NO_FLOPS,
-    RankClock,
     announce_flops,
-    epoch_throughput,
 )
-
-
-class EpochEnd(Protocol):
-    """Told of every epoch's metrics on every rank once the epoch is recorded (a search
-    reports them to its study: tasks.search); True stops the training there. All ranks must
-    return the same answer (the metrics are equal on all ranks; a decision made on one rank
-    is broadcast)."""
-
-    def __call__(self, epoch: int, metrics: dict[str, float], dist: DistContext) -> bool:
-        """Whether to stop after `epoch`."""
-        ...
 
 
 class TrainingJob(submitit.helpers.Checkpointable):
@@ -102,8 +86,8 @@ class TrainingJob(submitit.helpers.Checkpointable):
     before this one in a row that reached a time limit without a new checkpoint.
     """
 
-    saved_step: int = -1
-    """The step of the newest checkpoint this attempt wrote or resumed from (-1: none)."""
+    recipe: type[Recipe] = Recipe
+    """The training loop this job runs over what it builds (a test may put its own)."""
 
     def __init__(
         self,
@@ -116,6 +100,13 @@ class TrainingJob(submitit.helpers.Checkpointable):
         self.epoch_end = epoch_end
         self.attempt = attempt
         self.stalled = stalled
+        self.requeue: LimitRequeue | None = None
+        """The running attempt's time-limit watch (None before it starts)."""
+
+    @property
+    def saved_step(self) -> int:
+        """The step of the newest checkpoint this attempt wrote or resumed from (-1: none)."""
+        return self.requeue.saved_step if self.requeue is not None else -1
 
     @property
     def data_spec(self) -> DataSpec:
@@ -146,7 +137,7 @@ class TrainingJob(submitit.helpers.Checkpointable):
         ):
             # The time limit read, its requeue signal held (tasks.train.limit_requeue), then a
             # requeue signal that came during start-up acts: a preemption's requeues now.
-            self._requeue = LimitRequeue.for_job(self, dist)
+            self.requeue = requeue = LimitRequeue.for_job(spec, self.attempt, dist)
             deliver_held_signal()
             torch.manual_seed(cfg.seed)
             random.seed(cfg.seed)
@@ -164,9 +155,9 @@ class TrainingJob(submitit.helpers.Checkpointable):
             heartbeat.beat("start-up")
             if dist.is_main:
                 announce(cfg, dist, policy, nhwc, train, journal)
-            self._flops = NO_FLOPS
+            flops = NO_FLOPS
             if dist.is_main:  # counted once, on a meta copy of the model as built (before
-                self._flops = announce_flops(  # FSDP, which cannot be copied, shards it)
+                flops = announce_flops(  # FSDP, which cannot be copied, shards it)
                     model,
                     self.data_spec,
                     dist.device,
@@ -174,18 +165,19 @@ class TrainingJob(submitit.helpers.Checkpointable):
                     journal,
                 )
             found = find_resumable(self.checkpoint_dir, cfg.strategy == "fsdp", dist)
-            self._batch = global_batch(found, cfg.batch_size, dist)  # kept across world sizes
-            self._plan = plan_for(cfg, len(train), self._batch, dist)  # length and cadence
-            trainer = self._trainer(model, dist, policy, len(train))
+            batch = global_batch(found, cfg.batch_size, dist)  # kept across world sizes
+            plan = plan_for(cfg, len(train), batch, dist)  # the run's length and cadence
+            trainer = self._trainer(model, dist, policy, plan, batch)
             # Each rank's step times, compared every window on rank 0 (tasks.train.stragglers)
             trainer = replace(trainer, timer=step_timer(cfg, trainer.model, dist, journal))
-            progress = self._resume(trainer, found)
-            self._requeue.resumed(progress)
+            progress = self._resume(trainer, found, plan, batch)
+            requeue.resumed(progress, checkpointed=found is not None)
             if dist.is_main:
-                announce_global_batch(self._batch, progress.epoch, journal)
+                announce_global_batch(batch, progress.epoch, journal)
             logger = recorder.closing(make_logger(journal, spec.out_dir))
             relog(progress, logger, self.spec.out_dir, cfg.counts_steps)
-            self._train(trainer, train, val, progress, logger, recorder)
+            parts = (trainer, train, val, plan, progress, logger, recorder, requeue, flops)
+            self.recipe(spec, *parts, self.epoch_end).run()  # train, validate, checkpoint
             heartbeat.beat("checkpoint")
             recorder.wait()  # the last epoch's line, best.pt and checkpoint are written
             del train, val
@@ -207,13 +199,13 @@ class TrainingJob(submitit.helpers.Checkpointable):
         stalled = count_stalled(self)
         fresh = object.__new__(type(self))  # the spec and a subclass's own settings, no state
         fresh.__dict__.update({k: v for k, v in vars(self).items() if not k.startswith("_")})
-        fresh.attempt, fresh.stalled, fresh.saved_step = self.attempt + 1, stalled, -1
+        fresh.attempt, fresh.stalled, fresh.requeue = self.attempt + 1, stalled, None
         return submitit.helpers.DelayedSubmission(fresh)
 
     @property
     def checkpoint_dir(self) -> Path:
         """Where the full training state is written every epoch."""
-        return self.spec.out_dir / "checkpoints"
+        return self.spec.checkpoint_dir
 
     def _load(self, split: Literal["train", "val"], dist: DistContext, nhwc: bool) -> Split:
         """A split of the dataset, placed per train.data_placement."""
@@ -221,8 +213,15 @@ class TrainingJob(submitit.helpers.Checkpointable):
         return load_split_to(self.spec.dataset.path, split, dist.device, nhwc, placement)
 
     def _trainer(
-        self, built: torch.nn.Module, dist: DistContext, policy: PrecisionPolicy, n_train: int
+        self,
+        built: torch.nn.Module,
+        dist: DistContext,
+        policy: PrecisionPolicy,
+        plan: RunPlan,
+        batch: GlobalBatch,
     ) -> Trainer:
+        """The model placed (and wrapped or sharded), its optimizer, and what each step needs
+        for the run of `plan` in `batch`'s layout."""
         cfg = self.spec.train
         model = place_model(built, cfg, dist.device)
         if cfg.activation_checkpointing:
@@ -233,8 +232,7 @@ class TrainingJob(submitit.helpers.Checkpointable):
         else:
             optimizer = make_optimizer(cfg, model)
             model = wrap_ddp(model, dist, cfg.ddp_bucket_cap_mb)
-        batch = getattr(self, "_batch", None) or global_batch(None, cfg.batch_size, dist)
-        total_steps = plan_for(cfg, n_train, batch, dist).total_steps
+        total_steps = plan.total_steps
         return Trainer(
             model=model,
             optimizer=optimizer,
@@ -245,23 +243,22 @@ class TrainingJob(submitit.helpers.Checkpointable):
             peak_lr=cfg.lr,
             total_steps=total_steps,
             cuda_graphs=uses_cuda_graphs(cfg, dist.device),
-            heartbeat=getattr(self, "_heartbeat", NO_HEARTBEAT),
+            heartbeat=self._heartbeat,
             accumulation=batch.accumulation,
             schedule=schedule_for(cfg, total_steps),
             max_grad_norm=cfg.max_grad_norm,
         )
 
-    def _resume(self, trainer: Trainer, found: Resumable | None) -> Progress:
+    def _resume(
+        self, trainer: Trainer, found: Resumable | None, plan: RunPlan, batch: GlobalBatch
+    ) -> Progress:
         """The run's progress: restored from `found` (the newest checkpoint of out_dir that
         verifies: find_resumable), or a fresh start's."""
-        batch = getattr(self, "_batch", None)
-        data_world = batch.data_world if batch is not None else trainer.dist.world_size
         if found is None:
-            return Progress(data_seed=self.spec.train.seed, data_world=data_world)
-        sharded, per_epoch = self.spec.train.strategy == "fsdp", self._plan.steps_per_epoch
-        progress = restore(trainer, found, self._run_identity(), per_epoch, sharded)
-        progress.data_world = data_world
-        self.saved_step = progress.step
+            return Progress(data_seed=self.spec.train.seed, data_world=batch.data_world)
+        sharded = self.spec.train.strategy == "fsdp"
+        progress = restore(trainer, found, self._run_identity(), plan.steps_per_epoch, sharded)
+        progress.data_world = batch.data_world
         return progress
 
     def _run_identity(self) -> dict[str, Any]:
@@ -271,193 +268,6 @@ class TrainingJob(submitit.helpers.Checkpointable):
     def _check_same_run(self, saved: dict[str, Any], path: Path) -> None:
         """ConfigError when the checkpoint in out_dir belongs to a different run."""
         check_same_run(self._run_identity(), saved, path)
-
-    def _train(
-        self,
-        trainer: Trainer,
-        train: Split,
-        val: Split,
-        progress: Progress,
-        logger: MetricLogger,
-        recorder: EpochRecorder,
-    ) -> None:
-        """Train to the run's last step in segments, each up to the plan's next boundary
-        (tasks.train.cadence: an epoch's end, train.max_steps, a step cadence), doing there
-        what is due: log the steps, validate, checkpoint, print the line, ask `epoch_end`.
-        Before a time limit, checkpoint where the watch stopped and requeue
-        (tasks.train.limit_requeue). Under fsdp every rank writes its shards of each checkpoint
-        (one in flight); the last is in place when this returns, and a failing job completes
-        the one in flight if it can (ShardedSaver.settle)."""
-        cfg, requeue, plan = self.spec.train, self._requeue, self._plan
-        saver = ShardedSaver(trainer.dist, requeue.save_took) if cfg.strategy == "fsdp" else None
-        position = Position(plan, cfg.counts_steps)
-        position.start(progress.step)
-        self._epoch = EpochWork()
-        try:
-            while progress.step < plan.total_steps:
-                try:
-                    metrics, due = self._run_segment(trainer, train, val, progress, logger)
-                except StoppedForTimeLimit:  # `progress` says where: save there, requeue
-                    requeue.checkpoint_and_requeue(trainer, progress, recorder, saver)
-                if due.log and trainer.dist.is_main:
-                    recorder.flush_when_idle(logger)
-                if not (due.validate or due.checkpoint):
-                    continue
-                trainer.heartbeat.beat("checkpoint", progress.step)
-                line = position.line(progress.epoch, progress.step, due) if due.validate else ""
-                if saver is not None:
-                    self._record_sharded(
-                        trainer, progress, metrics, logger, recorder, saver, due, line
-                    )
-                elif trainer.dist.is_main:
-                    self._record(trainer, progress, metrics, logger, recorder, due, line)
-                if (
-                    due.epoch_end
-                    and self.epoch_end is not None
-                    and self.epoch_end(progress.epoch, metrics, trainer.dist)
-                ):
-                    break
-        except BaseException:
-            if saver is not None:
-                saver.settle()
-            raise
-        if saver is not None:
-            saver.wait()
-
-    def _run_segment(
-        self,
-        trainer: Trainer,
-        train: Split,
-        val: Split,
-        progress: Progress,
-        logger: MetricLogger,
-    ) -> tuple[dict[str, float], Due]:
-        """Train from `progress` up to the plan's next boundary, then log the steps and
-        validate there if due (tasks.train.cadence); advances `progress` (on every rank) and
-        returns the metrics (the epoch's so far, with a validation's) and what is due.
-        StoppedForTimeLimit when the time-limit watch stopped it earlier (`progress` then
-        says where)."""
-        cfg, dist, plan = self.spec.train, trainer.dist, self._plan
-        if progress.epoch_batches == 0:
-            self._epoch = EpochWork()
-        work, epoch = self._epoch, progress.epoch + 1
-        steps = plan.next_boundary(progress.step) - progress.step
-        first = progress.epoch_batches * trainer.accumulation  # mid-epoch: where it stopped
-        batches = accumulated_batches(
-            train,
-            cfg.batch_size,
-            progress.data_seed,
-            epoch,
-            dist.rank,
-            dist.world_size,
-            trainer.accumulation,
-            drop_last=cfg.cuda_graphs,
-        )[first : first + steps * trainer.accumulation]
-        started, before = time.perf_counter(), list(progress.epoch_sums)
-        clock = RankClock(dist.device)
-        stop = self._requeue.epoch(progress, steps)
-        metrics, progress.step = train_epoch(trainer, train, batches, progress.step, clock, stop)
-        progress.epoch_batches += stop.done
-        progress.epoch_sums = stop.totals
-        if stop.done < steps:
-            raise StoppedForTimeLimit
-        seconds = time.perf_counter() - started
-        work.add(sum(int(b.shape[0]) for b in batches), steps, clock.seconds, seconds)
-        work.count += stop.totals[-1] - (before[-1] if before else 0.0)
-        metrics["samples_per_s"] = work.count / max(work.elapsed, 1e-9)
-        due = plan.due(progress.step)
-        if due.log and dist.is_main:
-            clipped = trainer.max_grad_norm > 0
-            lr = metrics["lr"]
-            objective = trainer.objective
-            window = window_metrics(objective, stop.totals, before, clipped, seconds, lr)
-            logger.log(window, step=progress.step)
-        if due.epoch_end:
-            progress.epoch, progress.epoch_batches, progress.epoch_sums = epoch, 0, []
-            parts = trainer.timer.take_epoch()
-            metrics |= epoch_throughput(
-                work.samples, work.steps, work.seconds, dist, self._flops, parts
-            )
-        if not due.validate:
-            return metrics, due
-        validated = time.monotonic()
-        val_metrics = evaluate_split(
-            trainer.model,
-            val,
-            4 * cfg.batch_size,
-            trainer.policy,
-            dist,
-            trainer.objective,
-            trainer.cuda_graphs,
-            trainer.heartbeat,
-        )
-        metrics |= {f"val_{k}": v for k, v in val_metrics.items()}
-        self._requeue.limit.estimates.eval_s = time.monotonic() - validated
-        if due.epoch_end:
-            metrics["epoch_time_s"] = time.perf_counter() - work.started
-        progress.history.append({"epoch": progress.epoch, "step": progress.step, **metrics})
-        return metrics, due
-
-    def _record(
-        self,
-        trainer: Trainer,
-        progress: Progress,
-        metrics: dict[str, float],
-        logger: MetricLogger,
-        recorder: EpochRecorder,
-        due: Due = EPOCH_END,
-        line: str = "",
-    ) -> None:
-        """Rank 0's side effects of a boundary (tasks.train.epoch_records.record)."""
-        estimates = self._requeue.limit.estimates
-        record(self, trainer, progress, metrics, logger, recorder, estimates, due, line)
-
-    def _decide(
-        self, trainer: Trainer, progress: Progress, metrics: dict[str, float]
-    ) -> tuple[bool, dict[str, Any] | None]:
-        """Whether this epoch flushes the logger, and best.pt's meta if it is the best so far
-        (tasks.train.epoch_records.decide)."""
-        return decide(self, trainer, progress, metrics)
-
-    def _record_sharded(
-        self,
-        trainer: Trainer,
-        progress: Progress,
-        metrics: dict[str, float],
-        logger: MetricLogger,
-        recorder: EpochRecorder,
-        saver: ShardedSaver,
-        due: Due = EPOCH_END,
-        line: str = "",
-    ) -> None:
-        """An fsdp boundary's side effects (tasks.train.epoch_records.record_sharded)."""
-        estimates = self._requeue.limit.estimates
-        record_sharded(
-            self, trainer, progress, metrics, logger, recorder, saver, estimates, due, line
-        )
-
-
-@dataclass
-class EpochWork:
-    """This attempt's work in the epoch so far, over its segments (for its throughput)."""
-
-    samples: int = 0
-    """This rank's samples."""
-    steps: int = 0
-    seconds: float = 0.0
-    """This rank's time in the loop (RankClock's)."""
-    elapsed: float = 0.0
-    """Wall time in the loop."""
-    count: float = 0.0
-    """Samples of all ranks."""
-    started: float = field(default_factory=time.perf_counter)
-
-    def add(self, samples: int, steps: int, seconds: float, elapsed: float) -> None:
-        """A segment's work."""
-        self.samples += samples
-        self.steps += steps
-        self.seconds += seconds
-        self.elapsed += elapsed
 
 
 def plan_for(cfg: TrainConfig, n_train: int, batch: GlobalBatch, dist: DistContext) -> RunPlan:

@@ -17,6 +17,7 @@ from trainflow.errors import ConfigError, DataError
 from trainflow.tasks.hashing import sha256_file
 from trainflow.tasks.preprocess.ref import DatasetRef
 from trainflow.tasks.tracking.relay import Relay
+from trainflow.tasks.train.cadence import Due
 from trainflow.tasks.train.checkpoint import (
     atomic_save,
     latest_checkpoint,
@@ -28,9 +29,8 @@ from trainflow.tasks.train.checkpoint import (
     training_state,
 )
 from trainflow.tasks.train.config import TrainConfig
-from trainflow.tasks.train.data import SplitData as Split
-from trainflow.tasks.train.job import Progress, TrainingJob, TrainJobSpec
-from trainflow.tasks.train.loop import Trainer
+from trainflow.tasks.train.job import TrainingJob, TrainJobSpec
+from trainflow.tasks.train.recipe import Recipe
 
 
 @pytest.fixture(autouse=True)
@@ -56,21 +56,27 @@ def _spec(dataset: DatasetRef, out_dir: Path, epochs: int, **keys: Any) -> Train
 RECIPE = {"schedule": "wsd", "warmup_fraction": 0.25, "min_lr_ratio": 0.1, "max_grad_norm": 0.1}
 
 
+class _CrashesInEpoch2(Recipe):
+    crash_after = 1
+
+    def segment(self) -> tuple[dict[str, float], Due]:
+        if self.progress.epoch >= self.crash_after:
+            raise RuntimeError("simulated preemption")
+        return super().segment()
+
+
+class _CrashesInEpoch3(_CrashesInEpoch2):
+    crash_after = 2
+
+
 class CrashAfterFirstEpoch(TrainingJob):
     """Dies as a preempted job would: after epoch 1 was checkpointed, before epoch 2 ends."""
 
-    crash_after = 1
-
-    def _run_segment(
-        self, trainer: Trainer, train: Split, val: Split, progress: Progress, *args: Any
-    ) -> Any:
-        if progress.epoch >= self.crash_after:
-            raise RuntimeError("simulated preemption")
-        return super()._run_segment(trainer, train, val, progress, *args)
+    recipe = _CrashesInEpoch2
 
 
-class CrashAfterSecondEpoch(CrashAfterFirstEpoch):
-    crash_after = 2
+class CrashAfterSecondEpoch(TrainingJob):
+    recipe = _CrashesInEpoch3
 
 
 def _final_state(out_dir: Path) -> dict:

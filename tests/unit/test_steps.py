@@ -1,0 +1,142 @@
+"""Runs counted in optimizer steps (train.max_steps) and the step cadences (val_every_steps,
+checkpoint_every_steps, log_every_steps): where the loop stops, and that a run stopped at
+max_steps inside an epoch and extended continues exactly.
+
+Real rank processes: 2 gloo ranks through submitit's local executor.
+"""
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import cloudpickle
+import pytest
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from tests.unit.datasets import write_dataset
+from trainflow.cluster.config import ClusterConfig
+from trainflow.cluster.executor import make_executor
+from trainflow.cluster.jobs import wait_for_job
+from trainflow.errors import ConfigError
+from trainflow.flows.config import build_config
+from trainflow.tasks.train.cadence import run_plan
+from trainflow.tasks.train.checkpoint import checkpoints
+from trainflow.tasks.train.config import TrainConfig
+from trainflow.tasks.train.job import TrainingJob, TrainJobSpec
+from trainflow.tasks.train.sharded_checkpoint import TRAIN_STATE, sharded_checkpoints
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+def _boundaries(plan_keys: dict[str, int], per_epoch: int) -> list[int]:
+    """Where the loop stops, walked through the plan from step 0."""
+    plan = run_plan(TrainConfig(**plan_keys), per_epoch)
+    found, step = [], 0
+    while step < plan.total_steps:
+        step = plan.next_boundary(step)
+        found.append(step)
+    return found
+
+
+def test_the_loop_stops_at_each_epoch_end_cadence_step_and_the_last_step() -> None:
+    keys = {"max_steps": 17, "val_every_steps": 5, "checkpoint_every_steps": 4}
+    expected = sorted({s for s in range(1, 18) if s % 7 == 0 or s % 5 == 0 or s % 4 == 0} | {17})
+    assert _boundaries(keys, 7) == expected
+    plan = run_plan(TrainConfig(**keys, log_every_steps=3), 7)
+    due = plan.due(15)  # a validation, not a checkpoint, a log, not an epoch's end
+    assert (due.validate, due.checkpoint, due.log, due.epoch_end) == (True, False, True, False)
+    assert plan.due(17).final and plan.due(17).checkpoint and not plan.due(17).epoch_end
+
+
+def test_the_length_is_epochs_or_max_steps_whichever_comes_first() -> None:
+    assert run_plan(TrainConfig(), 10).total_steps == 80  # neither set: 8 epochs, as always
+    assert run_plan(TrainConfig(max_steps=25), 10).total_steps == 25  # steps alone
+    assert run_plan(TrainConfig(max_steps=25), 10).epochs == 3
+    assert run_plan(TrainConfig(epochs=2, max_steps=25), 10).total_steps == 20
+    assert run_plan(TrainConfig(epochs=4, max_steps=25), 10).total_steps == 25
+    assert _boundaries({"epochs": 2}, 10) == [10, 20]
+
+
+@pytest.mark.parametrize(
+    "override", ["train.max_steps=0", "train.val_every_steps=-1", "train.log_every_steps=0"]
+)
+def test_a_step_key_out_of_range_is_refused_before_anything_runs(override: str) -> None:
+    key = override.split("=")[0]
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")) as refused:
+        build_config("demo", [override])
+    header, *lines = str(refused.value).splitlines()  # the project's "invalid config:" form
+    assert header == "invalid config:" and len(lines) == 1 and key in lines[0]
+
+
+# A recipe's keys whose learning rate does not depend on the run's length (a constant after a
+# warm-up), with clipping: extending max_steps then changes nothing already trained.
+KEYS = {"schedule": "constant", "warmup_steps": 3, "max_grad_norm": 0.5}
+
+
+def _spec(dataset: Any, out: Path, strategy: str, **keys: Any) -> TrainJobSpec:
+    train = TrainConfig(
+        model="mlp",
+        strategy=strategy,
+        batch_size=32,
+        precision="fp32",
+        device="cpu",
+        seed=3,
+        **KEYS,
+        **keys,
+    )
+    return TrainJobSpec(train=train, dataset=dataset, out_dir=out)
+
+
+def _final(out_dir: Path, sharded: bool) -> dict[str, Any]:
+    """The newest checkpoint's whole state: progress, model and optimizer."""
+    if not sharded:
+        return dict(torch.load(checkpoints(out_dir / "checkpoints")[0], weights_only=True))
+    folder = sharded_checkpoints(out_dir / "checkpoints")[0]
+    state = torch.load(folder / TRAIN_STATE, weights_only=True)
+    dcp_to_torch_save(folder, out_dir / "whole.pt")
+    return {**state, **torch.load(out_dir / "whole.pt", weights_only=False)}
+
+
+def _tensors(state: Any, prefix: str = "") -> dict[str, torch.Tensor]:
+    if isinstance(state, torch.Tensor):
+        return {prefix: state}
+    items = state.items() if isinstance(state, dict) else enumerate(state)
+    found: dict[str, torch.Tensor] = {}
+    for key, value in items:
+        if isinstance(value, dict | list | tuple | torch.Tensor):
+            found |= _tensors(value, f"{prefix}.{key}")
+    return found
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_run_stopped_at_max_steps_inside_an_epoch_and_extended_equals_a_straight_run(
+    tmp_path: Path, strategy: str
+) -> None:
+    dataset = write_dataset(tmp_path / "ds")  # 256 samples: 4 steps an epoch on 2 ranks
+    sharded = strategy == "fsdp"
+    run = make_executor(ClusterConfig(ranks_per_node=2, timeout_min=5), tmp_path / "jobs").submit
+    straight = _spec(dataset, tmp_path / "straight", strategy, max_steps=12)
+    assert wait_for_job(run(TrainingJob(straight)), print, 0.2) is not None
+    # Validating every 3 steps and logging every 2 cuts the epochs into more segments: the
+    # same steps all the same. The first job ends at step 6, 2 steps into epoch 2.
+    cadence = {"val_every_steps": 3, "log_every_steps": 2}
+    first = _spec(dataset, tmp_path / "extended", strategy, max_steps=6, **cadence)
+    assert wait_for_job(run(TrainingJob(first)), print, 0.2) is not None
+    stopped = _final(first.out_dir, sharded)
+    assert (stopped["epoch"], stopped["epoch_batches"], stopped["step"]) == (1, 2, 6)
+    extended = _spec(dataset, tmp_path / "extended", strategy, max_steps=12, **cadence)
+    assert wait_for_job(run(TrainingJob(extended)), print, 0.2) is not None
+
+    want, got = _final(straight.out_dir, sharded), _final(extended.out_dir, sharded)
+    assert got["step"] == want["step"] == 12 and got["epoch"] == want["epoch"] == 3
+    for part in ("model", "optimizer"):
+        expected, resumed = _tensors(want[part]), _tensors(got[part])
+        assert expected.keys() == resumed.keys() and expected
+        for name, tensor in expected.items():
+            assert torch.equal(resumed[name], tensor), f"{part}{name} differs"
+    # a validation at every 3rd step, each epoch's end (4 steps) and the first job's last
+    assert [h["step"] for h in got["history"]] == sorted({3, 6, 9, 12} | {4, 8, 12})
+    assert [h["step"] for h in want["history"]] == [4, 8, 12]
+    assert "grad_norm" in got["history"][-1]
