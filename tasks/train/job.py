@@ -1,7 +1,10 @@
 """The training job: the callable submitit runs once per rank.
 
-It knows nothing of Slurm or Prefect. It resumes from its latest checkpoint by itself, so a
-requeued, retried or re-submitted job continues where the last one stopped.
+It builds what training needs (process group, model, data, optimizer, the run's plan) and
+resumes from its latest checkpoint by itself, so a requeued, retried or re-submitted job
+continues where the last one stopped; then the recipe (tasks.train.recipe) trains, validates,
+checkpoints and stops, and the job tests the best weights and returns them. It knows nothing
+of Slurm or Prefect.
 """
 
 import random
@@ -119,7 +122,8 @@ class TrainingJob(submitit.helpers.Checkpointable):
         return make_objective(cfg.objective, self.data_spec, cfg.objective_args)
 
     def __call__(self) -> CheckpointRef | None:
-        """Set up, resume if a checkpoint exists, train the remaining epochs, clean up."""
+        """Set up, resume if a checkpoint exists, train the rest of the run (the recipe),
+        test the best weights, clean up."""
         spec, cfg = self.spec, self.spec.train
         # Progress for this rank's guard (cluster.rank_guard): a rank silent for longer than
         # its phase allows is declared hung, its stacks dumped, and the job restarted.
@@ -176,8 +180,19 @@ class TrainingJob(submitit.helpers.Checkpointable):
                 announce_global_batch(batch, progress.epoch, journal)
             logger = recorder.closing(make_logger(journal, spec.out_dir))
             relog(progress, logger, self.spec.out_dir, cfg.counts_steps)
-            parts = (trainer, train, val, plan, progress, logger, recorder, requeue, flops)
-            self.recipe(spec, *parts, self.epoch_end).run()  # train, validate, checkpoint
+            self.recipe(
+                spec=spec,
+                trainer=trainer,
+                train=train,
+                val=val,
+                plan=plan,
+                progress=progress,
+                logger=logger,
+                recorder=recorder,
+                limit=requeue,
+                flops=flops,
+                epoch_end=self.epoch_end,
+            ).run()  # train, validate, checkpoint, stop
             heartbeat.beat("checkpoint")
             recorder.wait()  # the last epoch's line, best.pt and checkpoint are written
             del train, val
