@@ -20,7 +20,7 @@ from trainflow.tasks.train.loop import Trainer, train_epoch
 from trainflow.tasks.train.model_plugins import build_model
 from trainflow.tasks.train.optimizers import make_optimizer
 from trainflow.tasks.train.precision import resolve_precision
-from trainflow.tasks.train.step_metrics import window_metrics
+from trainflow.tasks.train.step_metrics import Window
 
 
 @contextmanager
@@ -78,19 +78,12 @@ def timed_epochs(
             metrics, step = train_epoch(trainer, data, batches, step)
         for first in range(0, len(batches), every or len(batches)) if every else ():
             sums, began = _Sums(), time.perf_counter()
-            metrics, step = train_epoch(
-                trainer, data, batches[first : first + every], step, None, sums
-            )
-            window = window_metrics(
-                trainer.objective,
-                sums.totals,
-                [],
-                False,
-                time.perf_counter() - began,
-                metrics["lr"],
-            )
+            part = batches[first : first + every]
+            metrics, step = train_epoch(trainer, data, part, step, None, sums)
+            window = Window()
+            window.add(sums.totals, [], time.perf_counter() - began)
             if each is not None:
-                each(window, step)
+                each(window.take(trainer.objective, False, metrics["lr"]), step)
         after(metrics, epoch)
         per_step.append((time.perf_counter() - start) / len(batches))
     return per_step

@@ -43,7 +43,7 @@ from trainflow.tasks.train.loop import Trainer, evaluate_split, train_epoch
 from trainflow.tasks.train.progress import Progress, best_meta, run_identity
 from trainflow.tasks.train.recorder import EpochRecorder
 from trainflow.tasks.train.sharded_checkpoint import ShardedSaver, full_weights
-from trainflow.tasks.train.step_metrics import Position, window_metrics
+from trainflow.tasks.train.step_metrics import Position, Window
 from trainflow.tasks.train.throughput import NO_FLOPS, FlopFacts, RankClock, epoch_throughput
 
 
@@ -105,6 +105,8 @@ class Recipe:
     epoch_end: EpochEnd | None = None
     """A search's hook after each epoch: True stops the training."""
     work: EpochWork = field(default_factory=EpochWork)
+    window: Window = field(default_factory=Window)
+    """Rank 0's sums of the steps since the last per-step log (train.log_every_steps)."""
 
     def run(self) -> None:
         """Train to the run's last step (or an earlier stop), segment by segment. Under fsdp
@@ -179,10 +181,12 @@ class Recipe:
         work.add(sum(int(b.shape[0]) for b in batches), steps, clock.seconds, seconds, counted)
         metrics["samples_per_s"] = work.count / max(work.elapsed, 1e-9)
         due = plan.due(progress.step)
-        if due.log and dist.is_main:
-            clipped, lr = trainer.max_grad_norm > 0, metrics["lr"]
-            window = window_metrics(trainer.objective, stop.totals, before, clipped, seconds, lr)
-            self.logger.log(window, step=progress.step)
+        if plan.log_every and dist.is_main:
+            self.window.add(stop.totals, before, seconds)
+            if due.log:
+                clipped, lr = trainer.max_grad_norm > 0, metrics["lr"]
+                window = self.window.take(trainer.objective, clipped, lr)
+                self.logger.log(window, step=progress.step)
         if due.epoch_end:
             progress.epoch, progress.epoch_batches, progress.epoch_sums = epoch, 0, []
             parts = trainer.timer.take_epoch()

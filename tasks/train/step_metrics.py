@@ -2,8 +2,8 @@
 
 The loop sums the objective's metrics on the device and reads them once per segment
 (tasks.train.loop.train_epoch, tasks.train.cadence): the window of steps since the last log
-is the difference of two such reads, so logging every N steps costs one small all-reduce per
-N steps and no host sync per step.
+adds up the differences of those reads, so logging every N steps costs one small all-reduce
+per N steps and no host sync per step.
 """
 
 import time
@@ -18,25 +18,33 @@ STEP_SUFFIX = "_step"
 they are another aggregate of the same values, on the global step's axis."""
 
 
-def window_metrics(
-    objective: Objective,
-    totals: list[float],
-    before: list[float],
-    clipped: bool,
-    seconds: float,
-    lr: float,
-) -> dict[str, float]:
-    """The metrics of the steps between two reads of the loop's all-rank sums (`before`,
-    empty at an epoch's start, then `totals`; the objective's sums, with clipping the norm sum
-    and the finite steps, the sample count last): train_<metric>_step, lr_step,
-    grad_norm_step (with clipping) and samples_per_s_step (over `seconds`)."""
-    window = [t - b for t, b in zip(totals, before or [0.0] * len(totals), strict=True)]
-    sums, count = window[: objective.sums_size], window[-1]
-    metrics = {f"train_{k}": v for k, v in objective.metrics(sums).items()}
-    metrics |= {"lr": lr, "samples_per_s": count / max(seconds, 1e-9)}
-    if clipped:
-        metrics["grad_norm"] = window[-3] / max(window[-2], 1.0)
-    return {k + STEP_SUFFIX: v for k, v in metrics.items()}
+@dataclass
+class Window:
+    """The loop's all-rank sums over the steps since the last per-step log, across segments
+    and epochs (the objective's sums, with clipping the norm sum and the finite steps, the
+    sample count last), and the seconds the loop took for them."""
+
+    sums: list[float] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def add(self, totals: list[float], before: list[float], seconds: float) -> None:
+        """A segment that took the loop's sums from `before` (empty at an epoch's start) to
+        `totals` in `seconds`."""
+        start = before or [0.0] * len(totals)
+        done = [t - b for t, b in zip(totals, start, strict=True)]
+        self.sums = [a + d for a, d in zip(self.sums, done, strict=True)] if self.sums else done
+        self.seconds += seconds
+
+    def take(self, objective: Objective, clipped: bool, lr: float) -> dict[str, float]:
+        """The window's metrics, and a new window: train_<metric>_step, lr_step (`lr`, the
+        last step's), grad_norm_step (with clipping) and samples_per_s_step."""
+        sums, count = self.sums[: objective.sums_size], self.sums[-1]
+        metrics = {f"train_{k}": v for k, v in objective.metrics(sums).items()}
+        metrics |= {"lr": lr, "samples_per_s": count / max(self.seconds, 1e-9)}
+        if clipped:
+            metrics["grad_norm"] = self.sums[-3] / max(self.sums[-2], 1.0)
+        self.sums, self.seconds = [], 0.0
+        return {k + STEP_SUFFIX: v for k, v in metrics.items()}
 
 
 @dataclass

@@ -12,6 +12,7 @@ from typing import Any
 import cloudpickle
 import pytest
 import torch
+from mlflow.tracking import MlflowClient
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from tests.unit.datasets import write_dataset
@@ -20,6 +21,9 @@ from trainflow.cluster.executor import make_executor
 from trainflow.cluster.jobs import wait_for_job
 from trainflow.errors import ConfigError
 from trainflow.flows.config import build_config
+from trainflow.flows.resume import build_resume
+from trainflow.flows.run_record import RunRecord, write_record
+from trainflow.tasks.tracking.relay import Relay
 from trainflow.tasks.train.cadence import run_plan
 from trainflow.tasks.train.checkpoint import checkpoints
 from trainflow.tasks.train.config import TrainConfig
@@ -140,3 +144,71 @@ def test_a_run_stopped_at_max_steps_inside_an_epoch_and_extended_equals_a_straig
     assert [h["step"] for h in got["history"]] == sorted({3, 6, 9, 12} | {4, 8, 12})
     assert [h["step"] for h in want["history"]] == [4, 8, 12]
     assert "grad_norm" in got["history"][-1]
+
+
+def test_a_resume_may_raise_max_steps_but_not_lower_it(tmp_path: Path) -> None:
+    cfg = build_config("demo", ["train.max_steps=40", "train.log_every_steps=5"])
+    run_dir = tmp_path / "runs" / "0123abcd"
+    run_dir.mkdir(parents=True)
+    config = cfg.model_dump(mode="json")
+    record = RunRecord(
+        parent_run_id="0123abcd",
+        tracking_uri=f"sqlite:///{tmp_path}/mlflow.db",
+        config=config,
+        host="another-host",  # not a flow process of this host: not running
+        pid=1,
+        started=0.0,
+    )
+    write_record(run_dir, record)
+    longer, _, _ = build_resume(str(run_dir), tmp_path, ["train.max_steps=80"])
+    assert longer.train.max_steps == 80 and longer.train.log_every_steps == 5
+    cadence, _, _ = build_resume(str(run_dir), tmp_path, ["train.checkpoint_every_steps=10"])
+    assert cadence.train.checkpoint_every_steps == 10
+    with pytest.raises(ConfigError, match=r"train\.max_steps=20 is below the run's 40"):
+        build_resume(str(run_dir), tmp_path, ["train.max_steps=20"])
+    with pytest.raises(ConfigError, match=r"--set train\.val_every_steps: a resumed run keeps"):
+        build_resume(str(run_dir), tmp_path, ["train.val_every_steps=10"])
+
+
+def _logged_run(dataset: Any, out: Path, uri: str, log_every: int) -> dict[str, list[Any]]:
+    """Train one process to step 10 (8 steps an epoch) logging every `log_every` steps and
+    validating every 5; the MLflow run's metric histories."""
+    client = MlflowClient(uri)
+    run_id = client.create_run(client.create_experiment(out.name)).info.run_id
+    train = TrainConfig(
+        batch_size=32,
+        precision="fp32",
+        device="cpu",
+        seed=3,
+        max_steps=10,
+        val_every_steps=5,
+        log_every_steps=log_every,
+        **KEYS,
+    )
+    spec = TrainJobSpec(train=train, dataset=dataset, out_dir=out, tracking_uri=uri, run_id=run_id)
+    TrainingJob(spec)()
+    Relay(spec.out_dir, uri, run_id, say=print).finish()  # the flow sends the journal
+    names = ("train_loss_step", "lr_step", "grad_norm_step", "samples_per_s_step", "val_loss")
+    return {name: client.get_metric_history(run_id, name) for name in names}
+
+
+@pytest.mark.services
+def test_per_step_metrics_reach_mlflow_on_the_global_step_axis(tmp_path: Path) -> None:
+    dataset = write_dataset(tmp_path / "ds")  # 256 samples: 8 steps an epoch on one rank
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    every3 = _logged_run(dataset, tmp_path / "every3", uri, 3)
+    assert [m.step for m in every3["train_loss_step"]] == [3, 6, 9]
+    assert [m.step for m in every3["grad_norm_step"]] == [3, 6, 9]
+    assert all(m.value > 0 for m in every3["samples_per_s_step"])
+    # lr_step is each window's last step's: a linear warm-up over 3 steps (step 0 at 0), then
+    # the peak (transformers' constant schedule with warm-up), computed here.
+    peak = TrainConfig().lr
+    assert [m.value for m in every3["lr_step"]] == pytest.approx([peak * 2 / 3, peak, peak])
+    # validations: every 5 steps, the epoch's end (8) and the last step (10), on steps too
+    assert [m.step for m in every3["val_loss"]] == [5, 8, 10]
+    # The same steps logged one by one: each 3-step window is their mean (equal batches).
+    every1 = _logged_run(dataset, tmp_path / "every1", uri, 1)
+    single = [m.value for m in every1["train_loss_step"]]
+    assert [m.step for m in every1["train_loss_step"]] == list(range(1, 11))
+    windows = [sum(single[i : i + 3]) / 3 for i in (0, 3, 6)]
+    assert [m.value for m in every3["train_loss_step"]] == pytest.approx(windows, rel=1e-9)
