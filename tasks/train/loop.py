@@ -1,8 +1,8 @@
 """The training and evaluation loops of one epoch.
 
 The loss is the objective's (tasks.objectives); its metrics are summed on the device and read
-once per epoch (one all_reduce, one host sync): an ``.item()`` per step would stall the GPU
-queue every step.
+once per call, an epoch or a segment of one (one all_reduce, one host sync): an ``.item()``
+per step would stall the GPU queue every step.
 """
 
 import itertools
