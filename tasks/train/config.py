@@ -305,8 +305,9 @@ class TrainConfig(StrictModel):
 
     @property
     def counts_steps(self) -> bool:
-        """Whether the run's metrics use the global step as their x axis (a length or a
-        cadence in steps is set), rather than the epoch."""
+        """Whether a run started with this config logs its metrics against the global step
+        (a length or a cadence in steps is set), rather than the epoch (kept on resume:
+        tasks.train.progress.Progress.by_step)."""
         keys = (self.max_steps, self.val_every_steps, self.checkpoint_every_steps)
         return any(k is not None for k in (*keys, self.log_every_steps))
 

@@ -179,7 +179,7 @@ class TrainingJob(submitit.helpers.Checkpointable):
             if dist.is_main:
                 announce_global_batch(batch, progress.epoch, journal)
             logger = recorder.closing(make_logger(journal, spec.out_dir))
-            relog(progress, logger, self.spec.out_dir, cfg.counts_steps)
+            relog(progress, logger, self.spec.out_dir)
             self.recipe(
                 spec=spec,
                 trainer=trainer,
@@ -269,8 +269,9 @@ class TrainingJob(submitit.helpers.Checkpointable):
     ) -> Progress:
         """The run's progress: restored from `found` (the newest checkpoint of out_dir that
         verifies: find_resumable), or a fresh start's."""
+        cfg = self.spec.train
         if found is None:
-            return Progress(data_seed=self.spec.train.seed, data_world=batch.data_world)
+            return Progress(cfg.seed, data_world=batch.data_world, by_step=cfg.counts_steps)
         sharded = self.spec.train.strategy == "fsdp"
         progress = restore(trainer, found, self._run_identity(), plan.steps_per_epoch, sharded)
         progress.data_world = batch.data_world

@@ -77,6 +77,10 @@ class Progress:
     """Those batches' training metric sums, all ranks together (the loop's, count last)."""
     timing: dict[str, float] = field(default_factory=dict)
     """What the time-limit watch measured (tasks.train.time_limit.Estimates)."""
+    by_step: bool = False
+    """The run's metrics use the global step as their x axis, else the epoch: set when the run
+    starts (train.counts_steps then) and kept, so a resume that adds a step key does not mix
+    the two axes in one MLflow run."""
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> "Progress":
@@ -110,13 +114,18 @@ def check_same_run(current: dict[str, Any], saved: dict[str, Any], path: Path) -
         )
 
 
-def relog(progress: Progress, logger: MetricLogger, out_dir: Path, by_step: bool = False) -> None:
+def metric_x(progress: Progress, entry: dict[str, float]) -> int:
+    """The x axis value of a history entry's metrics: its global step or its epoch
+    (Progress.by_step)."""
+    return int(entry["step"] if progress.by_step else entry["epoch"])
+
+
+def relog(progress: Progress, logger: MetricLogger, out_dir: Path) -> None:
     """Log the validations a previous attempt checkpointed but never handed to its logger (no
-    gaps, no repeats): an attempt whose logger closed cleanly sent or kept all it was given.
-    `by_step`: their x axis is the global step (train.counts_steps), else the epoch."""
+    gaps, no repeats): an attempt whose logger closed cleanly sent or kept all it was given."""
     handed = handed_through(out_dir)
     for entry in progress.history[progress.logged_epochs :]:
-        x = int(entry["step"] if by_step else entry["epoch"])
+        x = metric_x(progress, entry)
         if x > handed:
             metrics = {k: v for k, v in entry.items() if k not in NOT_LOGGED}
             logger.log(metrics, step=x)

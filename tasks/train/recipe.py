@@ -40,7 +40,7 @@ from trainflow.tasks.train.job_spec import TrainJobSpec
 from trainflow.tasks.train.limit_requeue import LimitRequeue, StoppedForTimeLimit
 from trainflow.tasks.train.log_lines import progress_line
 from trainflow.tasks.train.loop import Trainer, evaluate_split, train_epoch
-from trainflow.tasks.train.progress import Progress, best_meta, run_identity
+from trainflow.tasks.train.progress import Progress, best_meta, metric_x, run_identity
 from trainflow.tasks.train.recorder import EpochRecorder
 from trainflow.tasks.train.sharded_checkpoint import ShardedSaver, full_weights
 from trainflow.tasks.train.step_metrics import Position, Window
@@ -115,7 +115,7 @@ class Recipe:
         trainer, plan, progress = self.trainer, self.plan, self.progress
         fsdp = self.spec.train.strategy == "fsdp"
         saver = ShardedSaver(trainer.dist, self.limit.save_took) if fsdp else None
-        position = Position(plan, self.spec.train.counts_steps)
+        position = Position(plan, progress.by_step)
         position.start(progress.step)
         try:
             while progress.step < plan.total_steps:
@@ -244,7 +244,7 @@ class Recipe:
         trainer, progress, ctx = self.trainer, self.progress, self.trainer.dist
         flush, best = self.decide(metrics) if due.validate else (False, None)
         if due.validate and ctx.is_main:
-            self.logger.log(metrics, step=self.metric_x(progress.history[-1]))
+            self.logger.log(metrics, step=metric_x(progress, progress.history[-1]))
         progress.timing = self.limit.limit.estimates.as_state()
         identity = run_identity(self.spec.train, self.spec.dataset.content_hash)
         extra = {**asdict(progress), "run": identity}
@@ -286,8 +286,3 @@ class Recipe:
                 print(f"{line} {progress_line(metrics)}", flush=True)
 
         self.recorder.submit(write)
-
-    def metric_x(self, entry: dict[str, float]) -> int:
-        """The x axis value of a history entry's metrics: its global step when the run counts
-        in steps (train.counts_steps), else its epoch."""
-        return int(entry["step"] if self.spec.train.counts_steps else entry["epoch"])

@@ -52,8 +52,8 @@ class Position:
     """Where the run is, for the progress line: the plan, and when this attempt started."""
 
     plan: RunPlan
-    counts_steps: bool
-    """Say the step and an ETA (a run counted in steps), else the epoch as always."""
+    by_step: bool
+    """Say the step and an ETA (a run counted in steps: Progress.by_step), else the epoch."""
     first_step: int = 0
     started: float = field(default_factory=time.monotonic)
 
@@ -65,7 +65,7 @@ class Position:
         """`epoch 2/8` at an epoch's end of a run counted in epochs; with steps `step
         120/400 (epoch 2/3) eta 1m05s`."""
         epochs = self.plan.epochs
-        if not self.counts_steps:
+        if not self.by_step:
             return f"epoch {epoch}/{epochs}"
         into = epoch if due.epoch_end else min(epoch + 1, epochs)
         total = self.plan.total_steps
