@@ -22,6 +22,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
+import torch
+
 from trainflow.tasks.objectives import is_better
 from trainflow.tasks.tracking.logger import MetricLogger
 from trainflow.tasks.train.cadence import Due, RunPlan
@@ -105,6 +107,8 @@ class Recipe:
     epoch_end: EpochEnd | None = None
     """A search's hook after each epoch: True stops the training."""
     work: EpochWork = field(default_factory=EpochWork)
+    order: tuple[int, list[torch.Tensor]] = (0, [])
+    """The epoch whose batches this rank takes, and their sample indices."""
     window: Window = field(default_factory=Window)
     """Rank 0's sums of the steps since the last per-step log (train.log_every_steps)."""
 
@@ -155,17 +159,22 @@ class Recipe:
         if progress.epoch_batches == 0:
             self.work = EpochWork()
         epoch, steps = progress.epoch + 1, plan.next_boundary(progress.step) - progress.step
+        if self.order[0] != epoch:  # the epoch's order, drawn once for all its segments
+            self.order = (
+                epoch,
+                accumulated_batches(
+                    self.train,
+                    cfg.batch_size,
+                    progress.data_seed,
+                    epoch,
+                    dist.rank,
+                    dist.world_size,
+                    accumulation,
+                    drop_last=cfg.cuda_graphs,
+                ),
+            )
         first = progress.epoch_batches * accumulation  # inside an epoch: where it stopped
-        batches = accumulated_batches(
-            self.train,
-            cfg.batch_size,
-            progress.data_seed,
-            epoch,
-            dist.rank,
-            dist.world_size,
-            accumulation,
-            drop_last=cfg.cuda_graphs,
-        )[first : first + steps * accumulation]
+        batches = self.order[1][first : first + steps * accumulation]
         started, before = time.perf_counter(), list(progress.epoch_sums)
         clock = RankClock(dist.device)
         stop = self.limit.epoch(progress, steps)
