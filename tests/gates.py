@@ -6,7 +6,7 @@ what they check does not depend on how fast this machine trains at the time."""
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import cloudpickle
 
@@ -25,14 +25,15 @@ class GatedJob(TrainingJob):
         self.gates = gates
 
     def __call__(self) -> Any:
-        gates = self.gates
-
-        class Gated(Recipe):
-            def segment(self) -> tuple[dict[str, float], Due]:
-                gate = gates.get(self.progress.epoch + 1)
-                while gate is not None and not gate.exists():
-                    time.sleep(0.05)
-                return super().segment()
-
-        self.recipe = Gated
+        self.recipe = type("Gated", (_GatedRecipe,), {"gates": self.gates})
         return super().__call__()
+
+
+class _GatedRecipe(Recipe):
+    gates: ClassVar[dict[int, Path]] = {}
+
+    def segment(self) -> tuple[dict[str, float], Due]:
+        gate = self.gates.get(self.progress.epoch + 1)
+        while gate is not None and not gate.exists():
+            time.sleep(0.05)
+        return super().segment()
