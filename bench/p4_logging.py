@@ -25,8 +25,8 @@ from trainflow.tasks.tracking.config import TrackingConfig
 from trainflow.tasks.tracking.journal import Journal
 from trainflow.tasks.tracking.logger import JournalLogger
 from trainflow.tasks.tracking.pipeline_runs import PipelineRuns
+from trainflow.tasks.train.checkpointing.recorder import EpochRecorder
 from trainflow.tasks.train.config import TrainConfig
-from trainflow.tasks.train.recorder import EpochRecorder
 
 PAIRS = 6
 EVERY = 16

@@ -90,7 +90,7 @@ def run_resume(
     from trainflow.flows.run_record import update_record
     from trainflow.tasks.preprocess.task import preprocess
     from trainflow.tasks.tracking.pipeline_runs import PipelineRuns
-    from trainflow.tasks.train.checkpoint_tags import log_checkpoint
+    from trainflow.tasks.train.checkpointing.checkpoint_tags import log_checkpoint
     from trainflow.tasks.train.task import train_task
 
     logger = get_run_logger()

@@ -191,7 +191,7 @@ class TrainConfig(StrictModel):
     checkpoint save). The larger of this and hang_timeout_s applies."""
 
     straggler_fraction: float = Field(0.2, ge=0.0, le=10.0)
-    """A rank whose own time a step (data wait + compute, tasks.train.step_times) exceeds the
+    """A rank whose own time a step (data wait + compute, tasks.train.limits.step_times) exceeds the
     median of the other ranks' by more than this fraction, for straggler_windows windows in a
     row, is named as a straggler: a warning line in the job's log and the train run's tag
     trainflow.straggler (rank, node, and the part that is slow). 0: no straggler detection

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from trainflow.tasks.prefect_progress import TRAIN_KEY, ProgressArtifact
-from trainflow.tasks.train.checkpoint import checkpoint_epoch, checkpoints
+from trainflow.tasks.train.checkpointing.checkpoint import checkpoint_epoch, checkpoints
 
 
 class EpochProgress(ProgressArtifact):

@@ -25,7 +25,9 @@ from trainflow.tasks.tracking.journal import opened
 from trainflow.tasks.tracking.logger import make_logger
 from trainflow.tasks.tracking.system_metrics import node_monitor
 from trainflow.tasks.train.cadence import RunPlan, run_plan
-from trainflow.tasks.train.checkpoint import Resumable
+from trainflow.tasks.train.checkpointing.checkpoint import Resumable
+from trainflow.tasks.train.checkpointing.recorder import EpochRecorder
+from trainflow.tasks.train.checkpointing.sharded_checkpoint import find_resumable
 from trainflow.tasks.train.config import TrainConfig
 from trainflow.tasks.train.data import SplitData as Split
 from trainflow.tasks.train.data import load_split_to, steps_per_epoch
@@ -35,14 +37,15 @@ from trainflow.tasks.train.distributed import (
     exit_fast_at_shutdown,
     wrap_ddp,
 )
-from trainflow.tasks.train.early_signal import deliver_held_signal
 from trainflow.tasks.train.first_result import first_result
 from trainflow.tasks.train.init_from import initialised
 from trainflow.tasks.train.job_spec import TrainJobSpec
-from trainflow.tasks.train.limit_requeue import (
+from trainflow.tasks.train.limits.early_signal import deliver_held_signal
+from trainflow.tasks.train.limits.limit_requeue import (
     LimitRequeue,
     count_stalled,
 )
+from trainflow.tasks.train.limits.stragglers import step_timer
 from trainflow.tasks.train.log_lines import announce
 from trainflow.tasks.train.loop import Trainer
 from trainflow.tasks.train.model_plugins import build_model, resolve_factory
@@ -62,7 +65,6 @@ from trainflow.tasks.train.progress import (
     run_identity,
 )
 from trainflow.tasks.train.recipe import EpochEnd, Recipe
-from trainflow.tasks.train.recorder import EpochRecorder
 from trainflow.tasks.train.ref import CheckpointRef
 from trainflow.tasks.train.resume import (
     GlobalBatch,
@@ -71,10 +73,8 @@ from trainflow.tasks.train.resume import (
     restore,
 )
 from trainflow.tasks.train.schedule import schedule_for
-from trainflow.tasks.train.sharded_checkpoint import find_resumable
 from trainflow.tasks.train.sharded_init import build_on_rank, shard_from_rank0
 from trainflow.tasks.train.sharding import checkpoint_activations, sharding_units
-from trainflow.tasks.train.stragglers import step_timer
 from trainflow.tasks.train.throughput import (
     NO_FLOPS,
     announce_flops,
@@ -139,8 +139,8 @@ class TrainingJob(submitit.helpers.Checkpointable):
             opened(run_out if dist.is_main else None, "rank0") as journal,
             EpochRecorder() as recorder,  # exits first: its logger's last flush is journaled
         ):
-            # The time limit read, its requeue signal held (tasks.train.limit_requeue), then a
-            # requeue signal that came during start-up acts: a preemption's requeues now.
+            # The time limit read, its requeue signal held (tasks.train.limits.limit_requeue),
+            # then a requeue signal that came during start-up acts: a preemption's requeues now.
             self.requeue = requeue = LimitRequeue.for_job(spec, self.attempt, dist)
             deliver_held_signal()
             torch.manual_seed(cfg.seed)
@@ -172,7 +172,7 @@ class TrainingJob(submitit.helpers.Checkpointable):
             batch = global_batch(found, cfg.batch_size, dist)  # kept across world sizes
             plan = plan_for(cfg, len(train), batch, dist)  # the run's length and cadence
             trainer = self._trainer(model, dist, policy, plan, batch)
-            # Each rank's step times, compared every window on rank 0 (tasks.train.stragglers)
+            # Each rank's step times, compared every window on rank 0 (limits.stragglers)
             trainer = replace(trainer, timer=step_timer(cfg, trainer.model, dist, journal))
             progress = self._resume(trainer, found, plan, batch)
             requeue.resumed(progress, checkpointed=found is not None)

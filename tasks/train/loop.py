@@ -17,17 +17,17 @@ from torch import nn
 
 from trainflow.cluster.heartbeat import NO_HEARTBEAT, Heartbeat
 from trainflow.tasks.objectives import Objective
-from trainflow.tasks.train.checkpoint import unwrap
+from trainflow.tasks.train.checkpointing.checkpoint import unwrap
 from trainflow.tasks.train.clipping import clip_gradients
 from trainflow.tasks.train.data import SplitData as Split
 from trainflow.tasks.train.data import eval_batches
 from trainflow.tasks.train.distributed import DistContext, all_reduce_sum
+from trainflow.tasks.train.limits.step_times import NO_TIMER, StepTimer
 from trainflow.tasks.train.outputs import logits_of
 from trainflow.tasks.train.precision import PrecisionPolicy
 from trainflow.tasks.train.prefetch import Batch
 from trainflow.tasks.train.schedule import Schedule
 from trainflow.tasks.train.sharding import is_sharded
-from trainflow.tasks.train.step_times import NO_TIMER, StepTimer
 from trainflow.tasks.train.throughput import RankClock
 
 
@@ -60,7 +60,7 @@ class Trainer:
     """Micro-batches per optimizer step: more than 1 when a run resumed on fewer ranks keeps
     its global batch (tasks.train.resume); their gradients add up before the step."""
     timer: StepTimer = NO_TIMER
-    """Told when each step waits for data, starts and ends (tasks.train.step_times)."""
+    """Told when each step waits for data, starts and ends (tasks.train.limits.step_times)."""
     max_grad_norm: float = 0.0
     """Clip the gradients' global norm to this before each optimizer step (train.max_grad_norm);
     0: no clipping, no norm computed."""
@@ -108,7 +108,8 @@ def _train_step(
 
 
 class EpochStop(Protocol):
-    """Tells the loop where to stop early (tasks.train.time_limit) and takes the sums so far."""
+    """Tells the loop where to stop early (tasks.train.limits.time_limit) and takes the sums so
+    far."""
 
     carried: list[float]
     """Metric sums (count last) of the epoch's batches done before this call, all ranks'."""

@@ -76,7 +76,7 @@ class Progress:
     epoch_sums: list[float] = field(default_factory=list)
     """Those batches' training metric sums, all ranks together (the loop's, count last)."""
     timing: dict[str, float] = field(default_factory=dict)
-    """What the time-limit watch measured (tasks.train.time_limit.Estimates)."""
+    """What the time-limit watch measured (tasks.train.limits.time_limit.Estimates)."""
     by_step: bool = False
     """The run's metrics use the global step as their x axis, else the epoch: set when the run
     starts (train.counts_steps then) and kept, so a resume that adds a step key does not mix

@@ -27,7 +27,7 @@ import torch
 from trainflow.tasks.objectives import is_better
 from trainflow.tasks.tracking.logger import MetricLogger
 from trainflow.tasks.train.cadence import Due, RunPlan
-from trainflow.tasks.train.checkpoint import (
+from trainflow.tasks.train.checkpointing.checkpoint import (
     host_copy,
     rng_state,
     save_best_weights,
@@ -35,16 +35,16 @@ from trainflow.tasks.train.checkpoint import (
     training_state,
     unwrap,
 )
+from trainflow.tasks.train.checkpointing.recorder import EpochRecorder
+from trainflow.tasks.train.checkpointing.sharded_checkpoint import ShardedSaver, full_weights
 from trainflow.tasks.train.data import SplitData as Split
 from trainflow.tasks.train.data import accumulated_batches
 from trainflow.tasks.train.distributed import DistContext
 from trainflow.tasks.train.job_spec import TrainJobSpec
-from trainflow.tasks.train.limit_requeue import LimitRequeue, StoppedForTimeLimit
+from trainflow.tasks.train.limits.limit_requeue import LimitRequeue, StoppedForTimeLimit
 from trainflow.tasks.train.log_lines import progress_line
 from trainflow.tasks.train.loop import Trainer, evaluate_split, train_epoch
 from trainflow.tasks.train.progress import Progress, best_meta, metric_x, run_identity
-from trainflow.tasks.train.recorder import EpochRecorder
-from trainflow.tasks.train.sharded_checkpoint import ShardedSaver, full_weights
 from trainflow.tasks.train.step_metrics import Position, Window
 from trainflow.tasks.train.throughput import NO_FLOPS, FlopFacts, RankClock, epoch_throughput
 

@@ -19,11 +19,11 @@ from typing import Any
 from trainflow.errors import ConfigError
 from trainflow.tasks.tracking.journal import Journal
 from trainflow.tasks.tracking.logger import log_run_params
-from trainflow.tasks.train.checkpoint import Resumable, restore_rng, unwrap
+from trainflow.tasks.train.checkpointing.checkpoint import Resumable, restore_rng, unwrap
+from trainflow.tasks.train.checkpointing.sharded_checkpoint import load_sharded
 from trainflow.tasks.train.distributed import DistContext
 from trainflow.tasks.train.loop import Trainer
 from trainflow.tasks.train.progress import Progress, check_same_run
-from trainflow.tasks.train.sharded_checkpoint import load_sharded
 
 
 @dataclass(frozen=True)

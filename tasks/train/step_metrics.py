@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from trainflow.tasks.objectives import Objective
 from trainflow.tasks.train.cadence import Due, RunPlan
-from trainflow.tasks.train.time_limit import time_text
+from trainflow.tasks.train.limits.time_limit import time_text
 
 STEP_SUFFIX = "_step"
 """Per-step metrics are named as the epoch's with this suffix (train_loss_step, lr_step):

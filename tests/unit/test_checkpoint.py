@@ -18,7 +18,7 @@ from trainflow.tasks.hashing import sha256_file
 from trainflow.tasks.preprocess.ref import DatasetRef
 from trainflow.tasks.tracking.relay import Relay
 from trainflow.tasks.train.cadence import Due
-from trainflow.tasks.train.checkpoint import (
+from trainflow.tasks.train.checkpointing.checkpoint import (
     atomic_save,
     latest_checkpoint,
     load_state,
@@ -164,7 +164,7 @@ def test_a_resumed_job_logs_every_epoch_to_mlflow_exactly_once(
     )
     with pytest.raises(RuntimeError, match="simulated preemption"):
         CrashAfterFirstEpoch(spec)()  # epoch 1 was checkpointed, its metrics still buffered
-    # The failing job drains its metric buffer (tasks.train.recorder): epoch 1 is not lost...
+    # The failing job drains its metric buffer (checkpointing.recorder): epoch 1 is not lost...
     Relay(spec.out_dir, uri, run_id, say=print).finish()  # the flow sends the journal
     assert [m.step for m in client.get_metric_history(run_id, "val_accuracy")] == [1]
     TrainingJob(spec)()  # ...and the resumed job, which starts at epoch 2, does not log it again
@@ -186,7 +186,7 @@ def test_a_resumed_job_logs_every_epoch_to_mlflow_exactly_once(
             for s in ("min", "median", "max")
         ),
         "slowest_rank",
-        # each rank's step time and its parts (tasks.train.step_times): one rank here
+        # each rank's step time and its parts (tasks.train.limits.step_times): one rank here
         *(f"rank_{part}_s/rank_0" for part in ("step", "data_wait", "compute", "comm")),
         "achieved_flops_per_s",
         "model_flops_per_sample",

@@ -23,14 +23,14 @@ from trainflow.errors import ConfigError
 from trainflow.tasks.preprocess.ref import DatasetRef
 from trainflow.tasks.tracking.relay import relaying
 from trainflow.tasks.train.cadence import Due
-from trainflow.tasks.train.checkpoint import Resumable
+from trainflow.tasks.train.checkpointing.checkpoint import Resumable
+from trainflow.tasks.train.checkpointing.sharded_checkpoint import TRAIN_STATE, sharded_checkpoints
 from trainflow.tasks.train.config import TrainConfig
 from trainflow.tasks.train.data import Split, accumulated_batches, rank_batches
 from trainflow.tasks.train.distributed import DistContext
 from trainflow.tasks.train.job import TrainingJob, TrainJobSpec
 from trainflow.tasks.train.recipe import Recipe
 from trainflow.tasks.train.resume import global_batch
-from trainflow.tasks.train.sharded_checkpoint import TRAIN_STATE, sharded_checkpoints
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 

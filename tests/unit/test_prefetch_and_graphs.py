@@ -12,7 +12,7 @@ from tests.unit.datasets import write_dataset, write_rgb_dataset
 from trainflow.errors import ConfigError
 from trainflow.tasks.preprocess.ref import DatasetRef
 from trainflow.tasks.spec import image_classification
-from trainflow.tasks.train.checkpoint import latest_checkpoint, load_state
+from trainflow.tasks.train.checkpointing.checkpoint import latest_checkpoint, load_state
 from trainflow.tasks.train.config import TrainConfig
 from trainflow.tasks.train.data import (
     Placement,

@@ -1,4 +1,5 @@
-"""Sharded checkpoints of train.strategy=fsdp jobs (tasks.train.sharded_checkpoint), for real:
+"""Sharded checkpoints of train.strategy=fsdp jobs (tasks.train.checkpointing.sharded_checkpoint),
+for real:
 2 gloo ranks through submitit's local executor, and the job in this process (one rank: the
 same DCP files, written and read without a process group)."""
 
@@ -24,7 +25,12 @@ from trainflow.errors import ConfigError
 from trainflow.tasks.preprocess.ref import DatasetRef
 from trainflow.tasks.spec import DataSpec
 from trainflow.tasks.train.cadence import Due
-from trainflow.tasks.train.checkpoint import Resumable
+from trainflow.tasks.train.checkpointing.checkpoint import Resumable
+from trainflow.tasks.train.checkpointing.sharded_checkpoint import (
+    SUMS,
+    TRAIN_STATE,
+    sharded_checkpoints,
+)
 from trainflow.tasks.train.config import TrainConfig
 from trainflow.tasks.train.job import TrainingJob, TrainJobSpec
 from trainflow.tasks.train.loop import Trainer
@@ -33,7 +39,6 @@ from trainflow.tasks.train.models import mlp
 from trainflow.tasks.train.progress import Progress
 from trainflow.tasks.train.recipe import Recipe
 from trainflow.tasks.train.ref import CheckpointRef
-from trainflow.tasks.train.sharded_checkpoint import SUMS, TRAIN_STATE, sharded_checkpoints
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 

@@ -25,10 +25,10 @@ from trainflow.flows.resume import build_resume
 from trainflow.flows.run_record import RunRecord, write_record
 from trainflow.tasks.tracking.relay import Relay
 from trainflow.tasks.train.cadence import run_plan
-from trainflow.tasks.train.checkpoint import checkpoints
+from trainflow.tasks.train.checkpointing.checkpoint import checkpoints
+from trainflow.tasks.train.checkpointing.sharded_checkpoint import TRAIN_STATE, sharded_checkpoints
 from trainflow.tasks.train.config import TrainConfig
 from trainflow.tasks.train.job import TrainingJob, TrainJobSpec
-from trainflow.tasks.train.sharded_checkpoint import TRAIN_STATE, sharded_checkpoints
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 

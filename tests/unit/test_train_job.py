@@ -29,7 +29,12 @@ from trainflow.tasks.hashing import sha256_file
 from trainflow.tasks.objectives import make_objective
 from trainflow.tasks.preprocess.ref import DatasetRef, dataset_spec
 from trainflow.tasks.train.cadence import Due
-from trainflow.tasks.train.checkpoint import host_copy, latest_checkpoint, training_state
+from trainflow.tasks.train.checkpointing.checkpoint import (
+    host_copy,
+    latest_checkpoint,
+    training_state,
+)
+from trainflow.tasks.train.checkpointing.recorder import EpochRecorder
 from trainflow.tasks.train.config import TrainConfig
 from trainflow.tasks.train.data import (
     Split,
@@ -47,7 +52,6 @@ from trainflow.tasks.train.precision import (
     device_supports_bf16,
 )
 from trainflow.tasks.train.recipe import Recipe
-from trainflow.tasks.train.recorder import EpochRecorder
 from trainflow.tasks.train.ref import CheckpointRef
 from trainflow.tasks.train.schedule import schedule_for
 

@@ -278,7 +278,7 @@ def requeue_now(is_main: bool) -> NoReturn:
     """Requeue through submitit's own path: rank 0 sends itself the requeue signal (submitit
     calls the job's `checkpoint`, requeues and exits); other ranks wait to be ended with the
     attempt. Never returns."""
-    from trainflow.tasks.train.early_signal import preemption_signal
+    from trainflow.tasks.train.limits.early_signal import preemption_signal
 
     if is_main:
         _requeueing.set()  # the job's own signal: not held (hold_limit_signal)
@@ -318,7 +318,7 @@ def hold_limit_signal(limit: TimeLimit, delay_s: float) -> None:
     preemption, the job's own, one at the last moment) goes to that handler at once. The
     first signal that reaches it requeues the attempt; any later one is dropped.
     """
-    from trainflow.tasks.train.early_signal import preemption_signal
+    from trainflow.tasks.train.limits.early_signal import preemption_signal
 
     sig = preemption_signal()
     acting = signal.getsignal(sig)

@@ -1,7 +1,7 @@
 """The training job's side of a time limit: checkpoint where the watch stops, requeue, and
 count the attempts that reached their limit without progress.
 
-tasks.train.time_limit decides where to stop; this saves the state there (mid-epoch if need
+tasks.train.limits.time_limit decides where to stop; this saves the state there (mid-epoch if need
 be: the position, the epoch's metric sums so far and the RNG state go with it; rank 0 writes a
 ddp run's whole state, every rank its shards of an fsdp run's, through the run's ShardedSaver),
 says so in one line, and requeues through submitit (rank 0 signals itself, so submitit calls
@@ -17,14 +17,16 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, NoReturn, Protocol
 
-from trainflow.tasks.train.checkpoint import rng_state, save_checkpoint, training_state
+from trainflow.tasks.train.checkpointing.checkpoint import (
+    rng_state,
+    save_checkpoint,
+    training_state,
+)
+from trainflow.tasks.train.checkpointing.recorder import EpochRecorder
+from trainflow.tasks.train.checkpointing.sharded_checkpoint import ShardedSaver
 from trainflow.tasks.train.distributed import DistContext
 from trainflow.tasks.train.job_spec import TrainJobSpec
-from trainflow.tasks.train.loop import Trainer
-from trainflow.tasks.train.progress import Progress, run_identity
-from trainflow.tasks.train.recorder import EpochRecorder
-from trainflow.tasks.train.sharded_checkpoint import ShardedSaver
-from trainflow.tasks.train.time_limit import (
+from trainflow.tasks.train.limits.time_limit import (
     SAVE_FACTOR,
     EpochLimit,
     Estimates,
@@ -32,6 +34,8 @@ from trainflow.tasks.train.time_limit import (
     requeue_now,
     time_text,
 )
+from trainflow.tasks.train.loop import Trainer
+from trainflow.tasks.train.progress import Progress, run_identity
 
 
 class RequeuedJob(Protocol):
