@@ -24,11 +24,12 @@ from trainflow.flows.config import build_config
 from trainflow.flows.resume import build_resume
 from trainflow.flows.run_record import RunRecord, write_record
 from trainflow.tasks.tracking.relay import Relay
-from trainflow.tasks.train.cadence import run_plan
+from trainflow.tasks.train.cadence import Due, run_plan
 from trainflow.tasks.train.checkpointing.checkpoint import checkpoints
 from trainflow.tasks.train.checkpointing.sharded_checkpoint import TRAIN_STATE, sharded_checkpoints
 from trainflow.tasks.train.config import TrainConfig
 from trainflow.tasks.train.job import TrainingJob, TrainJobSpec
+from trainflow.tasks.train.recipe import Recipe
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -212,3 +213,39 @@ def test_per_step_metrics_reach_mlflow_on_the_global_step_axis(tmp_path: Path) -
     assert [m.step for m in every1["train_loss_step"]] == list(range(1, 11))
     windows = [sum(single[i : i + 3]) / 3 for i in (0, 3, 6)]
     assert [m.value for m in every3["train_loss_step"]] == pytest.approx(windows, rel=1e-9)
+
+
+class _LostAfterStep6(Recipe):
+    """Dies as a preempted job does: after the checkpoint of step 6, before epoch 1 ends."""
+
+    def segment(self) -> tuple[dict[str, float], Due]:
+        if self.progress.step >= 6:
+            raise RuntimeError("simulated preemption")
+        return super().segment()
+
+
+class _StopsAfterStep6(TrainingJob):
+    recipe = _LostAfterStep6
+
+
+def test_a_run_lost_between_step_checkpoints_resumes_from_the_last_one_exactly(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    dataset = write_dataset(tmp_path / "ds")  # 256 samples: 8 steps an epoch on one rank
+    keys = {"epochs": 2}
+    TrainingJob(_spec(dataset, tmp_path / "straight", "ddp", **keys))()
+    spec = _spec(dataset, tmp_path / "lost", "ddp", checkpoint_every_steps=3, **keys)
+    with pytest.raises(RuntimeError, match="simulated preemption"):
+        _StopsAfterStep6(spec)()
+    names = sorted(p.name for p in (spec.checkpoint_dir).glob("epoch-*.pt"))
+    assert names[-1] == "epoch-000000+000006.pt"  # steps 3 and 6, inside the first epoch
+    capsys.readouterr()
+    TrainingJob(spec)()
+    assert "after epoch 0, step 6" in capsys.readouterr().out
+    want, got = _final(tmp_path / "straight", False), _final(spec.out_dir, False)
+    assert got["step"] == want["step"] == 16
+    for part in ("model", "optimizer"):
+        expected, resumed = _tensors(want[part]), _tensors(got[part])
+        for name, tensor in expected.items():
+            assert torch.equal(resumed[name], tensor), f"{part}{name} differs"
+    assert [h["step"] for h in got["history"]] == [8, 16]  # validations: each epoch's end
