@@ -18,10 +18,12 @@ BENCHES = [
     "p6_gpu",
     "p7t",
     "p8_fixed_costs",
+    "p8_profile",
     "p9_fsdp",
     "p10_fsdp_precision",
     "p11_search",
     "p12_stragglers",
+    "p13_accumulation",
 ]
 
 

@@ -14,6 +14,9 @@ import sys
 def main() -> None:
     if len(sys.argv) != 2:
         sys.exit("usage: python -m trainflow.cluster.rank_main <submitit folder>")
+    from trainflow import gc_policy
+
+    gc_policy.at_start()  # before the job's imports (torch and the training code)
     from submitit.core.submission import submitit_main
 
     from trainflow.cluster import heartbeat, requeue

@@ -8,6 +8,7 @@ import traceback
 from collections.abc import Sequence
 from typing import NoReturn
 
+from trainflow import gc_policy
 from trainflow.errors import DEBUG_ENV, JobError, TrainflowError, debug_enabled
 from trainflow.flows import commands
 from trainflow.flows.config import PRESETS, PipelineConfig
@@ -200,7 +201,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def entry() -> NoReturn:
     """The ``trainflow`` command."""
-    sys.exit(main())
+    gc_policy.at_start()
+    try:
+        code = main()
+    finally:
+        gc_policy.before_exit()  # the interpreter's teardown then collects nothing
+    sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from trainflow.flows.config import PipelineConfig
 from trainflow.tasks.diskspace import require_space
 from trainflow.tasks.preprocess.preflight import preflight_source, probe_spec
 from trainflow.tasks.preprocess.size import preprocess_need
+from trainflow.tasks.train.batching import data_ranks
 from trainflow.tasks.train.config import TrainConfig
 from trainflow.tasks.train.model_report import ModelReport
 
@@ -36,11 +37,12 @@ def preflight(cfg: PipelineConfig, sweep: Iterable[TrainConfig] = ()) -> ModelRe
 
 
 def check_inputs(cfg: PipelineConfig) -> "DataSpec":
-    """The checks that import neither torch nor a model: the workdir, the data source and its
-    probe, the disk space the dataset needs, the Slurm requests; the data's spec. `trainflow
-    run` calls this before it imports torch or starts any process, so bad data is refused in
-    about a second on an idle machine, alone."""
+    """The checks that import neither torch nor a model: the workdir, the global batch on the
+    job's ranks, the data source and its probe, the disk space the dataset needs, the Slurm
+    requests; the data's spec. `trainflow run` calls this before it imports torch or starts
+    any process, so bad data is refused in about a second on an idle machine, alone."""
     check_workdir(cfg.workdir)
+    check_global_batch(cfg.train, cfg)  # the world size is known here, not in TrainConfig
     preflight_source(cfg.preprocess)
     spec = probe_spec(cfg.preprocess, cfg.train.objective)
     datasets = cfg.workdir / "datasets"  # a dataset the workdir's disk cannot hold: now
@@ -53,22 +55,34 @@ def check_inputs(cfg: PipelineConfig) -> "DataSpec":
 def check_code(
     cfg: PipelineConfig, spec: "DataSpec", sweep: Iterable[TrainConfig] = ()
 ) -> ModelReport:
-    """The checks that import torch and the user's code: the objective against the data, the
-    model (and each sweep element's) built on the meta device and its optimizer built over
-    it, the code snapshot's size."""
+    """The checks that import torch and the user's code: the objective against the data (and
+    train.monitor against the objective's metrics), the model (and each sweep element's) built
+    on the meta device and its optimizer built over it, the code snapshot's size."""
     from trainflow.cluster.snapshot import plan_snapshot
     from trainflow.tasks.objectives import check_data
     from trainflow.tasks.train.model_plugins import checked_model
+    from trainflow.tasks.train.monitor import check_monitor
     from trainflow.tasks.train.optimizers import check_optimizer
 
-    check_data(cfg.train.objective, cfg.train.objective_args, spec)  # objective vs data
+    objective_args = cfg.train.objective_args
+    objective = check_data(cfg.train.objective, objective_args, spec)  # objective vs data
+    check_monitor(cfg.train, objective)  # train.monitor names one of its metrics
     model, meta = checked_model(cfg.train, spec)  # the user's factory runs once per config
     check_optimizer(cfg.train, spec, meta)
     check_init_from(cfg, meta)
     for train in sweep:
+        check_global_batch(train, cfg)
+        if (train.objective, train.objective_args) == (cfg.train.objective, objective_args):
+            check_monitor(train, objective)
         check_optimizer(train, spec, checked_model(train, spec)[1])
     plan_snapshot(user_modules(cfg, model))  # a code folder too big to snapshot
     return model
+
+
+def check_global_batch(train: TrainConfig, cfg: PipelineConfig) -> None:
+    """train.global_batch_size makes up whole micro-batches on every rank of the training job
+    (cluster.nodes x cluster.ranks_per_node): ConfigError naming the values that would."""
+    data_ranks(train, cfg.cluster.nodes * cfg.cluster.ranks_per_node)
 
 
 def check_init_from(cfg: PipelineConfig, model: "nn.Module") -> None:

@@ -32,6 +32,7 @@ from trainflow.tasks.objectives import make_objective
 from trainflow.tasks.search.config import SearchConfig
 from trainflow.tasks.search.study import StudyRef, make_ref, open_study, probe_storage
 from trainflow.tasks.train.model_report import ModelReport
+from trainflow.tasks.train.monitor import monitor_for
 from trainflow.tasks.train.ref import CheckpointRef
 
 
@@ -61,7 +62,8 @@ def build_search(
     base = build_config(preset, base_items, experiment)
     spec = check_inputs(base)
     objective = make_objective(base.train.objective, spec, base.train.objective_args)
-    metric = f"val_{objective.select}"
+    monitor = monitor_for(base.train, objective)  # the pruner watches what picks the best
+    metric = monitor.metric
     if base.preprocess.val_fraction == 0:
         needs = f"--pruner {search.pruner}" if search.pruner != "none" else "the search"
         raise ConfigError(
@@ -75,7 +77,7 @@ def build_search(
         base.cluster.executor,
         base.name,
         metric,
-        objective.higher_is_better(metric),
+        monitor.higher,
     )
     trains = []
     for param in ref.space:

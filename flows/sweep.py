@@ -29,6 +29,7 @@ from trainflow.tasks.tracking.pipeline_runs import PipelineRuns
 from trainflow.tasks.train.checkpointing.checkpoint_tags import log_checkpoint
 from trainflow.tasks.train.model_plugins import resolve_factory
 from trainflow.tasks.train.model_report import ModelReport
+from trainflow.tasks.train.monitor import monitor_for
 from trainflow.tasks.train.ref import CheckpointRef
 from trainflow.tasks.train.sweep import best_element
 from trainflow.tasks.train.task import train_array_task
@@ -99,8 +100,8 @@ def run_sweep(
             dataset_spec(dataset, base.train.objective),
             base.train.objective_args,
         )
-        select = f"val_{objective.select}"  # val_accuracy, val_loss...
-        best = best_element(outcomes, select, objective.higher_is_better(select))
+        monitor = monitor_for(base.train, objective)  # train.monitor: val_accuracy, val_loss...
+        best = best_element(outcomes, monitor.metric, monitor.higher)
         best_ckpt = outcomes[best]
         assert isinstance(best_ckpt, CheckpointRef)
         element, best_cfg = elements[best]

@@ -23,6 +23,8 @@ MLFLOW_VERSIONS = ("3.17.2",)
 """mlflow versions whose `_use_tracking_uri` `mlflow_tracking_uri` uses."""
 TORCH_MKLDNN_VERSIONS = ("2.13.0",)
 """torch versions (without the local tag) whose mkldnn op `mkldnn_bf16_supported` calls."""
+MLFLOW_PYTORCH_VERSIONS = ("3.17.2",)
+"""mlflow versions whose `mlflow.pytorch` import `import_mlflow_pytorch` keeps Lightning out of."""
 DISTRIBUTED_VERSIONS = ("2026.7.1",)
 """distributed versions whose `SpecCluster._correct_state` `start_requested_workers` awaits."""
 
@@ -167,3 +169,40 @@ class SubmititCommandHooks:
     def _internal_process_submissions(self, delayed_submissions: list[Any]) -> list[Any]:
         base = super()._internal_process_submissions  # type: ignore[misc]
         return self.submitting(lambda: base(delayed_submissions))
+
+
+LIGHTNING_MODULES = ("pytorch_lightning", "lightning")
+"""The Lightning packages `import_mlflow_pytorch` keeps out of mlflow.pytorch's import."""
+
+
+def import_mlflow_pytorch() -> Any:
+    """mlflow.pytorch, imported without the Lightning autologging module its import loads.
+
+    Why: mlflow/pytorch/__init__.py ends with `from mlflow.pytorch._lightning_autolog import
+    MlflowModelCheckpointCallback` inside `try/except ImportError`, and that module imports
+    `pytorch_lightning` at its top. Where Lightning is installed (trainflow's dev extra has it
+    for bench/p7_lightning.py), importing mlflow.pytorch imports Lightning, torchmetrics and
+    through them transformers: ~2.5 s of the evaluate stage on 2 cores, and ~3,000 more modules
+    that the process's exit tears down. trainflow logs and loads models with mlflow.pytorch and
+    never uses Lightning's callback. The import runs with `sys.modules` holding None for the
+    Lightning packages (Python's documented way to make an import raise ImportError), so
+    MLflow's own `except ImportError` skips the callback; the entries are removed after, so
+    Lightning (and MLflow's Lightning autologging, which imports it again when called) import
+    normally later in the process. Where mlflow.pytorch or Lightning is already imported, a
+    plain import. No upstream issue asks for the callback's import to be deferred; none found
+    (Lightning-AI/pytorch-lightning#12786 is Lightning's own import time).
+    Versions: MLFLOW_PYTORCH_VERSIONS.
+    """
+    import importlib
+
+    if "mlflow.pytorch" in sys.modules or any(m in sys.modules for m in LIGHTNING_MODULES):
+        return importlib.import_module("mlflow.pytorch")
+    blocked = [m for m in LIGHTNING_MODULES if m not in sys.modules]
+    for name in blocked:
+        sys.modules[name] = None  # type: ignore[assignment]
+    try:
+        return importlib.import_module("mlflow.pytorch")
+    finally:
+        for name in blocked:
+            if sys.modules.get(name, ...) is None:
+                del sys.modules[name]

@@ -20,11 +20,11 @@ from contextlib import contextmanager
 from importlib.metadata import version
 
 import mlflow
-import mlflow.pytorch
 import numpy as np
 import torch
 from mlflow.models import infer_signature
 
+from trainflow.compat import import_mlflow_pytorch
 from trainflow.tasks.tracking.runs import use_tracking_uri
 from trainflow.tasks.train.outputs import LogitsOnly, logits_of
 
@@ -63,7 +63,7 @@ def log_model(model: torch.nn.Module, example: np.ndarray, tracking_uri: str, ru
     signature = infer_signature(example, output)
     # Resuming the run by id is the only way to attach a logged model to an existing run.
     with use_tracking_uri(tracking_uri), _validate_on_cpu(), mlflow.start_run(run_id=run_id):
-        info = mlflow.pytorch.log_model(
+        info = import_mlflow_pytorch().log_model(
             model,
             name="model",
             input_example=example,

@@ -4,9 +4,11 @@ Every rank of an array task runs `TrialWorker`; rank 0 alone talks to the study.
 trial inside Optuna's own `study.optimize` (one trial a call: the heartbeat thread, stale-trial
 retries and the TrialPruned bookkeeping are Optuna's) and hands the trial's training spec to
 the other ranks through a numbered file in the task's folder; all ranks then train it as any
-TrainingJob. After every epoch rank 0 reports the validation metric and asks the pruner; its
-answer is broadcast, so every rank stops at the same epoch. The task pulls trials until the
-budget is spent, so a pruned trial frees its slot at once.
+TrainingJob. After every epoch rank 0 reports the validation metric (train.monitor's) and asks
+the pruner; its answer is broadcast, so every rank stops at the same epoch. Early stopping
+(train.early_stop_patience) asks after the pruner, after the same validation: a trial it stops
+returns its best checkpoint and is COMPLETE with that validation's value. The task pulls
+trials until the budget is spent, so a pruned trial frees its slot at once.
 
 A trial's out_dir is keyed by its first try's number: a retry (its task was lost) resumes
 from that trial's last checkpoint, with the intermediate values it reported. A task requeued

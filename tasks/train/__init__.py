@@ -15,6 +15,7 @@ Modules:
     job_spec           TrainJobSpec, what a training job is given.
     cadence            the run's length and step cadences: where the loop stops, what is due.
     step_metrics       per-step metrics of a window of steps; the progress line's step, ETA.
+    monitor            train.monitor: the best validation, early stopping, checkpoints kept.
     sweep              a sweep's job array and the choice of its best element.
     distributed        process group set-up and tear-down (gloo | nccl), DDP.
     rendezvous         ranks meet on a store rank 0 starts on a free port.
@@ -38,6 +39,7 @@ Modules:
     init_from          train.init_from: another run's weights, resolved, checked and loaded.
     throughput         samples/s, step time, FLOPs and MFU per rank and per job.
     progress           what a checkpoint holds of the run's progress and identity.
+    batching           the global batch as micro-batches per rank (accumulation), checked.
     resume             resume from a checkpoint; the global batch kept on fewer ranks.
     first_result       the test split through the best weights as the job ends.
     checkpointing      checkpoints: atomic, off the training path, verified, resharded.

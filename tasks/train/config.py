@@ -5,6 +5,7 @@ from typing import Any, Literal, Self
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from trainflow.config_base import StrictModel
+from trainflow.tasks.train.batching import check_batch_keys
 
 ADAM_KEYS = ("adam_beta1", "adam_beta2", "adam_eps")
 SGD_KEYS = ("momentum", "nesterov")
@@ -46,7 +47,18 @@ class TrainConfig(StrictModel):
     there): the learning-rate schedule, the time-limit planning and the progress line count
     these. A resume may raise it (`trainflow resume <run> --set train.max_steps=N`)."""
     batch_size: int = Field(64, ge=1, le=65_536)
-    """Samples per rank per optimiser step."""
+    """Samples per rank per forward and backward pass (a micro-batch): per optimizer step too
+    unless train.global_batch_size or train.grad_accumulation make a step take several."""
+    global_batch_size: int | None = Field(None, ge=1, le=16_777_216)
+    """Samples per optimizer step, all ranks together: each rank then accumulates the
+    gradients of global_batch_size / (batch_size x ranks) micro-batches before it steps, so
+    the step (and the learning rate tuned for it) does not depend on how many ranks train.
+    Must be a multiple of batch_size x ranks (refused before anything is queued). Unset:
+    batch_size x ranks, or with train.grad_accumulation that many times more. A run resumed
+    on fewer ranks keeps its global batch either way (tasks.train.batching)."""
+    grad_accumulation: int | None = Field(None, ge=1, le=65_536)
+    """Micro-batches each rank accumulates per optimizer step (global batch: batch_size x
+    ranks x this); set this or train.global_batch_size, not both. Unset: 1."""
     optimizer: str = Field("adamw", min_length=1)
     """adamw (torch.optim.AdamW: train.adam_beta1, adam_beta2, adam_eps) or sgd
     (torch.optim.SGD: train.momentum, nesterov), fused where torch has the kernels; or a
@@ -113,6 +125,25 @@ class TrainConfig(StrictModel):
     """auto: cuda when the rank sees a GPU, else cpu."""
     seed: int = 0
     """Seed of weights and data order."""
+    monitor: str | None = None
+    """The validation metric, as logged (val_loss, val_accuracy, ...), that picks the best
+    model (best.pt, which evaluation takes), ranks the checkpoints train.keep_checkpoints
+    keeps and that early stopping watches. Unset: the objective's own (val_accuracy for
+    classification, val_loss for regression and sequence). Checked against the objective's
+    metrics before anything is queued."""
+    monitor_mode: Literal["auto", "min", "max"] = "auto"
+    """Whether train.monitor is better lower (min) or higher (max); auto: the objective's
+    direction for that metric (losses and errors lower, accuracies and r2 higher)."""
+    keep_checkpoints: int | None = Field(None, ge=1, le=10_000)
+    """Checkpoints kept on disk: the k best by train.monitor, plus the newest (the one a
+    requeued or resumed run continues from). Unset: the two newest."""
+    early_stop_patience: int = Field(0, ge=0, le=100_000)
+    """Stop training after this many validations in a row in which train.monitor did not
+    improve by more than train.early_stop_min_delta; the run ends FINISHED, and evaluation
+    takes its best model. 0: never stop early."""
+    early_stop_min_delta: float = Field(0.0, ge=0.0, le=1e9)
+    """The improvement of train.monitor that counts for early stopping (more than this,
+    in the metric's units); smaller changes count as none."""
     log_every_epochs: int = Field(1, ge=1)
     """Metrics are flushed to MLflow in one batch every N epochs."""
     log_every_steps: int | None = Field(None, ge=1, le=1_000_000_000)
@@ -243,6 +274,11 @@ class TrainConfig(StrictModel):
         return self
 
     @model_validator(mode="after")
+    def _global_batch_is_whole_micro_batches(self) -> Self:
+        check_batch_keys(self.global_batch_size, self.grad_accumulation, self.batch_size)
+        return self
+
+    @model_validator(mode="after")
     def _schedule_keys_agree(self) -> Self:
         if self.warmup_steps and self.warmup_fraction:
             raise ValueError(
@@ -310,6 +346,25 @@ class TrainConfig(StrictModel):
         tasks.train.progress.Progress.by_step)."""
         keys = (self.max_steps, self.val_every_steps, self.checkpoint_every_steps)
         return any(k is not None for k in (*keys, self.log_every_steps))
+
+    @field_validator("monitor")
+    @classmethod
+    def _monitor_is_a_validation_metric(cls, value: str | None) -> str | None:
+        if value is not None and not (value.startswith("val_") and value[4:].isidentifier()):
+            raise ValueError(
+                f"train.monitor={value} is not a validation metric: name one as logged, "
+                f"val_<metric> (e.g. val_{value.split('_', 1)[-1] or 'loss'})"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _early_stop_keys_agree(self) -> Self:
+        if self.early_stop_min_delta and not self.early_stop_patience:
+            raise ValueError(
+                f"train.early_stop_min_delta={self.early_stop_min_delta} has no effect without "
+                "early stopping: set train.early_stop_patience (validations to wait), or unset it"
+            )
+        return self
 
     @model_validator(mode="after")
     def _hang_timeout_is_off_or_seconds(self) -> Self:

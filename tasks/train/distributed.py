@@ -11,7 +11,7 @@ import logging
 import os
 import sys
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -215,7 +215,9 @@ def all_reduce_sum(tensor: torch.Tensor, ctx: DistContext) -> torch.Tensor:
     return tensor
 
 
-def wrap_ddp(model: nn.Module, ctx: DistContext, bucket_cap_mb: float = 25.0) -> nn.Module:
+def wrap_ddp(
+    model: nn.Module, ctx: DistContext, bucket_cap_mb: float = 25.0, accumulation: int = 1
+) -> nn.Module:
     """`model` wrapped in DistributedDataParallel when the world has several ranks.
 
     - gradient_as_bucket_view: gradients are views into DDP's all-reduce buckets, which saves
@@ -224,7 +226,12 @@ def wrap_ddp(model: nn.Module, ctx: DistContext, bucket_cap_mb: float = 25.0) ->
     - static_graph: our models use every parameter in every step, in the same graph, so DDP
       may learn the bucket order once and skip its per-step search for unused parameters.
       Checkpoints are unaffected (they save the unwrapped module), and torch.compile works
-      with it (torch tests DDP + compile + static_graph since 2.2).
+      with it (torch tests DDP + compile + static_graph since 2.2). Not with gradient
+      `accumulation` (several micro-batches per step): those skip the all-reduce in all but
+      the last micro-batch (gradient_sync: DDP's no_sync), and a static graph's first
+      backward inside no_sync fails an internal assert in torch 2.13 (pytorch#143580; its
+      open fix, pytorch#187732, found that past the assert later steps would skip their
+      all-reduce). bench/p13_accumulation.py measures what each saves.
     """
     if ctx.world_size == 1:
         return model
@@ -234,5 +241,17 @@ def wrap_ddp(model: nn.Module, ctx: DistContext, bucket_cap_mb: float = 25.0) ->
         device_ids=ids,
         gradient_as_bucket_view=True,
         bucket_cap_mb=bucket_cap_mb,
-        static_graph=True,
+        static_graph=accumulation == 1,
     )
+
+
+def gradient_sync(model: nn.Module, last: bool) -> AbstractContextManager[object]:
+    """Where a micro-batch's forward and backward run: under DDP's no_sync unless it is the
+    step's `last` (its gradients then add up locally, and the last backward all-reduces the
+    sum once). FSDP (fully_shard) reduce-scatters every micro-batch's gradients into the
+    sharded ones: its set_requires_gradient_sync(False) would keep every parameter's
+    unsharded gradient on every rank between micro-batches, the memory fsdp is chosen to
+    save (torchtitan makes the same choice)."""
+    if isinstance(model, DistributedDataParallel) and not last:
+        return model.no_sync()
+    return nullcontext()

@@ -55,6 +55,7 @@ from trainflow.tasks.train.models import (
     use_channels_last,
     uses_cuda_graphs,
 )
+from trainflow.tasks.train.monitor import monitor_for
 from trainflow.tasks.train.optimizers import make_optimizer
 from trainflow.tasks.train.precision import PrecisionPolicy, resolve_precision
 from trainflow.tasks.train.progress import (
@@ -169,7 +170,7 @@ class TrainingJob(submitit.helpers.Checkpointable):
                     journal,
                 )
             found = find_resumable(self.checkpoint_dir, cfg.strategy == "fsdp", dist)
-            batch = global_batch(found, cfg.batch_size, dist)  # kept across world sizes
+            batch = global_batch(found, cfg, dist)  # kept across world sizes
             plan = plan_for(cfg, len(train), batch, dist)  # the run's length and cadence
             trainer = self._trainer(model, dist, policy, plan, batch)
             # Each rank's step times, compared every window on rank 0 (limits.stragglers)
@@ -179,6 +180,8 @@ class TrainingJob(submitit.helpers.Checkpointable):
             if dist.is_main:
                 announce_global_batch(batch, progress.epoch, journal)
             logger = recorder.closing(make_logger(journal, spec.out_dir))
+            monitor = monitor_for(cfg, trainer.objective)  # the best validation, early stop
+            requeue.keep = monitor.retain  # which checkpoints a save keeps
             relog(progress, logger, self.spec.out_dir)
             self.recipe(
                 spec=spec,
@@ -190,6 +193,7 @@ class TrainingJob(submitit.helpers.Checkpointable):
                 logger=logger,
                 recorder=recorder,
                 limit=requeue,
+                monitor=monitor,
                 flops=flops,
                 epoch_end=self.epoch_end,
             ).run()  # train, validate, checkpoint, stop
@@ -241,12 +245,13 @@ class TrainingJob(submitit.helpers.Checkpointable):
         model = place_model(built, cfg, dist.device)
         if cfg.activation_checkpointing:
             checkpoint_activations(sharding_units(model))
+        batch = getattr(self, "_batch", None) or global_batch(None, cfg, dist)
         if cfg.strategy == "fsdp":  # the optimizer then holds this rank's shards only
             model = shard_from_rank0(model, dist, policy, cfg.reshard_after_forward)
             optimizer = make_optimizer(cfg, model)
         else:
             optimizer = make_optimizer(cfg, model)
-            model = wrap_ddp(model, dist, cfg.ddp_bucket_cap_mb)
+            model = wrap_ddp(model, dist, cfg.ddp_bucket_cap_mb, batch.accumulation)
         total_steps = plan.total_steps
         return Trainer(
             model=model,

@@ -21,7 +21,7 @@ from trainflow.tasks.train.checkpointing.checkpoint import unwrap
 from trainflow.tasks.train.clipping import clip_gradients
 from trainflow.tasks.train.data import SplitData as Split
 from trainflow.tasks.train.data import eval_batches
-from trainflow.tasks.train.distributed import DistContext, all_reduce_sum
+from trainflow.tasks.train.distributed import DistContext, all_reduce_sum, gradient_sync
 from trainflow.tasks.train.limits.step_times import NO_TIMER, StepTimer
 from trainflow.tasks.train.outputs import logits_of
 from trainflow.tasks.train.precision import PrecisionPolicy
@@ -57,8 +57,9 @@ class Trainer:
     heartbeat: Heartbeat = NO_HEARTBEAT
     """Told of every batch fetched and step started (cluster.heartbeat): off by default."""
     accumulation: int = 1
-    """Micro-batches per optimizer step: more than 1 when a run resumed on fewer ranks keeps
-    its global batch (tasks.train.resume); their gradients add up before the step."""
+    """Micro-batches per rank and optimizer step (tasks.train.batching: train.global_batch_size
+    or train.grad_accumulation, or a run resumed on fewer ranks that keeps its global batch);
+    their gradients add up before the step, all-reduced under DDP in the last one only."""
     timer: StepTimer = NO_TIMER
     """Told when each step waits for data, starts and ends (tasks.train.limits.step_times)."""
     max_grad_norm: float = 0.0
@@ -81,23 +82,27 @@ def _train_step(
     (None without clipping)."""
     for group in trainer.optimizer.param_groups:
         group["lr"] = lr
-    sums, count = None, 0
+    sums, count, micro = None, 0, -1
     for micro, (x, y) in enumerate(micro_batches):
         if trainer.cuda_graphs:  # each micro-batch's forward is an iteration of its own
             torch.compiler.cudagraph_mark_step_begin()
-        with trainer.policy.autocast():
-            output = logits_of(trainer.model(x))
-            loss = trainer.objective.loss(output, y)
-        if micro == 0:
-            trainer.optimizer.zero_grad(set_to_none=True)
-        if trainer.accumulation > 1:
-            loss = loss / trainer.accumulation
-        trainer.heartbeat.beat("backward")
-        trainer.scaler.scale(loss).backward()
+        # DDP all-reduces the gradients once, in the last micro-batch's backward
+        with gradient_sync(trainer.model, micro == trainer.accumulation - 1):
+            with trainer.policy.autocast():
+                output = logits_of(trainer.model(x))
+                loss = trainer.objective.loss(output, y)
+            if micro == 0:
+                trainer.optimizer.zero_grad(set_to_none=True)
+            if trainer.accumulation > 1:
+                loss = loss / trainer.accumulation
+            trainer.heartbeat.beat("backward")
+            trainer.scaler.scale(loss).backward()
         batch_sums = trainer.objective.sums(output.detach(), y)
         sums = batch_sums if sums is None else sums + batch_sums
         count += int(y.shape[0])
     assert sums is not None, "a step without a batch"
+    # accumulated_batches gives every step all its micro-batches: else DDP never synced
+    assert micro == trainer.accumulation - 1, f"{micro + 1} of {trainer.accumulation} batches"
     norm = None
     if trainer.max_grad_norm > 0:
         trainer.scaler.unscale_(trainer.optimizer)  # fp16: clip true gradients (else a no-op)

@@ -103,8 +103,14 @@ def adamw(
 def sgd(
     params: list[dict[str, Any]], lr: float, momentum: float, nesterov: bool
 ) -> torch.optim.Optimizer:
-    """torch.optim.SGD, fused where torch has the kernels (as adamw)."""
-    fused = _fused(params)
+    """torch.optim.SGD, fused where torch has the kernels (as adamw), but not over FSDP's
+    sharded parameters: DTensor has no sharding rule for fused SGD (torch 2.13: "Operator
+    aten._fused_sgd_.default does not have a sharding strategy registered" at the first
+    step), where it has one for fused AdamW."""
+    from torch.distributed.tensor import DTensor
+
+    sharded = any(isinstance(p, DTensor) for g in params for p in g["params"])
+    fused = None if sharded else _fused(params)
     return torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=nesterov, fused=fused)
 
 

@@ -17,11 +17,12 @@ from trainflow.tasks.train.config import TrainConfig
 from trainflow.tasks.train.ref import CheckpointRef
 
 NOT_LOGGED = ("epoch", "step")
-# A run may resume with more epochs or steps, another logging or checkpoint cadence, on
-# another device, precision or speed setting (memory format, compilation, data placement, DDP
-# buckets, FSDP's resharding and activation checkpointing) or hang allowances; nothing else
-# may change. Not cuda_graphs: it drops each epoch's last partial batch, so it changes which
-# batches a run takes. Not strategy: the checkpoints' layouts differ.
+# A run may resume with more epochs or steps, another logging or checkpoint cadence, other
+# checkpoint retention or early stopping (its count is kept), on another device, precision or
+# speed setting (memory format, compilation, data placement, DDP buckets, FSDP's resharding
+# and activation checkpointing) or hang allowances; nothing else may change. Not cuda_graphs:
+# it drops each epoch's last partial batch, so it changes which batches a run takes. Not
+# strategy: the checkpoints' layouts differ.
 MAY_CHANGE_ON_RESUME = {
     "epochs",
     "max_steps",
@@ -43,6 +44,9 @@ MAY_CHANGE_ON_RESUME = {
     "reshard_after_forward",
     "activation_checkpointing",
     "test_after_training",
+    "keep_checkpoints",
+    "early_stop_patience",
+    "early_stop_min_delta",
 }
 
 
@@ -59,10 +63,15 @@ class Progress:
     step: int = 0
     history: list[dict[str, float]] = field(default_factory=list)
     best_metric: float = -1.0
-    """The objective's selection metric (val_<select>) of the best epoch so far."""
+    """The monitored metric (train.monitor) of the best epoch so far (tasks.train.monitor)."""
     best_epoch: int = 0
     """The best validation's place in `history`, from 1 (its epoch on a run validated once
     per epoch); 0: none yet."""
+    stale_validations: int = 0
+    """Validations in a row since the monitor last improved by more than
+    train.early_stop_min_delta (early stopping counts these)."""
+    improved_from: float | None = None
+    """The monitor's value at that last improvement (None: no validation yet)."""
     logged_epochs: int = 0
     """Entries of `history` whose metrics reached the logger's flush: later ones are re-logged
     on resume."""

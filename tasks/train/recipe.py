@@ -20,11 +20,11 @@ recorder are told what happened and answer.
 
 import time
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from typing import Any, Protocol
 
 import torch
 
-from trainflow.tasks.objectives import is_better
 from trainflow.tasks.tracking.logger import MetricLogger
 from trainflow.tasks.train.cadence import Due, RunPlan
 from trainflow.tasks.train.checkpointing.checkpoint import (
@@ -44,6 +44,7 @@ from trainflow.tasks.train.job_spec import TrainJobSpec
 from trainflow.tasks.train.limits.limit_requeue import LimitRequeue, StoppedForTimeLimit
 from trainflow.tasks.train.log_lines import progress_line
 from trainflow.tasks.train.loop import Trainer, evaluate_split, train_epoch
+from trainflow.tasks.train.monitor import Monitor, Verdict
 from trainflow.tasks.train.progress import Progress, best_meta, metric_x, run_identity
 from trainflow.tasks.train.step_metrics import Position, Window
 from trainflow.tasks.train.throughput import NO_FLOPS, FlopFacts, RankClock, epoch_throughput
@@ -102,6 +103,9 @@ class Recipe:
     """Rank 0's writer thread of records and checkpoints."""
     limit: LimitRequeue
     """The time-limit watch: where to stop, then checkpoint there and requeue."""
+    monitor: Monitor
+    """train.monitor: which validation is the best, when the run has stopped improving, which
+    checkpoints a save keeps (tasks.train.monitor)."""
     flops: FlopFacts = NO_FLOPS
     """The model's FLOPs per sample and the device's peak (rank 0), for MFU."""
     epoch_end: EpochEnd | None = None
@@ -118,11 +122,13 @@ class Recipe:
         one in flight if it can (ShardedSaver.settle)."""
         trainer, plan, progress = self.trainer, self.plan, self.progress
         fsdp = self.spec.train.strategy == "fsdp"
-        saver = ShardedSaver(trainer.dist, self.limit.save_took) if fsdp else None
+        saver = None
+        if fsdp:
+            saver = ShardedSaver(trainer.dist, self.limit.save_took, self.monitor.retain)
         position = Position(plan, progress.by_step)
         position.start(progress.step)
-        try:
-            while progress.step < plan.total_steps:
+        try:  # (a run resumed after its early stop trains no further)
+            while progress.step < plan.total_steps and not self.monitor.stopped(progress):
                 try:
                     metrics, due = self.segment()
                 except StoppedForTimeLimit:  # `progress` says where: save there, requeue
@@ -131,10 +137,16 @@ class Recipe:
                     self.recorder.flush_when_idle(self.logger)
                 if not (due.validate or due.checkpoint):
                     continue
+                verdict = self.observe(metrics) if due.validate else None  # best? stop?
                 trainer.heartbeat.beat("checkpoint", progress.step)
                 line = position.line(progress.epoch, progress.step, due) if due.validate else ""
                 self.record(metrics, due, line, saver)
+                # a search's pruner asks first (a pruned trial), then early stopping
                 if due.epoch_end and self.stops_after(metrics):
+                    break
+                if verdict is not None and verdict.stop:
+                    if trainer.dist.is_main:  # after the validation's own line
+                        self.recorder.submit(partial(print, verdict.line, flush=True))
                     break
         except BaseException:
             if saver is not None:
@@ -226,20 +238,24 @@ class Recipe:
             metrics["epoch_time_s"] = time.perf_counter() - self.work.started
         progress.history.append({"epoch": progress.epoch, "step": progress.step, **metrics})
 
+    def observe(self, metrics: dict[str, float]) -> Verdict:
+        """After a validation (the last history entry): whether it is the best so far and
+        whether the run has stopped improving (tasks.train.monitor; kept in `progress`, on
+        every rank)."""
+        progress = self.progress
+        return self.monitor.observe(progress, metrics, position=len(progress.history))
+
     def decide(self, metrics: dict[str, float]) -> tuple[bool, dict[str, Any] | None]:
-        """After a validation: (whether it flushes the logger, best.pt's meta when it is the
-        best so far, else None); updates `progress` accordingly. An epoch's end flushes every
-        train.log_every_epochs epochs; a validation inside an epoch and the run's last always
-        do."""
-        cfg, progress, objective = self.spec.train, self.progress, self.trainer.objective
+        """After a validation: (whether it flushes the logger, best.pt's meta when the
+        monitor made it the best so far, else None); updates `progress.logged_epochs`. An
+        epoch's end flushes every train.log_every_epochs epochs; a validation inside an epoch
+        and the run's last always do."""
+        cfg, progress = self.spec.train, self.progress
         inside, last = progress.epoch_batches > 0, progress.step >= self.plan.total_steps
         flush = inside or last or progress.epoch % cfg.log_every_epochs == 0
         if flush:
             progress.logged_epochs = len(progress.history)
-        select = f"val_{objective.select}"
-        value = metrics[select]
-        if progress.best_epoch == 0 or is_better(objective, select, value, progress.best_metric):
-            progress.best_metric, progress.best_epoch = value, len(progress.history)
+        if progress.best_epoch == len(progress.history):  # the monitor's choice (observe)
             return flush, best_meta(cfg, self.spec.dataset, progress)
         return flush, None
 
@@ -288,7 +304,7 @@ class Recipe:
                 save_best_weights(state["model"], best_path, best)
             if checkpoint and state is not None:
                 started = time.monotonic()
-                save_checkpoint(state, directory)
+                save_checkpoint(state, directory, limit.keep)
                 limit.save_took(time.monotonic() - started)
                 limit.saved_step = int(state["step"])
             if line:

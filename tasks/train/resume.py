@@ -1,16 +1,18 @@
-"""Resuming a run from its newest checkpoint, and keeping its global batch when the number of
-ranks changed.
+"""Resuming a run from its newest checkpoint, with the global batch it started with.
 
-`train.batch_size` is per rank: a run started on W ranks takes batch_size x W samples per
-optimizer step, and its learning rate and schedule were chosen for that global batch. Its
-checkpoints record W (Progress.data_world). A run that resumes on W' ranks where W' divides W
-(a restart on the nodes left after one was lost, train.strategy=fsdp; or a resubmission on
-fewer ranks) keeps the global batch by gradient accumulation, as torchtitan does: each rank
-runs k = W / W' micro-batches of batch_size per optimizer step, each loss divided by k, and
-steps once. Rank r takes the batches the original ranks r*k ... r*k+k-1 would have taken
-(tasks.train.data.rank_batches over W "data ranks"), so every optimizer step sees the samples
-the uninterrupted run's step saw, the epoch has as many steps, and the schedule is unchanged.
-A W' that does not divide W (more ranks, or 3 of 4) is refused in one line before training.
+A run's global batch (samples per optimizer step, all ranks together) is `data_world`
+micro-batches of train.batch_size: the ranks it started on, times the gradient accumulation
+train.global_batch_size or train.grad_accumulation asks for (tasks.train.batching). Its
+learning rate and schedule were chosen for that batch, and its checkpoints record data_world
+(Progress.data_world). A job on W ranks, where W divides data_world (a fresh start, a restart
+on the nodes left after one was lost, train.strategy=fsdp; or a resubmission on fewer ranks),
+keeps the global batch by gradient accumulation, as torchtitan does: each rank runs
+k = data_world / W micro-batches of batch_size per optimizer step, each loss divided by k, and
+steps once. Rank r takes the batches the data ranks r*k ... r*k+k-1 would have taken
+(tasks.train.data.rank_batches over data_world "data ranks"), so every optimizer step sees the
+samples the uninterrupted run's step saw, the epoch has as many steps, and the schedule is
+unchanged. A W that does not divide data_world (more ranks, or 3 of 4) is refused in one line
+before training.
 """
 
 from dataclasses import dataclass
@@ -19,8 +21,10 @@ from typing import Any
 from trainflow.errors import ConfigError
 from trainflow.tasks.tracking.journal import Journal
 from trainflow.tasks.tracking.logger import log_run_params
+from trainflow.tasks.train.batching import data_ranks
 from trainflow.tasks.train.checkpointing.checkpoint import Resumable, restore_rng, unwrap
 from trainflow.tasks.train.checkpointing.sharded_checkpoint import load_sharded
+from trainflow.tasks.train.config import TrainConfig
 from trainflow.tasks.train.distributed import DistContext
 from trainflow.tasks.train.loop import Trainer
 from trainflow.tasks.train.progress import Progress, check_same_run
@@ -36,6 +40,12 @@ class GlobalBatch:
     """Ranks the run's data order is laid out for: the world size it started on."""
     world: int
     """This job's ranks."""
+    planned: int = 1
+    """The accumulation the config asks for on this job's ranks (a fresh start's): a
+    different `accumulation` keeps a global batch the run started with on other ranks."""
+    configured: bool = False
+    """train.global_batch_size or train.grad_accumulation is set (data_world is then not the
+    number of ranks the run started on)."""
 
     @property
     def accumulation(self) -> int:
@@ -48,21 +58,25 @@ class GlobalBatch:
         return self.batch_size * self.data_world
 
 
-def global_batch(found: Resumable | None, batch_size: int, dist: DistContext) -> GlobalBatch:
-    """The global batch of the run `found` continues (this job's own on a fresh start).
-    ConfigError when this job's ranks cannot make up the saved one."""
+def global_batch(found: Resumable | None, cfg: TrainConfig, dist: DistContext) -> GlobalBatch:
+    """The global batch of the run `found` continues (this job's own on a fresh start: the
+    config's, tasks.train.batching). ConfigError when this job's ranks cannot make it up."""
     world = dist.world_size
-    saved = int(found.state.get("data_world", 0)) if found is not None else 0
-    data_world = saved or world  # 0: written before it was recorded (ran on this world)
+    if found is None:
+        data_world = data_ranks(cfg, world)
+    else:  # 0: written before it was recorded (ran on this world)
+        data_world = int(found.state.get("data_world", 0)) or world
     if data_world % world:
         assert found is not None
         raise ConfigError(
-            f"{found.path} continues a run whose global batch is {batch_size * data_world} "
-            f"(train.batch_size={batch_size} x {data_world} ranks), which {world} ranks cannot "
-            f"make up by gradient accumulation ({world} does not divide {data_world}): resume "
-            f"on {_divisors(data_world)} ranks"
+            f"{found.path} continues a run whose global batch is {cfg.batch_size * data_world} "
+            f"(train.batch_size={cfg.batch_size} x {data_world} micro-batches), which {world} "
+            f"ranks cannot make up by gradient accumulation ({world} does not divide "
+            f"{data_world}): resume on {_divisors(data_world)} ranks"
         )
-    return GlobalBatch(batch_size, data_world, world)
+    configured = cfg.global_batch_size is not None or cfg.grad_accumulation is not None
+    planned = data_ranks(cfg, world) // world  # divides: data_world does (one global batch)
+    return GlobalBatch(cfg.batch_size, data_world, world, planned, configured)
 
 
 def _divisors(n: int) -> str:
@@ -72,20 +86,31 @@ def _divisors(n: int) -> str:
 
 def announce_global_batch(batch: GlobalBatch, epoch: int, journal: Journal | None) -> None:
     """Rank 0: say how the global batch is made up (a line, and the run's params): always
-    `global_batch`; after a change of world size also which accumulation kept it, under a key
-    of its own per resume (MLflow keeps a param's first value)."""
+    `global_batch`, and `grad_accumulation.used` where the config's accumulation holds (the
+    config's key `grad_accumulation` is a param of the run already); a line when ranks
+    accumulate from the start; after a change of world size which accumulation kept the
+    global batch, under a key of its own per resume (MLflow keeps a param's first value)."""
     params = {"global_batch": str(batch.size)}
-    if batch.accumulation > 1:
-        line = (
-            f"{batch.world} ranks x {batch.accumulation} micro-batches of {batch.batch_size} "
-            f"per step (gradient accumulation)"
+    line = (
+        f"{batch.world} ranks x {batch.accumulation} micro-batches of {batch.batch_size} "
+        f"per step (gradient accumulation)"
+    )
+    if batch.accumulation != batch.planned:
+        started = (
+            f"the run takes {batch.data_world} micro-batches per step"
+            if batch.configured
+            else f"the run started on {batch.data_world} ranks"
         )
         print(
-            f"global batch {batch.size} kept: the run started on {batch.data_world} ranks and "
-            f"continues after epoch {epoch} on {line}",
+            f"global batch {batch.size} kept: {started} and continues after epoch {epoch} on "
+            f"{line}",
             flush=True,
         )
         params[f"global_batch.after_epoch_{epoch}"] = line
+    else:
+        params["grad_accumulation.used"] = str(batch.accumulation)
+        if batch.accumulation > 1 and epoch == 0:
+            print(f"global batch {batch.size}: {line}", flush=True)
     log_run_params(journal, params)
 
 

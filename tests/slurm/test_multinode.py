@@ -44,9 +44,11 @@ def dataset(tmp_path_factory: pytest.TempPathFactory) -> DatasetRef:
     return write_dataset(tmp_path_factory.mktemp("data") / "ds")
 
 
-def _spec(dataset: DatasetRef, out: Path, epochs: int) -> TrainJobSpec:
-    # Global batch 32 whatever the layout: 2 ranks x 16 (batch_size is per rank).
-    train = TrainConfig(epochs=epochs, batch_size=16, device="cpu", precision="fp32", seed=7)
+def _spec(dataset: DatasetRef, out: Path, epochs: int, micro: bool = False) -> TrainJobSpec:
+    # Global batch 32 whatever the layout: 2 ranks x 16 (batch_size is per rank), or with
+    # `micro` 2 ranks x 2 micro-batches of 8 (gradient accumulation, DDP's no_sync).
+    batch = {"batch_size": 8, "global_batch_size": 32} if micro else {"batch_size": 16}
+    train = TrainConfig(epochs=epochs, device="cpu", precision="fp32", seed=7, **batch)
     return TrainJobSpec(train=train, dataset=dataset, out_dir=out, tracking_uri=None, run_id=None)
 
 
@@ -65,11 +67,13 @@ def _sacct(job_id: str, fields: str) -> str:
 def test_two_nodes_by_one_rank_end_with_the_weights_of_one_node_by_two_ranks(
     dataset: DatasetRef, tmp_path: Path
 ) -> None:
+    """Each rank accumulates 2 micro-batches a step (DDP's no_sync in the first, the
+    all-reduce in the second's backward), across nodes as within one."""
     across = _executor(tmp_path / "a", nodes=2, ranks_per_node=1).submit(
-        TrainingJob(_spec(dataset, tmp_path / "across", epochs=2))
+        TrainingJob(_spec(dataset, tmp_path / "across", epochs=2, micro=True))
     )
     within = _executor(tmp_path / "w", nodes=1, ranks_per_node=2).submit(
-        TrainingJob(_spec(dataset, tmp_path / "within", epochs=2))
+        TrainingJob(_spec(dataset, tmp_path / "within", epochs=2, micro=True))
     )
     lines: list[str] = []
     ref_across = wait_for_job(across, lines.append)
@@ -78,6 +82,7 @@ def test_two_nodes_by_one_rank_end_with_the_weights_of_one_node_by_two_ranks(
     assert isinstance(ref_across, CheckpointRef) and isinstance(ref_within, CheckpointRef)
     assert any(line.startswith("[rank0@tfnode1] ") for line in lines), lines[:5]
     assert any("on 2 rank(s): device cpu, backend gloo" in line for line in lines)
+    assert any("global batch 32: 2 ranks x 2 micro-batches of 8" in line for line in lines)
     a = torch.load(ref_across.path, weights_only=True)["model"]
     w = torch.load(ref_within.path, weights_only=True)["model"]
     # Bitwise: the same world of 2 ranks gets the same seed, shards and initial weights, and

@@ -6,6 +6,7 @@ are watched with cluster.jobs.wait_for_job as the flow does, and their cost is r
 
 import dataclasses
 import itertools
+import json
 import os
 import re
 import shutil
@@ -252,6 +253,36 @@ def test_a_failing_rank_fails_the_slurm_job_fast_with_its_traceback(
     assert "in segment" in failure.value.detail  # the remote traceback, beside the error line
     acct = record_job_accounting(job.job_id, None, None, print, since)
     assert acct is not None and acct["state"] == "FAILED"
+
+
+def test_an_fsdp_job_on_two_nodes_stops_early_and_keeps_its_best_checkpoint(
+    dataset: DatasetRef, tmp_path: Path, submitit_folder: Path
+) -> None:
+    """train.early_stop_patience and keep_checkpoints through Slurm, FSDP over 2 nodes: a run
+    that cannot improve by min_delta (lr 1e-9) stops after epoch 3, the job COMPLETED, and
+    its folder keeps the best checkpoint by val_loss (read from its history) and the newest."""
+    train = TrainConfig(
+        epochs=8, batch_size=32, device="cpu", precision="fp32", strategy="fsdp", lr=1e-9,
+        monitor="val_loss", early_stop_patience=2, early_stop_min_delta=1e-3,
+        keep_checkpoints=1,
+    )  # fmt: skip
+    spec = TrainJobSpec(train=train, dataset=dataset, out_dir=tmp_path / "run")
+    since = datetime.now().replace(microsecond=0)
+    job = make_executor(_slurm(nodes=2, ranks_per_node=1), submitit_folder).submit(
+        TrainingJob(spec)
+    )
+    lines: list[str] = []
+    ref = wait_for_job(job, lines.append)
+    assert isinstance(ref, CheckpointRef)
+    history = json.loads(ref.history_path.read_text())
+    assert len(history) == 3
+    assert sum("early stop at epoch 3: val_loss" in line for line in lines) == 1, lines
+    best = min(history, key=lambda h: (h["val_loss"], h["epoch"]))["epoch"]
+    assert ref.epoch == best
+    kept = {p.name for p in (spec.out_dir / "checkpoints").iterdir()}
+    assert kept == {f"epoch-{best:06d}", "epoch-000003"}
+    acct = record_job_accounting(job.job_id, None, None, print, since)
+    assert acct is not None and acct["state"] == "COMPLETED"
 
 
 # --- (d) watching a job does not poll sacct every second ------------------------------------

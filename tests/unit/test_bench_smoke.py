@@ -118,7 +118,7 @@ def test_p7t_reports_medians_ratios_and_a_differing_test_set() -> None:
     assert ratios["trainflow running server"]["to_test_accuracy_s"] == round(6 / 11, 2)
     assert ratios["trainflow temporary server"]["to_test_accuracy_s"] is None  # one missed
     assert result["same_test_set"] is False
-    assert len(rows(result)) == len(SIDES) + 3 * len(GOALS) + 1
+    assert len(rows(result)) == len(SIDES) + 4 * len(GOALS) + 1  # ratios and evaluate per mode
 
 
 def test_a_saved_result_names_its_command_load_and_cpu(
@@ -225,3 +225,34 @@ def test_p11_sees_a_pruned_trial_that_reported_other_values() -> None:
     pruned["trials"] = [{"params": {"train.width": 4}, "curve": [0.5]},
                         {"params": {"train.width": 8}, "curve": [0.4]}]  # fmt: skip
     assert summarise({"unpruned": full, "pruned": pruned})["same_values_until_pruned"] is False
+
+
+def test_the_profile_hook_profiles_a_process_and_its_child_that_exits_at_once(tmp_path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    from bench.p8_profile import HOOK, profiles, summarise
+
+    child = "import os, json; json.dumps([1]); os._exit(0)"  # os._exit skips atexit
+    parent = f"import subprocess, sys; subprocess.run([sys.executable, '-c', {child!r}])"
+    env = {**os.environ, "PYTHONPATH": str(HOOK), "TRAINFLOW_BENCH_PROFILE": str(tmp_path)}
+    subprocess.run([sys.executable, "-c", parent], env=env, check=True, timeout=60)
+    found = profiles(tmp_path)
+    assert len(found) == 2  # the parent at its atexit, the child through os._exit
+    assert found[0][0]["started"] <= found[1][0]["started"] <= found[1][0]["atexit"]
+    out = summarise(found[0][0], found[0][1], found[0][0]["started"], found[0][0]["atexit"])
+    assert out["process"] == "-c" and out["profiled_s"] >= 0
+
+
+def test_p7t_records_a_side_that_printed_its_result_and_then_aborted_at_exit(tmp_path) -> None:
+    from bench.p7t import record, summary
+    from bench.timed import Timed
+
+    facts = 'p7-lightning {"test_digest": "d", "ended": 1.0}\n'
+    aborted = Timed(-6, 21.0, 19.5, "0.9780", 12.0, ["test accuracy 0.9780\n", facts])
+    r = record("lightning", aborted, tmp_path)
+    assert (r["to_test_accuracy_s"], r["returncode"], r["test_digest"]) == (19.5, -6, "d")
+    assert "exit status -6" in summary(r)
+    with pytest.raises(RuntimeError, match="failed"):  # no result line: nothing to record
+        record("lightning", Timed(-6, 3.0, None, None, 1.0, ["Aborted\n"]), tmp_path)

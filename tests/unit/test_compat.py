@@ -98,3 +98,23 @@ def test_a_transformers_forward_fails_on_meta_and_runs_under_fake_tensors() -> N
             model(ids)
         logits = fake_forward(model, ids).logits
     assert tuple(logits.shape) == (2, 4, 16)
+
+
+def test_mlflow_pytorch_still_imports_lightnings_callback_at_its_end() -> None:
+    import importlib.metadata
+    import importlib.util
+
+    from trainflow.compat import MLFLOW_PYTORCH_VERSIONS
+
+    version = importlib.metadata.version("mlflow")
+    assert version in MLFLOW_PYTORCH_VERSIONS, (
+        f"mlflow {version}: re-check trainflow.compat.import_mlflow_pytorch against the end of "
+        "mlflow/pytorch/__init__.py, then add the version"
+    )
+    spec = importlib.util.find_spec("mlflow.pytorch")
+    assert spec is not None and spec.origin is not None
+    with open(spec.origin) as source:
+        lines = source.read().splitlines()
+    start = len(lines) - 1 - lines[::-1].index("try:")  # the last module-level try
+    assert lines[start + 1].strip().startswith("from mlflow.pytorch._lightning_autolog import")
+    assert "except ImportError:" in lines[start + 2 : start + 5], "drop import_mlflow_pytorch"

@@ -152,22 +152,22 @@ def _resumable(data_world: int) -> Resumable:
 
 def test_the_global_batch_is_the_one_the_run_started_with() -> None:
     two = DistContext(0, 2, 0, torch.device("cpu"), "gloo")
-    assert global_batch(None, 128, two).size == 256  # a fresh start: its own
-    kept = global_batch(_resumable(4), 64, two)
-    assert (kept.size, kept.accumulation) == (256, 2)
-    old = global_batch(_resumable(0), 64, two)  # a checkpoint that did not record it
+    assert global_batch(None, TrainConfig(batch_size=128), two).size == 256  # a fresh start
+    kept = global_batch(_resumable(4), TrainConfig(batch_size=64), two)
+    assert (kept.size, kept.accumulation, kept.planned) == (256, 2, 1)
+    old = global_batch(_resumable(0), TrainConfig(batch_size=64), two)  # not recorded
     assert (old.size, old.accumulation) == (128, 1)
 
 
 def test_a_world_that_cannot_make_up_the_global_batch_is_refused_in_one_line() -> None:
     three = DistContext(0, 3, 0, torch.device("cpu"), "gloo")
     with pytest.raises(ConfigError) as refused:
-        global_batch(_resumable(4), 64, three)
+        global_batch(_resumable(4), TrainConfig(batch_size=64), three)
     assert str(refused.value) == (
         "/runs/a/checkpoints/epoch-000006 continues a run whose global batch is 256 "
-        "(train.batch_size=64 x 4 ranks), which 3 ranks cannot make up by gradient "
+        "(train.batch_size=64 x 4 micro-batches), which 3 ranks cannot make up by gradient "
         "accumulation (3 does not divide 4): resume on 1, 2 or 4 ranks"
     )
     eight = DistContext(0, 8, 0, torch.device("cpu"), "gloo")
     with pytest.raises(ConfigError, match="8 does not divide 4"):
-        global_batch(_resumable(4), 64, eight)
+        global_batch(_resumable(4), TrainConfig(batch_size=64, global_batch_size=256), eight)

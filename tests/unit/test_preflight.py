@@ -244,15 +244,16 @@ def wrong_width(spec):
 """
 
 
-@pytest.mark.parametrize("mistake", ["data", "model"])
-def test_the_command_refuses_bad_data_or_a_bad_model_before_it_starts_any_process(
+@pytest.mark.parametrize("mistake", ["data", "model", "global batch"])
+def test_the_command_refuses_bad_data_a_bad_model_or_batch_before_it_starts_any_process(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
     mistake: str,
 ) -> None:
-    """`trainflow run` checks the data and the user's model before it starts Prefect's
-    temporary server or any job: the refusal is one line and nothing was started."""
+    """`trainflow run` checks the data, the global batch on the job's ranks and the user's
+    model before it starts Prefect's temporary server or any job: the refusal is one line and
+    nothing was started."""
     from trainflow.flows import cli
 
     monkeypatch.delenv("PREFECT_API_URL", raising=False)  # else no temporary server would start
@@ -261,6 +262,9 @@ def test_the_command_refuses_bad_data_or_a_bad_model_before_it_starts_any_proces
         (tmp_path / "data.npz").write_text("images,labels\n")
         argv += ["--set", "preprocess.source=npz", "--set", f"preprocess.path={tmp_path}/data.npz"]
         said = "it is not an .npz archive"
+    elif mistake == "global batch":  # tiny: 2 ranks x 32 do not make up 96 samples a step
+        argv += ["--set", "train.global_batch_size=96"]
+        said = "train.global_batch_size=96 is not a whole number of micro-batches"
     else:
         (tmp_path / "tf_user_models.py").write_text(_USER_MODEL)
         monkeypatch.syspath_prepend(str(tmp_path))

@@ -12,7 +12,6 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import cloudpickle
 import psutil
@@ -46,6 +45,7 @@ from trainflow.tasks.train.distributed import DistContext, distributed
 from trainflow.tasks.train.job import TrainingJob, TrainJobSpec
 from trainflow.tasks.train.loop import evaluate_split
 from trainflow.tasks.train.models import ReferenceCNN
+from trainflow.tasks.train.monitor import Verdict
 from trainflow.tasks.train.precision import (
     PrecisionPolicy,
     cpu_supports_bf16,
@@ -116,14 +116,11 @@ def test_two_ranks_train_and_rank0_returns_the_best_checkpoint(
 
 
 class _FirstEpochKept(Recipe):
-    def decide(self, metrics: dict[str, float]) -> tuple[bool, dict[str, Any] | None]:
+    def observe(self, metrics: dict[str, float]) -> Verdict:
+        verdict = super().observe(metrics)
         progress = self.progress
-        if progress.epoch == 1:
-            return super().decide(metrics)
-        kept = progress.best_metric, progress.best_epoch
-        flush, _ = super().decide(metrics)
-        progress.best_metric, progress.best_epoch = kept
-        return flush, None
+        progress.best_metric, progress.best_epoch = progress.history[0][self.monitor.metric], 1
+        return verdict
 
 
 class FirstEpochIsBest(TrainingJob):

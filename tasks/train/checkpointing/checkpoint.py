@@ -3,7 +3,8 @@
 Everything stored loads under ``torch.load(weights_only=True)`` (tensors, numbers, strings,
 lists, dicts, tuples, None), so loading a checkpoint never runs pickled code.
 
-The last KEEP checkpoints are kept, each next to ``<name>.sha256`` (sha256sum's format) that is
+The last KEEP checkpoints are kept (or those a `Retain` names: train.keep_checkpoints,
+tasks.train.monitor), each next to ``<name>.sha256`` (sha256sum's format) that is
 written before the checkpoint is renamed into place. On resume the newest one whose bytes match
 their hash and that loads is taken; a truncated or corrupted newer one is skipped, and said so.
 """
@@ -12,6 +13,7 @@ import hashlib
 import os
 import random
 import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -31,6 +33,16 @@ _PATTERN = re.compile(r"^epoch-(\d{6})(?:\+(\d{6}))?\.pt$")
 _HASH_SUFFIX = ".sha256"
 KEEP = 2
 """Checkpoints kept on disk: the newest, and one to fall back to when it is unreadable."""
+
+Retain = Callable[[list[Path], Sequence[dict[str, Any]]], set[str]]
+"""Which checkpoints a folder keeps: given its checkpoints newest first and the run's history
+(one entry per validation), the names to keep (full checkpoint files and sharded folders
+alike; the one just written is always kept)."""
+
+
+def newest_kept(newest_first: list[Path], history: Sequence[dict[str, Any]]) -> set[str]:
+    """The default Retain: the KEEP newest."""
+    return {p.name for p in newest_first[:KEEP]}
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -142,17 +154,17 @@ def training_state(
     }
 
 
-def save_checkpoint(state: dict[str, Any], directory: Path) -> Path:
+def save_checkpoint(state: dict[str, Any], directory: Path, keep: Retain = newest_kept) -> Path:
     """Write `state` (with its .sha256) as the latest checkpoint of directory.
 
-    Keeps the KEEP newest checkpoints and deletes older ones, their hashes and stale
-    temporary files of interrupted writes.
+    Keeps the checkpoints `keep` names (by default the KEEP newest) and deletes the others,
+    their hashes and stale temporary files of interrupted writes.
     """
     epoch, batches = int(state["epoch"]), int(state.get("epoch_batches", 0))
     name = _MID_NAME if batches else _NAME
     path = directory / name.format(epoch=epoch, batches=batches)
     atomic_save(state, path, hash_file=True)
-    kept = {p.name for p in checkpoints(directory)[:KEEP]} | {path.name}
+    kept = keep(checkpoints(directory), state.get("history", [])) | {path.name}
     kept |= {name + _HASH_SUFFIX for name in kept}
     for old in directory.iterdir():
         stale = _PATTERN.match(old.name.removesuffix(_HASH_SUFFIX)) or ".tmp-" in old.name

@@ -12,8 +12,9 @@ so a checkpoint written by N ranks resumes on M. Layout of one checkpoint (a fol
 
 A checkpoint is written under `<name>.tmp` and renamed into place once every rank's
 shard, the metadata, train_state.pt and SHA256SUMS are on disk: a folder without `.tmp` is
-whole. The last KEEP are kept; on resume rank 0 takes the newest whose files match their
-hashes, says which newer ones it skipped and why, and every rank loads that one.
+whole. The last KEEP are kept (or those train.keep_checkpoints names: tasks.train.monitor);
+on resume rank 0 takes the newest whose files match their hashes, says which newer ones it
+skipped and why, and every rank loads that one.
 
 To load one elsewhere (no trainflow, any number of processes, or none):
 ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save(folder, "model.pt")`` gives
@@ -38,13 +39,14 @@ from torch import nn
 
 from trainflow.errors import ConfigError, DataError
 from trainflow.tasks.train.checkpointing.checkpoint import (
-    KEEP,
     Resumable,
+    Retain,
     atomic_save,
     checkpoints,
     fsync_dir,
     load_state,
     newest_first,
+    newest_kept,
     resumable_checkpoint,
 )
 from trainflow.tasks.train.distributed import DistContext
@@ -82,10 +84,16 @@ class ShardedSaver:
 
     `timed`, on rank 0: told the seconds each save took, from its start until its shards are
     written (as soon as they are), then again with the finishing writes added (in `wait`).
+    `keep`: which checkpoints the folder keeps once one is in place (the KEEP newest).
     """
 
-    def __init__(self, ctx: DistContext, timed: Callable[[float], None] | None = None) -> None:
-        self.ctx = ctx
+    def __init__(
+        self,
+        ctx: DistContext,
+        timed: Callable[[float], None] | None = None,
+        keep: Retain = newest_kept,
+    ) -> None:
+        self.ctx, self.keep = ctx, keep
         _quiet_dcp()
         self.group = dist.new_group(backend="gloo") if ctx.world_size > 1 else None
         """DCP's collectives (collective to create: every rank makes its saver together)."""
@@ -145,7 +153,8 @@ class ShardedSaver:
             shutil.rmtree(final, ignore_errors=True)  # the same epoch written again
             os.replace(tmp, final)
             fsync_dir(final.parent)
-            _prune(final.parent, keep={final.name})
+            kept = self.keep(sharded_checkpoints(final.parent), train_state.get("history", []))
+            _prune(final.parent, kept | {final.name})
             # (the callback may not have run yet: then the shards were written just now)
             written = self._written if self._written >= self._started else finishing
             if self.timed is not None:
@@ -191,9 +200,8 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _prune(directory: Path, keep: set[str]) -> None:
-    """Delete all but the KEEP newest checkpoints (and `keep`), and interrupted writes."""
-    kept = {p.name for p in sharded_checkpoints(directory)[:KEEP]} | keep
+def _prune(directory: Path, kept: set[str]) -> None:
+    """Delete all checkpoints but those named in `kept`, and interrupted writes."""
     for old in directory.iterdir():
         stale = _PATTERN.match(old.name) or old.name.endswith(".tmp")
         if stale and old.name not in kept:

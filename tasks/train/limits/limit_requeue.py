@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any, NoReturn, Protocol
 
 from trainflow.tasks.train.checkpointing.checkpoint import (
+    Retain,
+    newest_kept,
     rng_state,
     save_checkpoint,
     training_state,
@@ -87,6 +89,8 @@ class LimitRequeue:
     """The step the attempt started training at (-1 while it starts)."""
     saved_step: int = -1
     """The step of the newest checkpoint this attempt wrote or resumed from (-1: none)."""
+    keep: Retain = newest_kept
+    """Which checkpoints a save keeps (train.keep_checkpoints: the monitor's)."""
 
     @classmethod
     def for_job(cls, spec: TrainJobSpec, attempt: int, ctx: DistContext) -> "LimitRequeue":
@@ -163,7 +167,7 @@ class LimitRequeue:
         elif main:
             state = training_state(trainer.model, trainer.optimizer, trainer.scaler, extra)
             started = time.monotonic()
-            save_checkpoint(state, self.checkpoint_dir)
+            save_checkpoint(state, self.checkpoint_dir, self.keep)
             self.save_took(time.monotonic() - started)
         self.saved_step = progress.step
         requeue_now(main)
