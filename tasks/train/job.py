@@ -245,7 +245,6 @@ class TrainingJob(submitit.helpers.Checkpointable):
         model = place_model(built, cfg, dist.device)
         if cfg.activation_checkpointing:
             checkpoint_activations(sharding_units(model))
-        batch = getattr(self, "_batch", None) or global_batch(None, cfg, dist)
         if cfg.strategy == "fsdp":  # the optimizer then holds this rank's shards only
             model = shard_from_rank0(model, dist, policy, cfg.reshard_after_forward)
             optimizer = make_optimizer(cfg, model)
