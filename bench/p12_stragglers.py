@@ -3,7 +3,7 @@ all-gathers over step time without (goal <= 1.01).
 
 Two gloo ranks (one thread each, the 2-core CPU), the default config's model, precision and
 batch on random MNIST-shaped data, DDP as the training job wraps it. Epochs with and without
-the step timer (tasks.train.step_times, its hooks on the model, judged on rank 0 by a
+the step timer (tasks.train.limits.step_times, its hooks on the model, judged on rank 0 by a
 StragglerWatch as in a job) alternate in the same processes on the same model, so both see
 the same machine noise: once with the default window (50 steps) and once with windows of 5
 steps (ten times the all-gathers). Also measured: one all-gather of a window's four numbers
@@ -33,12 +33,12 @@ from trainflow.tasks.spec import image_classification
 from trainflow.tasks.train.config import TrainConfig
 from trainflow.tasks.train.data import Split, rank_batches
 from trainflow.tasks.train.distributed import DistContext, distributed, wrap_ddp
+from trainflow.tasks.train.limits.step_times import StepTimes, gather_rows
+from trainflow.tasks.train.limits.stragglers import StragglerWatch
 from trainflow.tasks.train.loop import Trainer, train_epoch
 from trainflow.tasks.train.model_plugins import build_model
 from trainflow.tasks.train.optimizers import make_optimizer
 from trainflow.tasks.train.precision import resolve_precision
-from trainflow.tasks.train.step_times import StepTimes, gather_rows
-from trainflow.tasks.train.stragglers import StragglerWatch
 
 PAIRS = 8
 SAMPLES = 6400  # 50 steps an epoch per rank at batch 64: one window of 50

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.steps import timed_epochs, trainer_for
-from trainflow.tasks.train.checkpoint import save_checkpoint, training_state
+from trainflow.tasks.train.checkpointing.checkpoint import save_checkpoint, training_state
 from trainflow.tasks.train.config import TrainConfig
 
 SAVES = 9

@@ -7,6 +7,7 @@ need the real model, optimiser, precision policy and loop, not the real dataset.
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import torch
 
@@ -19,6 +20,7 @@ from trainflow.tasks.train.loop import Trainer, train_epoch
 from trainflow.tasks.train.model_plugins import build_model
 from trainflow.tasks.train.optimizers import make_optimizer
 from trainflow.tasks.train.precision import resolve_precision
+from trainflow.tasks.train.step_metrics import Window
 
 
 @contextmanager
@@ -42,15 +44,46 @@ def trainer_for(cfg: TrainConfig, samples: int = 4096) -> Iterator[tuple[Trainer
         yield trainer, Split(x, y)
 
 
+@dataclass
+class _Sums:
+    """An EpochStop that never stops and keeps the loop's all-rank sums."""
+
+    carried: list[float] = field(default_factory=list)
+    totals: list[float] = field(default_factory=list)
+
+    def should_stop(self, step: int) -> bool:
+        return False
+
+    def stopped(self, done: int, totals: list[float]) -> None:
+        self.totals = totals
+
+
 def timed_epochs(
-    trainer: Trainer, data: Split, cfg: TrainConfig, epochs: int, after: Callable[..., None]
+    trainer: Trainer,
+    data: Split,
+    cfg: TrainConfig,
+    epochs: int,
+    after: Callable[..., None],
+    every: int = 0,
+    each: Callable[[dict[str, float], int], None] | None = None,
 ) -> list[float]:
-    """Seconds per step of each epoch, `after(metrics, epoch)` included in the timing."""
+    """Seconds per step of each epoch, `after(metrics, epoch)` included in the timing; with
+    `every`, the epoch runs in segments of that many steps, as train.log_every_steps makes the
+    job do, and `each(window metrics, step)` is told of each (tasks.train.step_metrics)."""
     per_step, step = [], 0
     for epoch in range(1, epochs + 1):
         batches = rank_batches(data, cfg.batch_size, cfg.seed, epoch, 0, 1)
         start = time.perf_counter()
-        metrics, step = train_epoch(trainer, data, batches, step)
+        if not every:
+            metrics, step = train_epoch(trainer, data, batches, step)
+        for first in range(0, len(batches), every or len(batches)) if every else ():
+            sums, began = _Sums(), time.perf_counter()
+            part = batches[first : first + every]
+            metrics, step = train_epoch(trainer, data, part, step, None, sums)
+            window = Window()
+            window.add(sums.totals, [], time.perf_counter() - began)
+            if each is not None:
+                each(window.take(trainer.objective, False, metrics["lr"]), step)
         after(metrics, epoch)
         per_step.append((time.perf_counter() - start) / len(batches))
     return per_step

@@ -19,7 +19,7 @@ from trainflow.compat import SubmititCommandHooks
 SUBMITIT_MAX_TIMEOUTS = 10_000
 """submitit's own bound on requeues after a time limit: far above any job's need. Every job
 (a single one, a job array's element, a search's task) counts only its attempts without
-progress against cluster.max_requeues itself (tasks.train.limit_requeue), so submitit would
+progress against cluster.max_requeues itself (tasks.train.limits.limit_requeue), so submitit would
 otherwise fail a job that made progress at every limit after max_num_timeout of them."""
 
 

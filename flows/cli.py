@@ -82,8 +82,8 @@ def parser() -> argparse.ArgumentParser:
     )
     _set_option(
         res,
-        "what may change: a longer train.epochs, the hang and straggler allowances, cluster.* "
-        "(repeatable)",
+        "what may change: a longer train.epochs or train.max_steps, the checkpoint and log "
+        "step cadences, the hang and straggler allowances, cluster.* (repeatable)",
     )
     sub.add_parser("presets", help="list the named presets")
     clu = sub.add_parser("cluster", help="a dev Slurm cluster of N nodes on this machine")

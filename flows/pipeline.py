@@ -101,7 +101,7 @@ def run_pipeline(cfg: PipelineConfig, model: ModelReport) -> PipelineSummary:
     """The pipeline body for a validated and checked config (must run inside a flow)."""
     from trainflow.tasks.preprocess.mlflow_dataset import log_dataset_input
     from trainflow.tasks.tracking.pipeline_runs import PipelineRuns
-    from trainflow.tasks.train.checkpoint_tags import log_checkpoint
+    from trainflow.tasks.train.checkpointing.checkpoint_tags import log_checkpoint
     from trainflow.tasks.train.task import train_task
 
     get_run_logger().info(model.line())

@@ -63,12 +63,13 @@ def build_resume(
     # The run's folder is where it is now: a relative workdir meant the first run's cwd.
     tree["workdir"] = str(run_dir.parent.parent)
     cfg = validated(tree)
-    before = int(record.config["train"]["epochs"])
-    if cfg.train.epochs < before:
-        raise ConfigError(
-            f"--set train.epochs={cfg.train.epochs} is below the run's {before}: a resume "
-            "continues or extends a run, it does not shorten it"
-        )
+    for key in ("epochs", "max_steps"):
+        before, now = record.config["train"].get(key), getattr(cfg.train, key)
+        if before is not None and (now is None or now < int(before)):
+            raise ConfigError(
+                f"--set train.{key}={now} is below the run's {before}: a resume continues "
+                "or extends a run, it does not shorten it"
+            )
     return cfg, record, run_dir
 
 
@@ -89,7 +90,7 @@ def run_resume(
     from trainflow.flows.run_record import update_record
     from trainflow.tasks.preprocess.task import preprocess
     from trainflow.tasks.tracking.pipeline_runs import PipelineRuns
-    from trainflow.tasks.train.checkpoint_tags import log_checkpoint
+    from trainflow.tasks.train.checkpointing.checkpoint_tags import log_checkpoint
     from trainflow.tasks.train.task import train_task
 
     logger = get_run_logger()

@@ -26,7 +26,7 @@ from trainflow.tasks.objectives import make_objective
 from trainflow.tasks.preprocess.mlflow_dataset import log_dataset_input
 from trainflow.tasks.preprocess.ref import DatasetRef, dataset_spec
 from trainflow.tasks.tracking.pipeline_runs import PipelineRuns
-from trainflow.tasks.train.checkpoint_tags import log_checkpoint
+from trainflow.tasks.train.checkpointing.checkpoint_tags import log_checkpoint
 from trainflow.tasks.train.model_plugins import resolve_factory
 from trainflow.tasks.train.model_report import ModelReport
 from trainflow.tasks.train.monitor import monitor_for

@@ -6,12 +6,13 @@ what they check does not depend on how fast this machine trains at the time."""
 import sys
 import time
 from pathlib import Path
+from typing import Any, ClassVar
 
 import cloudpickle
 
-from trainflow.tasks.train.data import SplitData as Split
-from trainflow.tasks.train.job import Progress, TrainingJob, TrainJobSpec
-from trainflow.tasks.train.loop import Trainer
+from trainflow.tasks.train.cadence import Due
+from trainflow.tasks.train.job import TrainingJob, TrainJobSpec
+from trainflow.tasks.train.recipe import Recipe
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -23,10 +24,16 @@ class GatedJob(TrainingJob):
         super().__init__(spec)
         self.gates = gates
 
-    def _run_epoch(
-        self, trainer: Trainer, train: Split, val: Split, progress: Progress
-    ) -> dict[str, float]:
-        gate = self.gates.get(progress.epoch + 1)
+    def __call__(self) -> Any:
+        self.recipe = type("Gated", (_GatedRecipe,), {"gates": self.gates})
+        return super().__call__()
+
+
+class _GatedRecipe(Recipe):
+    gates: ClassVar[dict[int, Path]] = {}
+
+    def segment(self) -> tuple[dict[str, float], Due]:
+        gate = self.gates.get(self.progress.epoch + 1)
         while gate is not None and not gate.exists():
             time.sleep(0.05)
-        return super()._run_epoch(trainer, train, val, progress)
+        return super().segment()

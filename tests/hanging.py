@@ -9,6 +9,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import cloudpickle
 import torch
@@ -45,9 +46,9 @@ class HangingJob(TrainingJob):
         self.rank, self.at_step, self.marker, self.how = rank, at_step, marker, how
 
     def _trainer(
-        self, built: torch.nn.Module, dist: DistContext, policy: PrecisionPolicy, n_train: int
+        self, built: torch.nn.Module, dist: DistContext, policy: PrecisionPolicy, *args: Any
     ) -> Trainer:
-        trainer = super()._trainer(built, dist, policy, n_train)
+        trainer = super()._trainer(built, dist, policy, *args)
         if dist.rank == self.rank and not self.marker.exists():
             forwards = [0]
 

@@ -59,9 +59,9 @@ class SlowRankJob(TrainingJob):
         return data
 
     def _trainer(
-        self, built: torch.nn.Module, dist: DistContext, policy: PrecisionPolicy, n_train: int
+        self, built: torch.nn.Module, dist: DistContext, policy: PrecisionPolicy, *args: Any
     ) -> Trainer:
-        trainer = super()._trainer(built, dist, policy, n_train)
+        trainer = super()._trainer(built, dist, policy, *args)
         if self.where == "compute" and dist.rank == self.rank:
 
             def hook(module: torch.nn.Module, args: object) -> None:

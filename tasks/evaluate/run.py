@@ -22,7 +22,7 @@ from trainflow.tasks.evaluate.registry import RegistryResult, register_and_promo
 from trainflow.tasks.hashing import sha256_file
 from trainflow.tasks.objectives import Objective, Report, make_objective
 from trainflow.tasks.preprocess.ref import DatasetRef, dataset_spec
-from trainflow.tasks.train.checkpoint import load_state
+from trainflow.tasks.train.checkpointing.checkpoint import load_state
 from trainflow.tasks.train.config import TrainConfig
 from trainflow.tasks.train.model_plugins import build_model
 from trainflow.tasks.train.ref import CheckpointRef

@@ -14,7 +14,7 @@ A trial's out_dir is keyed by its first try's number: a retry (its task was lost
 from that trial's last checkpoint, with the intermediate values it reported. A task requeued
 at a time limit or a preemption queues its trial again at once (`study.hand_over`), and counts
 its attempts without progress (no trial's checkpoint advanced) against cluster.max_requeues as
-a single training job does (tasks.train.limit_requeue).
+a single training job does (tasks.train.limits.limit_requeue).
 """
 
 import json
@@ -44,7 +44,7 @@ from trainflow.tasks.search.trial_runs import close_trial_run, open_trial_run
 from trainflow.tasks.train.config import TrainConfig
 from trainflow.tasks.train.distributed import DistContext, release_kept
 from trainflow.tasks.train.job import TrainingJob, TrainJobSpec
-from trainflow.tasks.train.limit_requeue import check_stalled, count_stalled, made_progress
+from trainflow.tasks.train.limits.limit_requeue import check_stalled, count_stalled, made_progress
 
 CHECKPOINT_ATTR = "checkpoint"
 """User attribute of a complete trial: its best checkpoint (a CheckpointRef as JSON)."""
@@ -112,7 +112,7 @@ class TrialWorker(submitit.helpers.Checkpointable):
         its next attempt, and the trial in training queued again for it (`hand_over`). An
         attempt in which a trial wrote a new checkpoint made progress; the others count
         against cluster.max_requeues as a single job's do: the trial in training is asked
-        (tasks.train.limit_requeue), StalledAtTimeLimit past the bound."""
+        (tasks.train.limits.limit_requeue), StalledAtTimeLimit past the bound."""
         leader: _Leader | None = getattr(self, "_leader", None)
         if leader is None:  # stopped before it asked for a trial
             stalled = check_stalled(self.stalled + 1, self.job.base.max_requeues, -1)

@@ -8,17 +8,15 @@ Prefect, logs only from rank 0 and resumes from its latest checkpoint by itself.
 Modules:
     config             TrainConfig: model, optimisation, precision, checkpointing, strategy.
     ref                CheckpointRef, the stage's output.
-    checkpoint_tags    what the train run records of the checkpoint evaluation used.
     task               the Prefect @tasks: submit (one job or an array), forward logs, wait.
     epoch_progress     the Prefect progress artifact of the epochs checkpointed.
-    job                TrainingJob, the callable submitit runs once per rank.
+    job                TrainingJob, the callable submitit runs once per rank: builds, resumes.
+    recipe             the training loop: segments, validation, checkpoints, logs, stops.
     job_spec           TrainJobSpec, what a training job is given.
-    epoch_records      what an epoch leaves: logged metrics, best.pt, checkpoint, its line.
+    cadence            the run's length and step cadences: where the loop stops, what is due.
+    step_metrics       per-step metrics of a window of steps; the progress line's step, ETA.
     monitor            train.monitor: the best validation, early stopping, checkpoints kept.
-    time_limit         the time-limit watch: measured times, rank 0's plan, its broadcast.
-    limit_requeue      checkpoint where the watch stops, requeue; attempts without progress.
     sweep              a sweep's job array and the choice of its best element.
-    early_signal       a requeue signal that arrives while a rank starts is held, not fatal.
     distributed        process group set-up and tear-down (gloo | nccl), DDP.
     rendezvous         ranks meet on a store rank 0 starts on a free port.
     sharding           train.strategy=fsdp: FSDP2 fully_shard per sharding unit.
@@ -40,19 +38,16 @@ Modules:
     clipping           the global gradient norm over ranks and FSDP shards, clipped.
     init_from          train.init_from: another run's weights, resolved, checked and loaded.
     throughput         samples/s, step time, FLOPs and MFU per rank and per job.
-    step_times         each rank's steps split into data wait, compute and communication.
-    stragglers         a rank persistently slower than the others, named on rank 0.
-    recorder           rank 0's per-epoch record written off the training path.
-    checkpoint         atomic full-state checkpoints, resume look-up, best model.
-    sharded_checkpoint DCP checkpoints of fsdp runs, resharded on load.
     progress           what a checkpoint holds of the run's progress and identity.
     batching           the global batch as micro-batches per rank (accumulation), checked.
     resume             resume from a checkpoint; the global batch kept on fewer ranks.
     first_result       the test split through the best weights as the job ends.
+    checkpointing      checkpoints: atomic, off the training path, verified, resharded.
+    limits             time limits and their requeue, early signals, stragglers.
     log_lines          the lines a job prints: where it trains, per-epoch progress.
 """
 
-from trainflow.tasks.train.early_signal import hold_early_preemption
+from trainflow.tasks.train.limits.early_signal import hold_early_preemption
 
 # Unpickling a training job imports this package first: from here on, a requeue signal that
 # arrives while the rest (torch) is still importing is held instead of killing the rank.

@@ -9,6 +9,8 @@ from trainflow.tasks.train.batching import check_batch_keys
 
 ADAM_KEYS = ("adam_beta1", "adam_beta2", "adam_eps")
 SGD_KEYS = ("momentum", "nesterov")
+DEFAULT_EPOCHS = 8
+"""train.epochs when neither it nor train.max_steps is set."""
 
 
 class TrainConfig(StrictModel):
@@ -37,8 +39,13 @@ class TrainConfig(StrictModel):
     'package.module:Objective' or an entry-point name (group trainflow.objectives)."""
     objective_args: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments of the objective, e.g. {"loss": "l1"} for regression."""
-    epochs: int = Field(8, ge=1, le=10_000)
-    """Passes over the training split."""
+    epochs: int | None = Field(None, ge=1, le=10_000)
+    """Passes over the training split. Unset: 8, unless train.max_steps is set (then the
+    steps alone end the run). With both set, the run ends at whichever comes first."""
+    max_steps: int | None = Field(None, ge=1, le=1_000_000_000)
+    """Optimizer steps of the whole run (an end inside an epoch validates and checkpoints
+    there): the learning-rate schedule, the time-limit planning and the progress line count
+    these. A resume may raise it (`trainflow resume <run> --set train.max_steps=N`)."""
     batch_size: int = Field(64, ge=1, le=65_536)
     """Samples per rank per forward and backward pass (a micro-batch): per optimizer step too
     unless train.global_batch_size or train.grad_accumulation make a step take several."""
@@ -139,6 +146,17 @@ class TrainConfig(StrictModel):
     in the metric's units); smaller changes count as none."""
     log_every_epochs: int = Field(1, ge=1)
     """Metrics are flushed to MLflow in one batch every N epochs."""
+    log_every_steps: int | None = Field(None, ge=1, le=1_000_000_000)
+    """Also log the training metrics of the last N optimizer steps every N steps, with the
+    global step as the x axis: train_loss_step (and the objective's other metrics with the
+    _step suffix), lr_step, grad_norm_step (with clipping) and samples_per_s_step. Costs one
+    all-reduce of a few numbers per N steps. Unset: per epoch only."""
+    val_every_steps: int | None = Field(None, ge=1, le=1_000_000_000)
+    """Also validate every N optimizer steps (besides every epoch's end): each validation is a
+    history entry, may become best.pt, and is logged. Unset: once per epoch."""
+    checkpoint_every_steps: int | None = Field(None, ge=1, le=1_000_000_000)
+    """Also checkpoint every N optimizer steps (besides every epoch's end), mid-epoch if need
+    be; a run resumed from one continues exactly. Unset: once per epoch."""
     test_after_training: bool = True
     """The job runs the test split through the best weights as training ends (all ranks, in
     fp32 as the evaluate stage does): the run's first result, on the console and the train
@@ -204,7 +222,7 @@ class TrainConfig(StrictModel):
     checkpoint save). The larger of this and hang_timeout_s applies."""
 
     straggler_fraction: float = Field(0.2, ge=0.0, le=10.0)
-    """A rank whose own time a step (data wait + compute, tasks.train.step_times) exceeds the
+    """A rank whose own time a step (data wait + compute, tasks.train.limits.step_times) exceeds the
     median of the other ranks' by more than this fraction, for straggler_windows windows in a
     row, is named as a straggler: a warning line in the job's log and the train run's tag
     trainflow.straggler (rank, node, and the part that is slow). 0: no straggler detection
@@ -312,6 +330,22 @@ class TrainConfig(StrictModel):
                 "unset: 0.9), or train.nesterov=false"
             )
         return self
+
+    @property
+    def epoch_limit(self) -> int | None:
+        """Epochs the run trains at most: train.epochs; unset, 8 unless train.max_steps is
+        set (None: the steps alone end the run)."""
+        if self.epochs is not None:
+            return self.epochs
+        return None if self.max_steps is not None else DEFAULT_EPOCHS
+
+    @property
+    def counts_steps(self) -> bool:
+        """Whether a run started with this config logs its metrics against the global step
+        (a length or a cadence in steps is set), rather than the epoch (kept on resume:
+        tasks.train.progress.Progress.by_step)."""
+        keys = (self.max_steps, self.val_every_steps, self.checkpoint_every_steps)
+        return any(k is not None for k in (*keys, self.log_every_steps))
 
     @field_validator("monitor")
     @classmethod

@@ -22,7 +22,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from trainflow.errors import ConfigError
-from trainflow.tasks.train.early_signal import in_submitit_task
+from trainflow.tasks.train.limits.early_signal import in_submitit_task
 from trainflow.tasks.train.rendezvous import Layout, export_env, meet, submitit_layout
 
 DEFAULT_TIMEOUT = timedelta(minutes=5)

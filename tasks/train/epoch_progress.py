@@ -12,22 +12,30 @@ from collections.abc import Callable
 from pathlib import Path
 
 from trainflow.tasks.prefect_progress import TRAIN_KEY, ProgressArtifact
-from trainflow.tasks.train.checkpoint import checkpoint_epoch, checkpoints
+from trainflow.tasks.train.checkpointing.checkpoint import checkpoint_epoch, checkpoints
 
 
 class EpochProgress(ProgressArtifact):
     """A progress artifact showing the share of a run's epochs that are checkpointed."""
 
     def __init__(
-        self, checkpoint_dir: Path, epochs: int, warn: Callable[[str], None], key: str = TRAIN_KEY
+        self,
+        checkpoint_dir: Path,
+        epochs: int | None,
+        warn: Callable[[str], None],
+        key: str = TRAIN_KEY,
     ) -> None:
-        self._dir, self._epochs = checkpoint_dir, epochs
+        """`epochs`: the run's (None: counted in train.max_steps alone, its epochs unknown
+        here; the artifact then shows the epochs checkpointed, and 100% at the end)."""
+        self._dir, self._epochs, self._finished = checkpoint_dir, epochs, False
         self._epoch = self._done()
         super().__init__(key, "training", warn)
 
     @property
     def percent(self) -> float:
         """Share of the epochs done, 0 to 100."""
+        if self._epochs is None:
+            return 100.0 if self._finished else 0.0
         return 100.0 * min(self._epoch, self._epochs) / self._epochs
 
     def watching(self, log: Callable[[str], None]) -> Callable[[str], None]:
@@ -48,7 +56,8 @@ class EpochProgress(ProgressArtifact):
 
     def finish(self) -> None:
         """Show the run as complete (every epoch trained)."""
-        self._epoch = self._epochs
+        self._finished = True
+        self._epoch = self._epochs if self._epochs is not None else self._done()
         self._update()
 
     def _done(self) -> int:
@@ -56,4 +65,5 @@ class EpochProgress(ProgressArtifact):
         return checkpoint_epoch(newest[0]) if newest else 0
 
     def _description(self) -> str:
-        return f"training: epoch {self._epoch} of {self._epochs} checkpointed"
+        of = f" of {self._epochs}" if self._epochs is not None else ""
+        return f"training: epoch {self._epoch}{of} checkpointed"

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from trainflow.tasks.tracking.logger import MetricLogger
-from trainflow.tasks.train.checkpoint import load_state, unwrap
+from trainflow.tasks.train.checkpointing.checkpoint import load_state, unwrap
 from trainflow.tasks.train.config import TrainConfig
 from trainflow.tasks.train.data import load_split_to
 from trainflow.tasks.train.distributed import DistContext

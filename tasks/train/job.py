@@ -1,49 +1,53 @@
 """The training job: the callable submitit runs once per rank.
 
-It knows nothing of Slurm or Prefect. It resumes from its latest checkpoint by itself, so a
-requeued, retried or re-submitted job continues where the last one stopped.
+It builds what training needs (process group, model, data, optimizer, the run's plan) and
+resumes from its latest checkpoint by itself, so a requeued, retried or re-submitted job
+continues where the last one stopped; then the recipe (tasks.train.recipe) trains, validates,
+checkpoints and stops, and the job tests the best weights and returns them. It knows nothing
+of Slurm or Prefect.
 """
 
 import random
-import time
 from dataclasses import replace
-from functools import partial
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 import submitit
 import torch
 
-from trainflow.cluster.heartbeat import NO_HEARTBEAT, Heartbeat
+from trainflow.cluster.heartbeat import Heartbeat
 from trainflow.cluster.snapshot import code_first
 from trainflow.errors import ConfigError
 from trainflow.tasks.objectives import Objective, make_objective
 from trainflow.tasks.preprocess.ref import dataset_spec
 from trainflow.tasks.spec import DataSpec
 from trainflow.tasks.tracking.journal import opened
-from trainflow.tasks.tracking.logger import MetricLogger, make_logger
+from trainflow.tasks.tracking.logger import make_logger
 from trainflow.tasks.tracking.system_metrics import node_monitor
-from trainflow.tasks.train.checkpoint import Resumable, Retain, newest_kept
+from trainflow.tasks.train.cadence import RunPlan, run_plan
+from trainflow.tasks.train.checkpointing.checkpoint import Resumable
+from trainflow.tasks.train.checkpointing.recorder import EpochRecorder
+from trainflow.tasks.train.checkpointing.sharded_checkpoint import find_resumable
+from trainflow.tasks.train.config import TrainConfig
 from trainflow.tasks.train.data import SplitData as Split
-from trainflow.tasks.train.data import accumulated_batches, load_split_to, steps_per_epoch
+from trainflow.tasks.train.data import load_split_to, steps_per_epoch
 from trainflow.tasks.train.distributed import (
     DistContext,
     distributed,
     exit_fast_at_shutdown,
     wrap_ddp,
 )
-from trainflow.tasks.train.early_signal import deliver_held_signal
-from trainflow.tasks.train.epoch_records import decide, record, record_sharded
 from trainflow.tasks.train.first_result import first_result
 from trainflow.tasks.train.init_from import initialised
 from trainflow.tasks.train.job_spec import TrainJobSpec
-from trainflow.tasks.train.limit_requeue import (
+from trainflow.tasks.train.limits.early_signal import deliver_held_signal
+from trainflow.tasks.train.limits.limit_requeue import (
     LimitRequeue,
-    StoppedForTimeLimit,
     count_stalled,
 )
+from trainflow.tasks.train.limits.stragglers import step_timer
 from trainflow.tasks.train.log_lines import announce
-from trainflow.tasks.train.loop import Trainer, evaluate_split, train_epoch
+from trainflow.tasks.train.loop import Trainer
 from trainflow.tasks.train.model_plugins import build_model, resolve_factory
 from trainflow.tasks.train.models import (
     narrowest_conv,
@@ -51,7 +55,7 @@ from trainflow.tasks.train.models import (
     use_channels_last,
     uses_cuda_graphs,
 )
-from trainflow.tasks.train.monitor import Monitor, Verdict, monitor_for
+from trainflow.tasks.train.monitor import monitor_for
 from trainflow.tasks.train.optimizers import make_optimizer
 from trainflow.tasks.train.precision import PrecisionPolicy, resolve_precision
 from trainflow.tasks.train.progress import (
@@ -61,31 +65,21 @@ from trainflow.tasks.train.progress import (
     relog,
     run_identity,
 )
-from trainflow.tasks.train.recorder import EpochRecorder
+from trainflow.tasks.train.recipe import EpochEnd, Recipe
 from trainflow.tasks.train.ref import CheckpointRef
-from trainflow.tasks.train.resume import announce_global_batch, global_batch, restore
+from trainflow.tasks.train.resume import (
+    GlobalBatch,
+    announce_global_batch,
+    global_batch,
+    restore,
+)
 from trainflow.tasks.train.schedule import schedule_for
-from trainflow.tasks.train.sharded_checkpoint import ShardedSaver, find_resumable
 from trainflow.tasks.train.sharded_init import build_on_rank, shard_from_rank0
 from trainflow.tasks.train.sharding import checkpoint_activations, sharding_units
-from trainflow.tasks.train.stragglers import step_timer
 from trainflow.tasks.train.throughput import (
     NO_FLOPS,
-    RankClock,
     announce_flops,
-    epoch_throughput,
 )
-
-
-class EpochEnd(Protocol):
-    """Told of every epoch's metrics on every rank once the epoch is recorded (a search
-    reports them to its study: tasks.search); True stops the training there. All ranks must
-    return the same answer (the metrics are equal on all ranks; a decision made on one rank
-    is broadcast)."""
-
-    def __call__(self, epoch: int, metrics: dict[str, float], dist: DistContext) -> bool:
-        """Whether to stop after `epoch`."""
-        ...
 
 
 class TrainingJob(submitit.helpers.Checkpointable):
@@ -96,10 +90,8 @@ class TrainingJob(submitit.helpers.Checkpointable):
     before this one in a row that reached a time limit without a new checkpoint.
     """
 
-    saved_step: int = -1
-    """The step of the newest checkpoint this attempt wrote or resumed from (-1: none)."""
-    keep: Retain = staticmethod(newest_kept)
-    """Which checkpoints the run keeps (train.keep_checkpoints: the monitor's, set in _train)."""
+    recipe: type[Recipe] = Recipe
+    """The training loop this job runs over what it builds (a test may put its own)."""
 
     def __init__(
         self,
@@ -112,6 +104,13 @@ class TrainingJob(submitit.helpers.Checkpointable):
         self.epoch_end = epoch_end
         self.attempt = attempt
         self.stalled = stalled
+        self.requeue: LimitRequeue | None = None
+        """The running attempt's time-limit watch (None before it starts)."""
+
+    @property
+    def saved_step(self) -> int:
+        """The step of the newest checkpoint this attempt wrote or resumed from (-1: none)."""
+        return self.requeue.saved_step if self.requeue is not None else -1
 
     @property
     def data_spec(self) -> DataSpec:
@@ -124,7 +123,8 @@ class TrainingJob(submitit.helpers.Checkpointable):
         return make_objective(cfg.objective, self.data_spec, cfg.objective_args)
 
     def __call__(self) -> CheckpointRef | None:
-        """Set up, resume if a checkpoint exists, train the remaining epochs, clean up."""
+        """Set up, resume if a checkpoint exists, train the rest of the run (the recipe),
+        test the best weights, clean up."""
         spec, cfg = self.spec, self.spec.train
         # Progress for this rank's guard (cluster.rank_guard): a rank silent for longer than
         # its phase allows is declared hung, its stacks dumped, and the job restarted.
@@ -140,9 +140,9 @@ class TrainingJob(submitit.helpers.Checkpointable):
             opened(run_out if dist.is_main else None, "rank0") as journal,
             EpochRecorder() as recorder,  # exits first: its logger's last flush is journaled
         ):
-            # The time limit read, its requeue signal held (tasks.train.limit_requeue), then a
-            # requeue signal that came during start-up acts: a preemption's requeues now.
-            self._requeue = LimitRequeue.for_job(self, dist)
+            # The time limit read, its requeue signal held (tasks.train.limits.limit_requeue),
+            # then a requeue signal that came during start-up acts: a preemption's requeues now.
+            self.requeue = requeue = LimitRequeue.for_job(spec, self.attempt, dist)
             deliver_held_signal()
             torch.manual_seed(cfg.seed)
             random.seed(cfg.seed)
@@ -160,9 +160,9 @@ class TrainingJob(submitit.helpers.Checkpointable):
             heartbeat.beat("start-up")
             if dist.is_main:
                 announce(cfg, dist, policy, nhwc, train, journal)
-            self._flops = NO_FLOPS
+            flops = NO_FLOPS
             if dist.is_main:  # counted once, on a meta copy of the model as built (before
-                self._flops = announce_flops(  # FSDP, which cannot be copied, shards it)
+                flops = announce_flops(  # FSDP, which cannot be copied, shards it)
                     model,
                     self.data_spec,
                     dist.device,
@@ -170,17 +170,33 @@ class TrainingJob(submitit.helpers.Checkpointable):
                     journal,
                 )
             found = find_resumable(self.checkpoint_dir, cfg.strategy == "fsdp", dist)
-            self._batch = global_batch(found, cfg, dist)  # kept across world sizes
-            trainer = self._trainer(model, dist, policy, len(train))
-            # Each rank's step times, compared every window on rank 0 (tasks.train.stragglers)
+            batch = global_batch(found, cfg, dist)  # kept across world sizes
+            plan = plan_for(cfg, len(train), batch, dist)  # the run's length and cadence
+            trainer = self._trainer(model, dist, policy, plan, batch)
+            # Each rank's step times, compared every window on rank 0 (limits.stragglers)
             trainer = replace(trainer, timer=step_timer(cfg, trainer.model, dist, journal))
-            progress = self._resume(trainer, found)
-            self._requeue.resumed(progress)
+            progress = self._resume(trainer, found, plan, batch)
+            requeue.resumed(progress, checkpointed=found is not None)
             if dist.is_main:
-                announce_global_batch(self._batch, progress.epoch, journal)
+                announce_global_batch(batch, progress.epoch, journal)
             logger = recorder.closing(make_logger(journal, spec.out_dir))
+            monitor = monitor_for(cfg, trainer.objective)  # the best validation, early stop
+            requeue.keep = monitor.retain  # which checkpoints a save keeps
             relog(progress, logger, self.spec.out_dir)
-            self._train(trainer, train, val, progress, logger, recorder)
+            self.recipe(
+                spec=spec,
+                trainer=trainer,
+                train=train,
+                val=val,
+                plan=plan,
+                progress=progress,
+                logger=logger,
+                recorder=recorder,
+                limit=requeue,
+                monitor=monitor,
+                flops=flops,
+                epoch_end=self.epoch_end,
+            ).run()  # train, validate, checkpoint, stop
             heartbeat.beat("checkpoint")
             recorder.wait()  # the last epoch's line, best.pt and checkpoint are written
             del train, val
@@ -202,13 +218,13 @@ class TrainingJob(submitit.helpers.Checkpointable):
         stalled = count_stalled(self)
         fresh = object.__new__(type(self))  # the spec and a subclass's own settings, no state
         fresh.__dict__.update({k: v for k, v in vars(self).items() if not k.startswith("_")})
-        fresh.attempt, fresh.stalled, fresh.saved_step = self.attempt + 1, stalled, -1
+        fresh.attempt, fresh.stalled, fresh.requeue = self.attempt + 1, stalled, None
         return submitit.helpers.DelayedSubmission(fresh)
 
     @property
     def checkpoint_dir(self) -> Path:
         """Where the full training state is written every epoch."""
-        return self.spec.out_dir / "checkpoints"
+        return self.spec.checkpoint_dir
 
     def _load(self, split: Literal["train", "val"], dist: DistContext, nhwc: bool) -> Split:
         """A split of the dataset, placed per train.data_placement."""
@@ -216,27 +232,26 @@ class TrainingJob(submitit.helpers.Checkpointable):
         return load_split_to(self.spec.dataset.path, split, dist.device, nhwc, placement)
 
     def _trainer(
-        self, built: torch.nn.Module, dist: DistContext, policy: PrecisionPolicy, n_train: int
+        self,
+        built: torch.nn.Module,
+        dist: DistContext,
+        policy: PrecisionPolicy,
+        plan: RunPlan,
+        batch: GlobalBatch,
     ) -> Trainer:
+        """The model placed (and wrapped or sharded), its optimizer, and what each step needs
+        for the run of `plan` in `batch`'s layout."""
         cfg = self.spec.train
         model = place_model(built, cfg, dist.device)
         if cfg.activation_checkpointing:
             checkpoint_activations(sharding_units(model))
-        batch = getattr(self, "_batch", None) or global_batch(None, cfg, dist)
         if cfg.strategy == "fsdp":  # the optimizer then holds this rank's shards only
             model = shard_from_rank0(model, dist, policy, cfg.reshard_after_forward)
             optimizer = make_optimizer(cfg, model)
         else:
             optimizer = make_optimizer(cfg, model)
             model = wrap_ddp(model, dist, cfg.ddp_bucket_cap_mb, batch.accumulation)
-        steps = steps_per_epoch(n_train, cfg.batch_size, batch.data_world, cfg.cuda_graphs)
-        if steps == 0:
-            raise ConfigError(
-                f"train.batch_size={cfg.batch_size} exceeds the {n_train // dist.world_size} "
-                "training samples each rank gets, and train.cuda_graphs=true drops partial "
-                "batches: no step would run. Lower train.batch_size or use fewer ranks"
-            )
-        total_steps = cfg.epochs * steps
+        total_steps = plan.total_steps
         return Trainer(
             model=model,
             optimizer=optimizer,
@@ -247,25 +262,23 @@ class TrainingJob(submitit.helpers.Checkpointable):
             peak_lr=cfg.lr,
             total_steps=total_steps,
             cuda_graphs=uses_cuda_graphs(cfg, dist.device),
-            heartbeat=getattr(self, "_heartbeat", NO_HEARTBEAT),
+            heartbeat=self._heartbeat,
             accumulation=batch.accumulation,
             schedule=schedule_for(cfg, total_steps),
             max_grad_norm=cfg.max_grad_norm,
         )
 
-    def _resume(self, trainer: Trainer, found: Resumable | None) -> Progress:
+    def _resume(
+        self, trainer: Trainer, found: Resumable | None, plan: RunPlan, batch: GlobalBatch
+    ) -> Progress:
         """The run's progress: restored from `found` (the newest checkpoint of out_dir that
         verifies: find_resumable), or a fresh start's."""
-        batch = getattr(self, "_batch", None)
-        data_world = batch.data_world if batch is not None else trainer.dist.world_size
+        cfg = self.spec.train
         if found is None:
-            return Progress(data_seed=self.spec.train.seed, data_world=data_world)
-        sharded, epochs = self.spec.train.strategy == "fsdp", self.spec.train.epochs
-        progress = restore(trainer, found, self._run_identity(), epochs, sharded)
-        progress.data_world = data_world
-        # a checkpoint before a time limit adds the steps done of the next epoch
-        progress.step += progress.epoch_batches
-        self.saved_step = progress.step
+            return Progress(cfg.seed, data_world=batch.data_world, by_step=cfg.counts_steps)
+        sharded = self.spec.train.strategy == "fsdp"
+        progress = restore(trainer, found, self._run_identity(), plan.steps_per_epoch, sharded)
+        progress.data_world = batch.data_world
         return progress
 
     def _run_identity(self) -> dict[str, Any]:
@@ -276,134 +289,15 @@ class TrainingJob(submitit.helpers.Checkpointable):
         """ConfigError when the checkpoint in out_dir belongs to a different run."""
         check_same_run(self._run_identity(), saved, path)
 
-    def _train(
-        self,
-        trainer: Trainer,
-        train: Split,
-        val: Split,
-        progress: Progress,
-        logger: MetricLogger,
-        recorder: EpochRecorder,
-    ) -> None:
-        """Train, validate and record the remaining epochs; before a time limit, checkpoint
-        where the watch stopped and requeue (tasks.train.limit_requeue). Under fsdp every rank
-        writes its shards of each checkpoint (one in flight); the last is in place when this
-        returns, and a failing job completes the one in flight if it can (ShardedSaver.settle)."""
-        cfg, requeue = self.spec.train, self._requeue
-        monitor = monitor_for(cfg, trainer.objective)
-        self.keep = monitor.retain
-        saver = None
-        if cfg.strategy == "fsdp":
-            saver = ShardedSaver(trainer.dist, requeue.save_took, monitor.retain)
-        try:  # (a run resumed after its early stop trains no further)
-            while progress.epoch < cfg.epochs and not monitor.stopped(progress):
-                try:
-                    metrics = self._run_epoch(trainer, train, val, progress)
-                except StoppedForTimeLimit:  # `progress` says where: save there, requeue
-                    requeue.checkpoint_and_requeue(trainer, progress, recorder, saver)
-                verdict = self._observe(monitor, progress, metrics)  # best? stop?
-                trainer.heartbeat.beat("checkpoint", progress.step)
-                if saver is not None:
-                    self._record_sharded(trainer, progress, metrics, logger, recorder, saver)
-                elif trainer.dist.is_main:
-                    self._record(trainer, progress, metrics, logger, recorder)
-                # a search's pruner asks first (a pruned trial), then early stopping
-                if self.epoch_end is not None and self.epoch_end(
-                    progress.epoch, metrics, trainer.dist
-                ):
-                    break
-                if verdict.stop:
-                    if trainer.dist.is_main:  # after the epoch's own line
-                        recorder.submit(partial(print, verdict.line, flush=True))
-                    break
-        except BaseException:
-            if saver is not None:
-                saver.settle()
-            raise
-        if saver is not None:
-            saver.wait()
 
-    def _run_epoch(
-        self, trainer: Trainer, train: Split, val: Split, progress: Progress
-    ) -> dict[str, float]:
-        """Train and validate one epoch; advances `progress` (on every rank). StoppedForTimeLimit
-        when the epoch stopped early for the time limit (`progress` then says where)."""
-        cfg, dist = self.spec.train, trainer.dist
-        epoch = progress.epoch + 1
-        batches = accumulated_batches(
-            train,
-            cfg.batch_size,
-            progress.data_seed,
-            epoch,
-            dist.rank,
-            dist.world_size,
-            trainer.accumulation,
-            drop_last=cfg.cuda_graphs,
-        )[progress.epoch_batches * trainer.accumulation :]  # after a time limit's checkpoint
-        started, first_step = time.perf_counter(), progress.step
-        clock = RankClock(dist.device)
-        stop = self._requeue.epoch(progress, -(-len(batches) // trainer.accumulation))
-        metrics, progress.step = train_epoch(trainer, train, batches, progress.step, clock, stop)
-        if stop.done is not None:
-            progress.epoch_batches += stop.done
-            progress.epoch_sums = stop.totals
-            raise StoppedForTimeLimit
-        progress.epoch_batches, progress.epoch_sums = 0, []
-        samples = sum(int(b.shape[0]) for b in batches)
-        steps = progress.step - first_step
-        parts = trainer.timer.take_epoch()
-        metrics |= epoch_throughput(samples, steps, clock.seconds, dist, self._flops, parts)
-        validated = time.monotonic()
-        val_metrics = evaluate_split(
-            trainer.model,
-            val,
-            4 * cfg.batch_size,
-            trainer.policy,
-            dist,
-            trainer.objective,
-            trainer.cuda_graphs,
-            trainer.heartbeat,
+def plan_for(cfg: TrainConfig, n_train: int, batch: GlobalBatch, dist: DistContext) -> RunPlan:
+    """The run's length and cadence over `n_train` training samples in `batch`'s layout;
+    ConfigError when no step would run."""
+    steps = steps_per_epoch(n_train, cfg.batch_size, batch.data_world, cfg.cuda_graphs)
+    if steps == 0:
+        raise ConfigError(
+            f"train.batch_size={cfg.batch_size} exceeds the {n_train // dist.world_size} "
+            "training samples each rank gets, and train.cuda_graphs=true drops partial "
+            "batches: no step would run. Lower train.batch_size or use fewer ranks"
         )
-        metrics |= {f"val_{k}": v for k, v in val_metrics.items()}
-        self._requeue.limit.estimates.eval_s = time.monotonic() - validated
-        metrics["epoch_time_s"] = time.perf_counter() - started
-        progress.epoch = epoch
-        progress.history.append({"epoch": epoch, "step": progress.step, **metrics})
-        return metrics
-
-    def _observe(self, monitor: Monitor, progress: Progress, metrics: dict[str, float]) -> Verdict:
-        """Whether this validation is the best so far and whether the run stops improving
-        (tasks.train.monitor; kept in `progress`, on every rank)."""
-        return monitor.observe(progress, metrics)
-
-    def _record(
-        self,
-        trainer: Trainer,
-        progress: Progress,
-        metrics: dict[str, float],
-        logger: MetricLogger,
-        recorder: EpochRecorder,
-    ) -> None:
-        """Rank 0's side effects of an epoch (tasks.train.epoch_records.record)."""
-        estimates = self._requeue.limit.estimates
-        record(self, trainer, progress, metrics, logger, recorder, estimates)
-
-    def _decide(
-        self, trainer: Trainer, progress: Progress, metrics: dict[str, float]
-    ) -> tuple[bool, dict[str, Any] | None]:
-        """Whether this epoch flushes the logger, and best.pt's meta if it is the best so far
-        (tasks.train.epoch_records.decide)."""
-        return decide(self, trainer, progress, metrics)
-
-    def _record_sharded(
-        self,
-        trainer: Trainer,
-        progress: Progress,
-        metrics: dict[str, float],
-        logger: MetricLogger,
-        recorder: EpochRecorder,
-        saver: ShardedSaver,
-    ) -> None:
-        """An fsdp epoch's side effects (tasks.train.epoch_records.record_sharded)."""
-        estimates = self._requeue.limit.estimates
-        record_sharded(self, trainer, progress, metrics, logger, recorder, saver, estimates)
+    return run_plan(cfg, steps)

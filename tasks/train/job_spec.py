@@ -37,3 +37,8 @@ class TrainJobSpec(BaseModel):
     max_requeues: int = Field(3, ge=0)
     """Attempts in a row that reach a time limit without a new checkpoint before the job
     fails (cluster.max_requeues); attempts that made progress do not count."""
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        """Where the full training state is written (out_dir/checkpoints)."""
+        return self.out_dir / "checkpoints"

@@ -1,8 +1,8 @@
 """The training and evaluation loops of one epoch.
 
 The loss is the objective's (tasks.objectives); its metrics are summed on the device and read
-once per epoch (one all_reduce, one host sync): an ``.item()`` per step would stall the GPU
-queue every step.
+once per call, an epoch or a segment of one (one all_reduce, one host sync): an ``.item()``
+per step would stall the GPU queue every step.
 """
 
 import itertools
@@ -17,17 +17,17 @@ from torch import nn
 
 from trainflow.cluster.heartbeat import NO_HEARTBEAT, Heartbeat
 from trainflow.tasks.objectives import Objective
-from trainflow.tasks.train.checkpoint import unwrap
+from trainflow.tasks.train.checkpointing.checkpoint import unwrap
 from trainflow.tasks.train.clipping import clip_gradients
 from trainflow.tasks.train.data import SplitData as Split
 from trainflow.tasks.train.data import eval_batches
 from trainflow.tasks.train.distributed import DistContext, all_reduce_sum, gradient_sync
+from trainflow.tasks.train.limits.step_times import NO_TIMER, StepTimer
 from trainflow.tasks.train.outputs import logits_of
 from trainflow.tasks.train.precision import PrecisionPolicy
 from trainflow.tasks.train.prefetch import Batch
 from trainflow.tasks.train.schedule import Schedule
 from trainflow.tasks.train.sharding import is_sharded
-from trainflow.tasks.train.step_times import NO_TIMER, StepTimer
 from trainflow.tasks.train.throughput import RankClock
 
 
@@ -61,7 +61,7 @@ class Trainer:
     or train.grad_accumulation, or a run resumed on fewer ranks that keeps its global batch);
     their gradients add up before the step, all-reduced under DDP in the last one only."""
     timer: StepTimer = NO_TIMER
-    """Told when each step waits for data, starts and ends (tasks.train.step_times)."""
+    """Told when each step waits for data, starts and ends (tasks.train.limits.step_times)."""
     max_grad_norm: float = 0.0
     """Clip the gradients' global norm to this before each optimizer step (train.max_grad_norm);
     0: no clipping, no norm computed."""
@@ -113,7 +113,8 @@ def _train_step(
 
 
 class EpochStop(Protocol):
-    """Tells the loop where to stop early (tasks.train.time_limit) and takes the sums so far."""
+    """Tells the loop where to stop early (tasks.train.limits.time_limit) and takes the sums so
+    far."""
 
     carried: list[float]
     """Metric sums (count last) of the epoch's batches done before this call, all ranks'."""
@@ -123,7 +124,8 @@ class EpochStop(Protocol):
         ...
 
     def stopped(self, done: int, totals: list[float]) -> None:
-        """The loop stopped after `done` of its batches, with these all-rank sums."""
+        """The loop ended after `done` of its steps (all of them, or fewer when it stopped
+        early), with these all-rank sums (the carried ones included, count last)."""
         ...
 
 
@@ -183,7 +185,7 @@ def train_epoch(
     if clock is not None:
         clock.stop()
     *totals, count = all_reduce_sum(sums, trainer.dist).tolist()
-    if stop is not None and done < steps:
+    if stop is not None:
         stop.stopped(done, [*totals, count])
     elapsed = time.perf_counter() - start
     metrics = {f"train_{k}": v for k, v in objective.metrics(totals[: objective.sums_size]).items()}

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 from trainflow.errors import ConfigError
 from trainflow.tasks.objectives import Objective
-from trainflow.tasks.train.checkpoint import newest_kept
+from trainflow.tasks.train.checkpointing.checkpoint import newest_kept
 from trainflow.tasks.train.config import TrainConfig
 
 _CHECKPOINT = re.compile(r"^epoch-(\d{6})(?:\+(\d{6}))?(?:\.pt)?$")
@@ -74,14 +74,19 @@ class Monitor:
             return True
         return value - than > by if self.higher else than - value > by
 
-    def observe(self, state: Tracked, metrics: dict[str, float]) -> Verdict:
-        """Record the validation of epoch `state.epoch` (its `metrics`) into `state`: the
-        best so far (a later one must be strictly better), and the validations in a row
-        without an improvement by more than min_delta over the last one that had it."""
+    def observe(
+        self, state: Tracked, metrics: dict[str, float], position: int | None = None
+    ) -> Verdict:
+        """Record the validation of epoch `state.epoch` (its `metrics`; `position`: its place
+        in the run's history, from 1, when the run validates inside epochs too; default its
+        epoch) into `state`: the best so far (a later one must be strictly better), and the
+        validations in a row without an improvement by more than min_delta over the last one
+        that had it."""
         value = self.value(metrics)
         best = state.best_epoch == 0 or self.better(value, state.best_metric)
         if best:
-            state.best_metric, state.best_epoch = value, state.epoch
+            state.best_metric = value
+            state.best_epoch = state.epoch if position is None else position
         reference = state.improved_from
         if reference is None or self.better(value, reference, self.min_delta):
             state.improved_from, state.stale_validations = value, 0
@@ -118,11 +123,14 @@ class Monitor:
         """The checkpoints of a folder (`newest_first`) to keep, given the run's `history`
         (one entry per validation: its epoch and metrics): the newest, plus the `keep` best by
         the monitor (one taken inside an epoch follows no validation: kept only while it is
-        the newest); without `keep`, the KEEP newest (tasks.train.checkpoint.newest_kept).
-        A tasks.train.checkpoint.Retain."""
+        the newest); without `keep`, the KEEP newest (checkpointing.checkpoint.newest_kept).
+        A tasks.train.checkpointing.checkpoint.Retain."""
         if self.keep is None:
             return newest_kept(newest_first, history)
-        values = {int(h["epoch"]): float(h[self.metric]) for h in history if self.metric in h}
+        values: dict[int, float] = {}  # an epoch's first entry is its end's validation
+        for h in history:  # (later ones of the same count validated inside the next epoch)
+            if self.metric in h:
+                values.setdefault(int(h["epoch"]), float(h[self.metric]))
         scored = [(p.name, _value_of(p.name, values)) for p in newest_first]
         return top_k(scored, self.keep, self.higher)
 

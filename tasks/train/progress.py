@@ -17,13 +17,17 @@ from trainflow.tasks.train.config import TrainConfig
 from trainflow.tasks.train.ref import CheckpointRef
 
 NOT_LOGGED = ("epoch", "step")
-# A run may resume with more epochs, other checkpoint retention or early stopping (its count
-# is kept), on another device, precision or speed setting (memory format, compilation, data
-# placement, DDP buckets, FSDP's resharding and activation checkpointing) or hang allowances;
-# nothing else may change. Not cuda_graphs: it drops each epoch's last partial batch, so it
-# changes which batches a run takes. Not strategy: the checkpoints' layouts differ.
+# A run may resume with more epochs or steps, another logging or checkpoint cadence, other
+# checkpoint retention or early stopping (its count is kept), on another device, precision or
+# speed setting (memory format, compilation, data placement, DDP buckets, FSDP's resharding
+# and activation checkpointing) or hang allowances; nothing else may change. Not cuda_graphs:
+# it drops each epoch's last partial batch, so it changes which batches a run takes. Not
+# strategy: the checkpoints' layouts differ.
 MAY_CHANGE_ON_RESUME = {
     "epochs",
+    "max_steps",
+    "log_every_steps",
+    "checkpoint_every_steps",
     "hang_timeout_s",
     "hang_first_step_s",
     "straggler_fraction",
@@ -61,23 +65,31 @@ class Progress:
     best_metric: float = -1.0
     """The monitored metric (train.monitor) of the best epoch so far (tasks.train.monitor)."""
     best_epoch: int = 0
+    """The best validation's place in `history`, from 1 (its epoch on a run validated once
+    per epoch); 0: none yet."""
     stale_validations: int = 0
     """Validations in a row since the monitor last improved by more than
     train.early_stop_min_delta (early stopping counts these)."""
     improved_from: float | None = None
     """The monitor's value at that last improvement (None: no validation yet)."""
     logged_epochs: int = 0
-    """Epochs whose metrics reached the logger's flush: later ones are re-logged on resume."""
+    """Entries of `history` whose metrics reached the logger's flush: later ones are re-logged
+    on resume."""
     data_world: int = 0
     """Ranks the run started on: its global batch is train.batch_size x data_world, kept when
     it resumes on fewer (tasks.train.resume). 0: not recorded (checkpoints written before)."""
     epoch_batches: int = 0
-    """Steps of epoch `epoch + 1` done: a checkpoint before a time limit (a step is one batch
-    per rank, or `accumulation` micro-batches on a run kept to its global batch)."""
+    """Steps of epoch `epoch + 1` done: a checkpoint inside an epoch (train.max_steps, a step
+    cadence, a time limit; a step is one batch per rank, or `accumulation` micro-batches on a
+    run kept to its global batch)."""
     epoch_sums: list[float] = field(default_factory=list)
     """Those batches' training metric sums, all ranks together (the loop's, count last)."""
     timing: dict[str, float] = field(default_factory=dict)
-    """What the time-limit watch measured (tasks.train.time_limit.Estimates)."""
+    """What the time-limit watch measured (tasks.train.limits.time_limit.Estimates)."""
+    by_step: bool = False
+    """The run's metrics use the global step as their x axis, else the epoch: set when the run
+    starts (train.counts_steps then) and kept, so a resume that adds a step key does not mix
+    the two axes in one MLflow run."""
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> "Progress":
@@ -111,13 +123,21 @@ def check_same_run(current: dict[str, Any], saved: dict[str, Any], path: Path) -
         )
 
 
+def metric_x(progress: Progress, entry: dict[str, float]) -> int:
+    """The x axis value of a history entry's metrics: its global step or its epoch
+    (Progress.by_step)."""
+    return int(entry["step"] if progress.by_step else entry["epoch"])
+
+
 def relog(progress: Progress, logger: MetricLogger, out_dir: Path) -> None:
-    """Log the epochs a previous attempt checkpointed but never handed to its logger (no gaps,
-    no repeats): an attempt whose logger closed cleanly sent or kept all it was given."""
-    done = max(progress.logged_epochs, handed_through(out_dir))
-    for entry in progress.history[done:]:
-        metrics = {k: v for k, v in entry.items() if k not in NOT_LOGGED}
-        logger.log(metrics, step=int(entry["epoch"]))
+    """Log the validations a previous attempt checkpointed but never handed to its logger (no
+    gaps, no repeats): an attempt whose logger closed cleanly sent or kept all it was given."""
+    handed = handed_through(out_dir)
+    for entry in progress.history[progress.logged_epochs :]:
+        x = metric_x(progress, entry)
+        if x > handed:
+            metrics = {k: v for k, v in entry.items() if k not in NOT_LOGGED}
+            logger.log(metrics, step=x)
 
 
 def best_meta(train: TrainConfig, ref: DatasetRef, progress: Progress) -> dict[str, Any]:
@@ -147,7 +167,7 @@ def finish_run(
     return CheckpointRef(
         path=best,
         sha256=sha256_file(best),
-        epoch=progress.best_epoch,
+        epoch=int(entry["epoch"]),
         step=int(entry["step"]),
         metrics={k: v for k, v in entry.items() if k.startswith("val_")},
         history_path=history_path,

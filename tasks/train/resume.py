@@ -22,12 +22,12 @@ from trainflow.errors import ConfigError
 from trainflow.tasks.tracking.journal import Journal
 from trainflow.tasks.tracking.logger import log_run_params
 from trainflow.tasks.train.batching import data_ranks
-from trainflow.tasks.train.checkpoint import Resumable, restore_rng, unwrap
+from trainflow.tasks.train.checkpointing.checkpoint import Resumable, restore_rng, unwrap
+from trainflow.tasks.train.checkpointing.sharded_checkpoint import load_sharded
 from trainflow.tasks.train.config import TrainConfig
 from trainflow.tasks.train.distributed import DistContext
 from trainflow.tasks.train.loop import Trainer
 from trainflow.tasks.train.progress import Progress, check_same_run
-from trainflow.tasks.train.sharded_checkpoint import load_sharded
 
 
 @dataclass(frozen=True)
@@ -115,7 +115,11 @@ def announce_global_batch(batch: GlobalBatch, epoch: int, journal: Journal | Non
 
 
 def restore(
-    trainer: Trainer, found: Resumable, identity: dict[str, Any], epochs: int, sharded: bool
+    trainer: Trainer,
+    found: Resumable,
+    identity: dict[str, Any],
+    steps_per_epoch: int,
+    sharded: bool,
 ) -> Progress:
     """Load `found` into `trainer` (resharded onto this job's ranks under fsdp, however many
     wrote it) and return the run's progress; ConfigError when it belongs to another run
@@ -133,7 +137,8 @@ def restore(
     restore_rng(state["rng"])
     progress = Progress.from_state(state)
     # steps of the run's own layout (the global batch is kept: tasks.train.resume docstring)
-    progress.step = progress.epoch * (trainer.total_steps // epochs)
+    progress.step = progress.epoch * steps_per_epoch + progress.epoch_batches
     if trainer.dist.is_main:
-        print(f"resuming from {path} after epoch {progress.epoch}", flush=True)
+        within = f", step {progress.step}" if progress.epoch_batches else ""
+        print(f"resuming from {path} after epoch {progress.epoch}{within}", flush=True)
     return progress

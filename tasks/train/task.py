@@ -45,7 +45,7 @@ def train_task(
     require_space("train", spec.out_dir, need)  # before the job is queued
     logger = get_run_logger()
     check_cluster(cluster)
-    progress = EpochProgress(spec.out_dir / "checkpoints", spec.train.epochs, logger.warning)
+    progress = EpochProgress(spec.out_dir / "checkpoints", spec.train.epoch_limit, logger.warning)
     with disk_stage("train", spec.out_dir, need):
         ref = train_with_restarts(
             spec, cluster, job_dir, workdir, progress.watching(logger.info), logger.warning, need
@@ -95,7 +95,7 @@ def submit_array(
     """Submit `job(spec)` for every spec as one job array on the configured executor (as
     map_array, but each element a callable of its own). An element is a training job like a
     single one: requeued at every time limit, only its attempts without a new checkpoint
-    counted against cluster.max_requeues (tasks.train.limit_requeue)."""
+    counted against cluster.max_requeues (tasks.train.limits.limit_requeue)."""
     executor = make_executor(cluster, job_dir)
     with executor.batch():
         jobs = [executor.submit(job(spec)) for spec in specs]

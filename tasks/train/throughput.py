@@ -27,8 +27,8 @@ from trainflow.tasks.spec import DataSpec
 from trainflow.tasks.tracking.journal import Journal
 from trainflow.tasks.tracking.logger import tag_run
 from trainflow.tasks.train.distributed import DistContext
+from trainflow.tasks.train.limits.step_times import PARTS, gather_rows
 from trainflow.tasks.train.outputs import is_transformers_model, logits_of
-from trainflow.tasks.train.step_times import PARTS, gather_rows
 
 # Dense (no sparsity) peak FLOP/s per GPU from the vendors' data sheets: (bf16/fp16 tensor
 # cores, fp32 without TF32). The first name that the device name contains wins.
@@ -161,7 +161,7 @@ def epoch_throughput(
     parts: list[float] | None = None,
 ) -> dict[str, float]:
     """Gather every rank's (samples, steps, seconds, and the epoch's seconds of data wait,
-    compute and communication: `parts`, tasks.train.step_times) of the epoch (one small
+    compute and communication: `parts`, tasks.train.limits.step_times) of the epoch (one small
     all-gather) and return, on every rank, the per-rank spread, each rank's step time and its
     parts, achieved FLOP/s and MFU as metrics."""
     row = [float(samples), float(steps), seconds, *(parts or [0.0, 0.0, 0.0])]

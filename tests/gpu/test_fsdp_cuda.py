@@ -9,9 +9,9 @@ import torch
 
 from tests.unit import fsdp_ranks
 from tests.unit.datasets import write_dataset
+from trainflow.tasks.train.checkpointing.sharded_checkpoint import sharded_checkpoints
 from trainflow.tasks.train.config import TrainConfig
 from trainflow.tasks.train.job import TrainingJob, TrainJobSpec
-from trainflow.tasks.train.sharded_checkpoint import sharded_checkpoints
 
 pytestmark = [
     pytest.mark.gpu,

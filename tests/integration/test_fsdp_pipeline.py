@@ -12,7 +12,7 @@ from mlflow.tracking import MlflowClient
 
 from trainflow.flows.pipeline import pipeline
 from trainflow.tasks.tracking.runs import use_tracking_uri
-from trainflow.tasks.train.sharded_checkpoint import SUMS, sharded_checkpoints
+from trainflow.tasks.train.checkpointing.sharded_checkpoint import SUMS, sharded_checkpoints
 
 pytestmark = pytest.mark.integration
 

@@ -20,7 +20,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from trainflow.flows.pipeline import PipelineSummary, pipeline
 from trainflow.tasks.tracking.runs import use_tracking_uri
-from trainflow.tasks.train.checkpoint import load_state
+from trainflow.tasks.train.checkpointing.checkpoint import load_state
 
 pytestmark = pytest.mark.integration
 

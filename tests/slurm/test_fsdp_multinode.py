@@ -23,11 +23,11 @@ from trainflow.cluster.config import ClusterConfig
 from trainflow.cluster.executor import make_executor
 from trainflow.cluster.jobs import wait_for_job
 from trainflow.tasks.spec import DataSpec
+from trainflow.tasks.train.checkpointing.sharded_checkpoint import sharded_checkpoints
 from trainflow.tasks.train.config import TrainConfig
 from trainflow.tasks.train.job import TrainingJob, TrainJobSpec
 from trainflow.tasks.train.models import mlp
 from trainflow.tasks.train.ref import CheckpointRef
-from trainflow.tasks.train.sharded_checkpoint import sharded_checkpoints
 from trainflow.tasks.train.task import train_with_restarts
 
 pytestmark = pytest.mark.timeout(300)

@@ -23,7 +23,7 @@ from tests.integration.test_hf_models import (
     split_arrays,
 )
 from trainflow.tasks.tracking.runs import use_tracking_uri
-from trainflow.tasks.train.checkpoint import load_state
+from trainflow.tasks.train.checkpointing.checkpoint import load_state
 
 TWO_NODES = ["cluster.executor=slurm", "cluster.nodes=2", "cluster.ranks_per_node=1"]
 

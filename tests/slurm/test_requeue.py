@@ -24,7 +24,7 @@ from trainflow.cluster.jobs import wait_for_job
 from trainflow.tasks.tracking.config import TrackingConfig
 from trainflow.tasks.tracking.pipeline_runs import PipelineRuns
 from trainflow.tasks.tracking.relay import relaying
-from trainflow.tasks.train.checkpoint import latest_checkpoint, load_state
+from trainflow.tasks.train.checkpointing.checkpoint import latest_checkpoint, load_state
 from trainflow.tasks.train.config import TrainConfig
 from trainflow.tasks.train.job import TrainingJob, TrainJobSpec
 from trainflow.tasks.train.ref import CheckpointRef

@@ -22,7 +22,7 @@ from trainflow.cluster.config import ClusterConfig
 from trainflow.cluster.executor import make_executor
 from trainflow.cluster.jobs import wait_for_job
 from trainflow.cluster.snapshot import snapshot_for_jobs
-from trainflow.tasks.train.checkpoint import load_state
+from trainflow.tasks.train.checkpointing.checkpoint import load_state
 from trainflow.tasks.train.config import TrainConfig
 from trainflow.tasks.train.job import TrainJobSpec
 from trainflow.tasks.train.ref import CheckpointRef

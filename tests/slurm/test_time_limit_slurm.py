@@ -18,7 +18,7 @@ from trainflow.cluster.config import ClusterConfig
 from trainflow.cluster.executor import make_executor
 from trainflow.cluster.jobs import wait_for_job
 from trainflow.errors import JobError
-from trainflow.tasks.train.checkpoint import latest_checkpoint, load_state
+from trainflow.tasks.train.checkpointing.checkpoint import latest_checkpoint, load_state
 from trainflow.tasks.train.config import TrainConfig
 from trainflow.tasks.train.job import TrainingJob, TrainJobSpec
 from trainflow.tasks.train.ref import CheckpointRef
@@ -31,7 +31,7 @@ def _untimed(entry: dict[str, float]) -> dict[str, float]:
 
 
 def test_a_job_reads_its_time_left_from_squeue(tmp_path: Path) -> None:
-    code = "from trainflow.tasks.train.time_limit import seconds_left; print(seconds_left())"
+    code = "from trainflow.tasks.train.limits.time_limit import seconds_left; print(seconds_left())"
     out = subprocess.run(
         ["srun", "--time=1", "--chdir", str(tmp_path), sys.executable, "-c", code],
         capture_output=True,
@@ -48,7 +48,7 @@ def test_each_element_of_a_job_array_reads_its_own_time_left(tmp_path: Path) -> 
     # both elements are in the queue when they read (the sleep), so that id lists two.
     code = (
         "import time; time.sleep(5); "
-        "from trainflow.tasks.train.time_limit import seconds_left; print(seconds_left())"
+        "from trainflow.tasks.train.limits.time_limit import seconds_left; print(seconds_left())"
     )
     subprocess.run(
         ["sbatch", "--wait", "--array=0-1", "--time=1", "--chdir", str(tmp_path),

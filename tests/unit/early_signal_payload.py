@@ -7,7 +7,7 @@ from pathlib import Path
 import submitit
 
 import trainflow.tasks.train  # noqa: F401  (what unpickling a training job imports first)
-from trainflow.tasks.train.early_signal import (
+from trainflow.tasks.train.limits.early_signal import (
     deliver_held_signal,
     in_submitit_task,
     preemption_signal,

@@ -20,12 +20,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainflow.tasks.spec import DataSpec
-from trainflow.tasks.train.checkpoint import save_best_weights, unwrap
+from trainflow.tasks.train.checkpointing.checkpoint import save_best_weights, unwrap
+from trainflow.tasks.train.checkpointing.sharded_checkpoint import full_weights
 from trainflow.tasks.train.clipping import clip_gradients
 from trainflow.tasks.train.distributed import DistContext, wrap_ddp
 from trainflow.tasks.train.first_result import load_best
 from trainflow.tasks.train.precision import PrecisionPolicy
-from trainflow.tasks.train.sharded_checkpoint import full_weights
 from trainflow.tasks.train.sharded_init import build_on_rank, shard_from_rank0
 from trainflow.tasks.train.sharding import local_numel
 

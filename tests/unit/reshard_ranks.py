@@ -1,5 +1,6 @@
 """Real gloo rank processes for the resharding tests: ranks that train the charlm transformer
-under FSDP with AdamW and write a sharded checkpoint (tasks.train.sharded_checkpoint), and
+under FSDP with AdamW and write a sharded checkpoint
+(tasks.train.checkpointing.sharded_checkpoint), and
 ranks, as many or fewer, that load it; each side's whole model and optimizer state, gathered,
 goes to a file the test compares value by value. A world of one runs as the training job runs
 it: no process group, the model not sharded, DCP without collectives."""
@@ -19,11 +20,11 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
 from tests.unit import fsdp_ranks
-from trainflow.tasks.train.checkpoint import host_copy
+from trainflow.tasks.train.checkpointing.checkpoint import host_copy
+from trainflow.tasks.train.checkpointing.sharded_checkpoint import ShardedSaver, load_sharded
 from trainflow.tasks.train.config import TrainConfig
 from trainflow.tasks.train.distributed import DistContext
 from trainflow.tasks.train.optimizers import make_optimizer
-from trainflow.tasks.train.sharded_checkpoint import ShardedSaver, load_sharded
 from trainflow.tasks.train.sharded_init import build_on_rank, shard_from_rank0
 from trainflow.tasks.train.sharding import local_numel
 

@@ -9,7 +9,7 @@ DDP does by default (torch's allreduce_hook), registered on the job's DDP model.
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import cloudpickle
 import pytest
@@ -26,18 +26,15 @@ from trainflow.errors import ConfigError
 from trainflow.flows.config import build_config
 from trainflow.flows.preflight import check_global_batch
 from trainflow.tasks.preprocess.ref import DatasetRef
-from trainflow.tasks.tracking.logger import MetricLogger
-from trainflow.tasks.train.checkpoint import Resumable
+from trainflow.tasks.train.checkpointing.checkpoint import Resumable
+from trainflow.tasks.train.checkpointing.sharded_checkpoint import sharded_checkpoints
 from trainflow.tasks.train.config import TrainConfig
-from trainflow.tasks.train.data import SplitData as Data
 from trainflow.tasks.train.distributed import DistContext
 from trainflow.tasks.train.job import TrainingJob, TrainJobSpec
 from trainflow.tasks.train.loop import Trainer
 from trainflow.tasks.train.precision import PrecisionPolicy
-from trainflow.tasks.train.progress import Progress
-from trainflow.tasks.train.recorder import EpochRecorder
+from trainflow.tasks.train.recipe import Recipe
 from trainflow.tasks.train.resume import announce_global_batch, global_batch
-from trainflow.tasks.train.sharded_checkpoint import sharded_checkpoints
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -56,24 +53,24 @@ class CountsAllReduces(TrainingJob):
     """Trains as the job does, counting its DDP all-reduce rounds into rounds-<rank>.json."""
 
     def _trainer(
-        self, built: torch.nn.Module, dist: DistContext, policy: PrecisionPolicy, n_train: int
+        self, built: torch.nn.Module, dist: DistContext, policy: PrecisionPolicy, *args: Any
     ) -> Trainer:
-        trainer = super()._trainer(built, dist, policy, n_train)
-        self._rounds = [0]
-        trainer.model.register_comm_hook(self._rounds, _counting_allreduce)  # type: ignore[operator]
+        trainer = super()._trainer(built, dist, policy, *args)
+        rounds = [0]
+        trainer.model.register_comm_hook(rounds, _counting_allreduce)  # type: ignore[operator]
+        self.recipe = type("Counting", (_WritesRounds,), {"rounds": rounds})
         return trainer
 
-    def _train(
-        self,
-        trainer: Trainer,
-        train: Data,
-        val: Data,
-        progress: Progress,
-        logger: MetricLogger,
-        recorder: EpochRecorder,
-    ) -> None:
-        super()._train(trainer, train, val, progress, logger, recorder)
-        found = {"rounds": self._rounds[0], "steps": progress.step, "micro": trainer.accumulation}
+
+class _WritesRounds(Recipe):
+    """Trains, then writes the rounds its model's comm hook counted."""
+
+    rounds: ClassVar[list[int]] = []
+
+    def run(self) -> None:
+        super().run()
+        trainer, progress = self.trainer, self.progress
+        found = {"rounds": self.rounds[0], "steps": progress.step, "micro": trainer.accumulation}
         path = self.spec.out_dir / f"rounds-{trainer.dist.rank}.json"
         path.write_text(json.dumps(found))
 

@@ -15,7 +15,7 @@ from tests.slow_steps import SlowSteps
 from tests.unit.datasets import write_dataset
 from trainflow.cluster.config import ClusterConfig
 from trainflow.cluster.jobs import wait_for_jobs
-from trainflow.tasks.train.checkpoint import latest_checkpoint, load_state
+from trainflow.tasks.train.checkpointing.checkpoint import latest_checkpoint, load_state
 from trainflow.tasks.train.config import TrainConfig
 from trainflow.tasks.train.job import TrainJobSpec
 from trainflow.tasks.train.ref import CheckpointRef

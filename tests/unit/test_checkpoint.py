@@ -17,7 +17,8 @@ from trainflow.errors import ConfigError, DataError
 from trainflow.tasks.hashing import sha256_file
 from trainflow.tasks.preprocess.ref import DatasetRef
 from trainflow.tasks.tracking.relay import Relay
-from trainflow.tasks.train.checkpoint import (
+from trainflow.tasks.train.cadence import Due
+from trainflow.tasks.train.checkpointing.checkpoint import (
     atomic_save,
     latest_checkpoint,
     load_state,
@@ -28,9 +29,8 @@ from trainflow.tasks.train.checkpoint import (
     training_state,
 )
 from trainflow.tasks.train.config import TrainConfig
-from trainflow.tasks.train.data import SplitData as Split
-from trainflow.tasks.train.job import Progress, TrainingJob, TrainJobSpec
-from trainflow.tasks.train.loop import Trainer
+from trainflow.tasks.train.job import TrainingJob, TrainJobSpec
+from trainflow.tasks.train.recipe import Recipe
 
 
 @pytest.fixture(autouse=True)
@@ -56,21 +56,27 @@ def _spec(dataset: DatasetRef, out_dir: Path, epochs: int, **keys: Any) -> Train
 RECIPE = {"schedule": "wsd", "warmup_fraction": 0.25, "min_lr_ratio": 0.1, "max_grad_norm": 0.1}
 
 
+class _CrashesInEpoch2(Recipe):
+    crash_after = 1
+
+    def segment(self) -> tuple[dict[str, float], Due]:
+        if self.progress.epoch >= self.crash_after:
+            raise RuntimeError("simulated preemption")
+        return super().segment()
+
+
+class _CrashesInEpoch3(_CrashesInEpoch2):
+    crash_after = 2
+
+
 class CrashAfterFirstEpoch(TrainingJob):
     """Dies as a preempted job would: after epoch 1 was checkpointed, before epoch 2 ends."""
 
-    crash_after = 1
-
-    def _run_epoch(
-        self, trainer: Trainer, train: Split, val: Split, progress: Progress
-    ) -> dict[str, float]:
-        if progress.epoch >= self.crash_after:
-            raise RuntimeError("simulated preemption")
-        return super()._run_epoch(trainer, train, val, progress)
+    recipe = _CrashesInEpoch2
 
 
-class CrashAfterSecondEpoch(CrashAfterFirstEpoch):
-    crash_after = 2
+class CrashAfterSecondEpoch(TrainingJob):
+    recipe = _CrashesInEpoch3
 
 
 def _final_state(out_dir: Path) -> dict:
@@ -158,7 +164,7 @@ def test_a_resumed_job_logs_every_epoch_to_mlflow_exactly_once(
     )
     with pytest.raises(RuntimeError, match="simulated preemption"):
         CrashAfterFirstEpoch(spec)()  # epoch 1 was checkpointed, its metrics still buffered
-    # The failing job drains its metric buffer (tasks.train.recorder): epoch 1 is not lost...
+    # The failing job drains its metric buffer (checkpointing.recorder): epoch 1 is not lost...
     Relay(spec.out_dir, uri, run_id, say=print).finish()  # the flow sends the journal
     assert [m.step for m in client.get_metric_history(run_id, "val_accuracy")] == [1]
     TrainingJob(spec)()  # ...and the resumed job, which starts at epoch 2, does not log it again
@@ -180,7 +186,7 @@ def test_a_resumed_job_logs_every_epoch_to_mlflow_exactly_once(
             for s in ("min", "median", "max")
         ),
         "slowest_rank",
-        # each rank's step time and its parts (tasks.train.step_times): one rank here
+        # each rank's step time and its parts (tasks.train.limits.step_times): one rank here
         *(f"rank_{part}_s/rank_0" for part in ("step", "data_wait", "compute", "comm")),
         "achieved_flops_per_s",
         "model_flops_per_sample",

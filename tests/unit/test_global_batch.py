@@ -22,27 +22,30 @@ from trainflow.cluster.jobs import JobError, wait_for_job
 from trainflow.errors import ConfigError
 from trainflow.tasks.preprocess.ref import DatasetRef
 from trainflow.tasks.tracking.relay import relaying
-from trainflow.tasks.train.checkpoint import Resumable
+from trainflow.tasks.train.cadence import Due
+from trainflow.tasks.train.checkpointing.checkpoint import Resumable
+from trainflow.tasks.train.checkpointing.sharded_checkpoint import TRAIN_STATE, sharded_checkpoints
 from trainflow.tasks.train.config import TrainConfig
 from trainflow.tasks.train.data import Split, accumulated_batches, rank_batches
-from trainflow.tasks.train.data import SplitData as Data
 from trainflow.tasks.train.distributed import DistContext
 from trainflow.tasks.train.job import TrainingJob, TrainJobSpec
-from trainflow.tasks.train.loop import Trainer
-from trainflow.tasks.train.progress import Progress
+from trainflow.tasks.train.recipe import Recipe
 from trainflow.tasks.train.resume import global_batch
-from trainflow.tasks.train.sharded_checkpoint import TRAIN_STATE, sharded_checkpoints
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+class _LosesANodeInEpoch2(Recipe):
+    def segment(self) -> tuple[dict[str, float], Due]:
+        if self.progress.epoch >= 1:
+            raise RuntimeError("simulated loss of a node")
+        return super().segment()
 
 
 class StopsInEpoch2(TrainingJob):
     """Dies as a lost rank's job does: after epoch 1 was checkpointed, before epoch 2 ends."""
 
-    def _run_epoch(self, trainer: Trainer, train: Data, val: Data, progress: Progress) -> Any:
-        if progress.epoch >= 1:
-            raise RuntimeError("simulated loss of a node")
-        return super()._run_epoch(trainer, train, val, progress)
+    recipe = _LosesANodeInEpoch2
 
 
 def _spec(dataset: DatasetRef, out_dir: Path, strategy: str) -> TrainJobSpec:

@@ -213,7 +213,7 @@ def test_a_stopped_rank_is_named_with_its_stacks_and_the_job_restarts(
 def test_the_stuck_frame_is_the_main_threads_innermost_own_code() -> None:
     dump = """Thread 0x00007fb3191fc6c0 (most recent call first):
   File "/usr/lib/python3.11/threading.py", line 324 in wait
-  File "/x/trainflow/tasks/train/recorder.py", line 40 in _run
+  File "/x/trainflow/tasks/train/checkpointing/recorder.py", line 40 in _run
 
 Current thread 0x00007fb319e4cb80 (most recent call first):
   File "/v/lib/python3.11/site-packages/torch/autograd/graph.py", line 825 in _engine_run_backward

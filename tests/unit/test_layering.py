@@ -156,7 +156,7 @@ def test_the_data_path_check_finds_the_arrows_that_went_back_up() -> None:
     """The three arrows issue 46 removed, and a top module reaching a stage, each fail."""
     graph: Graph = {
         "trainflow.tasks.objectives.classification": {"trainflow.tasks.evaluate.plots": 67},
-        "trainflow.tasks.tracking.progress": {"trainflow.tasks.train.checkpoint": 20},
+        "trainflow.tasks.tracking.progress": {"trainflow.tasks.train.checkpointing.checkpoint": 20},
         "trainflow.tasks.tracking.stage_logs": {"trainflow.tasks.preprocess.ref": 6},
         "trainflow.tasks.tracking.lineage": {"trainflow.tasks.objectives": 3},
         "trainflow.tasks.hashing": {"trainflow.tasks.preprocess.dataset": 9},
@@ -172,7 +172,8 @@ def test_the_data_path_check_finds_the_arrows_that_went_back_up() -> None:
     }
     assert against_the_data_path(graph) == [
         "trainflow.tasks.objectives.classification -> trainflow.tasks.evaluate.plots (line 67)",
-        "trainflow.tasks.tracking.progress -> trainflow.tasks.train.checkpoint (line 20)",
+        "trainflow.tasks.tracking.progress -> "
+        "trainflow.tasks.train.checkpointing.checkpoint (line 20)",
         "trainflow.tasks.tracking.stage_logs -> trainflow.tasks.preprocess.ref (line 6)",
         "trainflow.tasks.tracking.lineage -> trainflow.tasks.objectives (line 3)",
         "trainflow.tasks.hashing -> trainflow.tasks.preprocess.dataset (line 9)",

@@ -20,7 +20,7 @@ from trainflow.errors import ConfigError
 from trainflow.flows.config import build_config
 from trainflow.flows.preflight import preflight, user_modules
 from trainflow.tasks.plugins import PluginError
-from trainflow.tasks.train.checkpoint import latest_checkpoint, load_state
+from trainflow.tasks.train.checkpointing.checkpoint import latest_checkpoint, load_state
 from trainflow.tasks.train.config import TrainConfig
 from trainflow.tasks.train.job import TrainingJob, TrainJobSpec
 from trainflow.tasks.train.optimizers import make_optimizer

@@ -12,7 +12,7 @@ from tests.unit.datasets import write_dataset, write_rgb_dataset
 from trainflow.errors import ConfigError
 from trainflow.tasks.preprocess.ref import DatasetRef
 from trainflow.tasks.spec import image_classification
-from trainflow.tasks.train.checkpoint import latest_checkpoint, load_state
+from trainflow.tasks.train.checkpointing.checkpoint import latest_checkpoint, load_state
 from trainflow.tasks.train.config import TrainConfig
 from trainflow.tasks.train.data import (
     Placement,
@@ -22,14 +22,14 @@ from trainflow.tasks.train.data import (
     rank_batches,
     steps_per_epoch,
 )
-from trainflow.tasks.train.job import Progress, TrainingJob, TrainJobSpec
-from trainflow.tasks.train.loop import Trainer
+from trainflow.tasks.train.job import TrainingJob, TrainJobSpec
 from trainflow.tasks.train.model_plugins import build_model
 from trainflow.tasks.train.models import (
     place_model,
     uses_cuda_graphs,
 )
 from trainflow.tasks.train.prefetch import Prefetcher
+from trainflow.tasks.train.recipe import Recipe
 
 CPU = torch.device("cpu")
 NHWC = torch.channels_last
@@ -138,13 +138,17 @@ class _Preempted(Exception):
     pass
 
 
+class _PreemptedAfterEpoch1(Recipe):
+    def record(self, *args: Any) -> None:
+        super().record(*args)
+        if self.progress.epoch == 1:
+            raise _Preempted
+
+
 class _StopsAfterEpoch1(TrainingJob):
     """Dies right after its first checkpoint, as a preempted job does."""
 
-    def _record(self, trainer: Trainer, progress: Progress, *args: Any) -> None:
-        super()._record(trainer, progress, *args)
-        if progress.epoch == 1:
-            raise _Preempted
+    recipe = _PreemptedAfterEpoch1
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="tests the CPU fallback")

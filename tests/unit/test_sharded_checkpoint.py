@@ -1,4 +1,5 @@
-"""Sharded checkpoints of train.strategy=fsdp jobs (tasks.train.sharded_checkpoint), for real:
+"""Sharded checkpoints of train.strategy=fsdp jobs (tasks.train.checkpointing.sharded_checkpoint),
+for real:
 2 gloo ranks through submitit's local executor, and the job in this process (one rank: the
 same DCP files, written and read without a process group)."""
 
@@ -23,16 +24,21 @@ from trainflow.cluster.jobs import wait_for_job
 from trainflow.errors import ConfigError
 from trainflow.tasks.preprocess.ref import DatasetRef
 from trainflow.tasks.spec import DataSpec
-from trainflow.tasks.train.checkpoint import Resumable
+from trainflow.tasks.train.cadence import Due
+from trainflow.tasks.train.checkpointing.checkpoint import Resumable
+from trainflow.tasks.train.checkpointing.sharded_checkpoint import (
+    SUMS,
+    TRAIN_STATE,
+    sharded_checkpoints,
+)
 from trainflow.tasks.train.config import TrainConfig
-from trainflow.tasks.train.data import SplitData as Split
 from trainflow.tasks.train.job import TrainingJob, TrainJobSpec
 from trainflow.tasks.train.loop import Trainer
 from trainflow.tasks.train.model_plugins import check_model
 from trainflow.tasks.train.models import mlp
 from trainflow.tasks.train.progress import Progress
+from trainflow.tasks.train.recipe import Recipe
 from trainflow.tasks.train.ref import CheckpointRef
-from trainflow.tasks.train.sharded_checkpoint import SUMS, TRAIN_STATE, sharded_checkpoints
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -62,36 +68,50 @@ def _full_state(trainer: Trainer) -> dict[str, Any]:
     return {"model": model, "optimizer": optimizer}
 
 
+class _DumpsRecords(Recipe):
+    def record(self, *args: Any) -> None:
+        super().record(*args)
+        state = _full_state(self.trainer)
+        if self.trainer.dist.is_main:
+            torch.save(state, self.spec.out_dir / f"full-{self.progress.epoch}.pt")
+
+
 class DumpsSavedState(TrainingJob):
     """Also writes the whole state it checkpoints each epoch to full-<epoch>.pt (rank 0)."""
 
-    def _record_sharded(self, trainer: Trainer, progress: Progress, *args: Any) -> None:
-        super()._record_sharded(trainer, progress, *args)
-        state = _full_state(trainer)
-        if trainer.dist.is_main:
-            torch.save(state, self.spec.out_dir / f"full-{progress.epoch}.pt")
+    recipe = _DumpsRecords
 
 
 class DumpsResumedState(TrainingJob):
     """Writes the whole state it resumed with to resumed.pt (rank 0)."""
 
-    def _resume(self, trainer: Trainer, found: Resumable | None) -> Progress:
-        progress = super()._resume(trainer, found)
+    def _resume(self, trainer: Trainer, found: Resumable | None, *args: Any) -> Progress:
+        progress = super()._resume(trainer, found, *args)
         state = _full_state(trainer)
         if trainer.dist.is_main:
             torch.save({**state, "epoch": progress.epoch}, self.spec.out_dir / "resumed.pt")
         return progress
 
 
+class _CrashesInEpoch2(Recipe):
+    def segment(self) -> tuple[dict[str, float], Due]:
+        if self.progress.epoch >= 1:
+            raise RuntimeError("simulated preemption")
+        return super().segment()
+
+
 class CrashAfterFirstEpoch(TrainingJob):
     """Dies as a preempted job would: after epoch 1 was checkpointed, before epoch 2 ends."""
 
-    def _run_epoch(
-        self, trainer: Trainer, train: Split, val: Split, progress: Progress
-    ) -> dict[str, float]:
-        if progress.epoch >= 1:
-            raise RuntimeError("simulated preemption")
-        return super()._run_epoch(trainer, train, val, progress)
+    recipe = _CrashesInEpoch2
+
+
+class _HeldBeforeEpoch3(Recipe):
+    def segment(self) -> tuple[dict[str, float], Due]:
+        gate = self.spec.out_dir.with_suffix(".gate")
+        while self.trainer.dist.is_main and self.progress.epoch + 1 == 3 and not gate.exists():
+            time.sleep(0.05)
+        return super().segment()
 
 
 class HeldBeforeEpoch3(TrainingJob):
@@ -100,13 +120,7 @@ class HeldBeforeEpoch3(TrainingJob):
     rank 0 leaves); the requeued attempt (a new instance made by `checkpoint`) waits on the
     same file."""
 
-    def _run_epoch(
-        self, trainer: Trainer, train: Split, val: Split, progress: Progress
-    ) -> dict[str, float]:
-        gate = self.spec.out_dir.with_suffix(".gate")
-        while trainer.dist.is_main and progress.epoch + 1 == 3 and not gate.exists():
-            time.sleep(0.05)
-        return super()._run_epoch(trainer, train, val, progress)
+    recipe = _HeldBeforeEpoch3
 
 
 def _assert_same_state(a: Any, b: Any) -> None:

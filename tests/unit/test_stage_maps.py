@@ -1,4 +1,5 @@
-"""Each stage folder of tasks/ is readable from its `__init__` docstring: a map of its modules.
+"""Each stage folder of tasks/ is readable from its `__init__` docstring: a map of its modules
+and sub-packages (each sub-package maps its own).
 
 The map lists each module once, one line each, under "Modules:"; a module added, renamed or
 removed without its line fails here, so the map never points at what is not there.
@@ -22,11 +23,22 @@ def mapped(folder: Path) -> list[str]:
     return [line.split()[0] for line in lines if line.startswith("    ")]
 
 
-@pytest.mark.parametrize("stage", STAGES)
+def _folders() -> list[str]:
+    """The stages and their sub-packages (each maps its own modules and sub-packages)."""
+    found = []
+    for stage in STAGES:
+        found += [stage] + [
+            f"{stage}/{p.parent.name}" for p in sorted((TASKS / stage).glob("*/__init__.py"))
+        ]
+    return found
+
+
+@pytest.mark.parametrize("stage", _folders())
 def test_the_stage_docstring_maps_its_modules(stage: str) -> None:
     folder = TASKS / stage
     listed = mapped(folder)
-    present = sorted(p.stem for p in folder.glob("*.py") if p.stem != "__init__")
+    modules = [p.stem for p in folder.glob("*.py") if p.stem != "__init__"]
+    present = sorted(modules + [p.parent.name for p in folder.glob("*/__init__.py")])
     assert len(listed) == len(set(listed)), f"{stage}: a module listed twice: {listed}"
     unmapped = sorted(set(present) - set(listed))
     stale = sorted(set(listed) - set(present) - {"__init__"})

@@ -25,7 +25,7 @@ from trainflow.tasks.preprocess.ref import DatasetRef
 from trainflow.tasks.tracking.relay import Relay
 from trainflow.tasks.train.config import TrainConfig
 from trainflow.tasks.train.job import TrainingJob, TrainJobSpec
-from trainflow.tasks.train.stragglers import (
+from trainflow.tasks.train.limits.stragglers import (
     FSDP_NOTE,
     TAG,
     StragglerWatch,

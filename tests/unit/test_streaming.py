@@ -14,7 +14,7 @@ from tests.unit.test_checkpoint import CrashAfterFirstEpoch
 from trainflow.tasks.hashing import sha256_file
 from trainflow.tasks.preprocess.dataset import read_manifest
 from trainflow.tasks.preprocess.ref import DatasetRef
-from trainflow.tasks.train.checkpoint import latest_checkpoint, load_state
+from trainflow.tasks.train.checkpointing.checkpoint import latest_checkpoint, load_state
 from trainflow.tasks.train.config import TrainConfig
 from trainflow.tasks.train.data import Split, load_split_to, rank_batches
 from trainflow.tasks.train.job import TrainingJob, TrainJobSpec

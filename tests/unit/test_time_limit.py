@@ -1,4 +1,5 @@
-"""The time-limit rule (tasks.train.time_limit.plan) fed with a real step and a real save, and
+"""The time-limit rule (tasks.train.limits.time_limit.plan) fed with a real step and a real save,
+and
 the training job run for real under the local executor's time limit: it checkpoints before the
 limit, requeues, and ends with exactly the weights and metrics of a run without a limit; a job
 whose attempts make no progress fails with one clear line after cluster.max_requeues.
@@ -21,20 +22,18 @@ from trainflow.cluster.executor import make_executor
 from trainflow.cluster.jobs import wait_for_job
 from trainflow.errors import JobError
 from trainflow.tasks.preprocess.ref import DatasetRef
-from trainflow.tasks.train.checkpoint import (
+from trainflow.tasks.train.checkpointing.checkpoint import (
     checkpoint_epoch,
     checkpoints,
     latest_checkpoint,
     load_state,
     save_checkpoint,
 )
-from trainflow.tasks.train.checkpoint import training_state as full_state
+from trainflow.tasks.train.checkpointing.checkpoint import training_state as full_state
 from trainflow.tasks.train.config import TrainConfig
 from trainflow.tasks.train.distributed import DistContext
 from trainflow.tasks.train.job import TrainingJob, TrainJobSpec
-from trainflow.tasks.train.models import ReferenceCNN
-from trainflow.tasks.train.ref import CheckpointRef
-from trainflow.tasks.train.time_limit import (
+from trainflow.tasks.train.limits.time_limit import (
     SAVE_FACTOR,
     Estimates,
     TimeLimit,
@@ -42,6 +41,8 @@ from trainflow.tasks.train.time_limit import (
     plan,
     squeue_job_id,
 )
+from trainflow.tasks.train.models import ReferenceCNN
+from trainflow.tasks.train.ref import CheckpointRef
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -220,7 +221,7 @@ _SAVE_DURING_SIGNAL = """
 import os, signal, sys, time
 import torch
 from trainflow.tasks.train.distributed import DistContext
-from trainflow.tasks.train.time_limit import TimeLimit, hold_limit_signal, requeue_now
+from trainflow.tasks.train.limits.time_limit import TimeLimit, hold_limit_signal, requeue_now
 
 def acting(signum, frame):  # stands for submitit's handler: requeue, then exit
     print("requeued", flush=True)

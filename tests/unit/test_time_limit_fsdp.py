@@ -23,13 +23,13 @@ from tests.slow_steps import SlowSteps
 from tests.unit.test_time_limit import _executor, _spec, _untimed, dataset
 from trainflow.cluster.jobs import wait_for_job
 from trainflow.tasks.preprocess.ref import DatasetRef
-from trainflow.tasks.train.job import TrainingJob, TrainJobSpec
-from trainflow.tasks.train.ref import CheckpointRef
-from trainflow.tasks.train.sharded_checkpoint import (
+from trainflow.tasks.train.checkpointing.sharded_checkpoint import (
     TRAIN_STATE,
     checkpoint_name,
     sharded_checkpoints,
 )
+from trainflow.tasks.train.job import TrainingJob, TrainJobSpec
+from trainflow.tasks.train.ref import CheckpointRef
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 

@@ -31,7 +31,7 @@ from trainflow.tasks.tracking.logger import make_logger
 from trainflow.tasks.tracking.pipeline_runs import PipelineRuns
 from trainflow.tasks.tracking.relay import Relay, TrackingUnavailable
 from trainflow.tasks.tracking.sender import MetricSender
-from trainflow.tasks.train.checkpoint import latest_checkpoint
+from trainflow.tasks.train.checkpointing.checkpoint import latest_checkpoint
 from trainflow.tasks.train.config import TrainConfig
 from trainflow.tasks.train.job import TrainJobSpec
 from trainflow.tasks.train.ref import CheckpointRef

@@ -27,26 +27,31 @@ from trainflow.errors import ConfigError, JobError
 from trainflow.tasks.hashing import sha256_file
 from trainflow.tasks.objectives import make_objective
 from trainflow.tasks.preprocess.ref import DatasetRef, dataset_spec
-from trainflow.tasks.train.checkpoint import host_copy, latest_checkpoint, training_state
+from trainflow.tasks.train.cadence import Due
+from trainflow.tasks.train.checkpointing.checkpoint import (
+    host_copy,
+    latest_checkpoint,
+    training_state,
+)
+from trainflow.tasks.train.checkpointing.recorder import EpochRecorder
 from trainflow.tasks.train.config import TrainConfig
 from trainflow.tasks.train.data import (
     Split,
-    SplitData,
     eval_batches,
     load_split_to,
     rank_batches,
 )
 from trainflow.tasks.train.distributed import DistContext, distributed
-from trainflow.tasks.train.job import Progress, TrainingJob, TrainJobSpec
-from trainflow.tasks.train.loop import Trainer, evaluate_split
+from trainflow.tasks.train.job import TrainingJob, TrainJobSpec
+from trainflow.tasks.train.loop import evaluate_split
 from trainflow.tasks.train.models import ReferenceCNN
-from trainflow.tasks.train.monitor import Monitor, Verdict
+from trainflow.tasks.train.monitor import Verdict
 from trainflow.tasks.train.precision import (
     PrecisionPolicy,
     cpu_supports_bf16,
     device_supports_bf16,
 )
-from trainflow.tasks.train.recorder import EpochRecorder
+from trainflow.tasks.train.recipe import Recipe
 from trainflow.tasks.train.ref import CheckpointRef
 from trainflow.tasks.train.schedule import schedule_for
 
@@ -75,15 +80,17 @@ def _local(tmp_path: Path, ranks: int = 2) -> submitit.Executor:
     return make_executor(ClusterConfig(ranks_per_node=ranks, timeout_min=5), tmp_path / "jobs")
 
 
+class _Rank1Breaks(Recipe):
+    def segment(self) -> tuple[dict[str, float], Due]:
+        if self.trainer.dist.rank == 1:
+            raise ValueError("rank 1 broke on purpose")
+        return super().segment()
+
+
 class FailingRank1(TrainingJob):
     """Rank 1 breaks in its first epoch while rank 0 trains on."""
 
-    def _run_epoch(
-        self, trainer: Trainer, train: SplitData, val: SplitData, progress: Progress
-    ) -> dict[str, float]:
-        if trainer.dist.rank == 1:
-            raise ValueError("rank 1 broke on purpose")
-        return super()._run_epoch(trainer, train, val, progress)
+    recipe = _Rank1Breaks
 
 
 @pytest.mark.services
@@ -108,14 +115,19 @@ def test_two_ranks_train_and_rank0_returns_the_best_checkpoint(
     assert not any(line.startswith("[rank1] epoch") for line in lines)
 
 
+class _FirstEpochKept(Recipe):
+    def observe(self, metrics: dict[str, float]) -> Verdict:
+        verdict = super().observe(metrics)
+        progress = self.progress
+        progress.best_metric, progress.best_epoch = progress.history[0][self.monitor.metric], 1
+        return verdict
+
+
 class FirstEpochIsBest(TrainingJob):
     """Keeps epoch 1 as the best whatever later epochs score: the job's test pass must then
     load best.pt instead of testing the weights it ends with."""
 
-    def _observe(self, monitor: Monitor, progress: Progress, metrics: dict[str, float]) -> Verdict:
-        verdict = super()._observe(monitor, progress, metrics)
-        progress.best_metric, progress.best_epoch = progress.history[0][monitor.metric], 1
-        return verdict
+    recipe = _FirstEpochKept
 
 
 def _test_metrics(dataset: DatasetRef, weights: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -173,7 +185,7 @@ def test_a_failing_rank_fails_the_job_fast_with_its_traceback(
     message = str(failure.value)
     assert "failed in rank 1" in message
     assert "ValueError: rank 1 broke on purpose" in message
-    assert "_run_epoch" in failure.value.detail  # the remote traceback, beside the error line
+    assert "in segment" in failure.value.detail  # the remote traceback, beside the error line
 
 
 @pytest.mark.services

@@ -278,7 +278,7 @@ def requeue_now(is_main: bool) -> NoReturn:
     """Requeue through submitit's own path: rank 0 sends itself the requeue signal (submitit
     calls the job's `checkpoint`, requeues and exits); other ranks wait to be ended with the
     attempt. Never returns."""
-    from trainflow.tasks.train.early_signal import preemption_signal
+    from trainflow.tasks.train.limits.early_signal import preemption_signal
 
     if is_main:
         _requeueing.set()  # the job's own signal: not held (hold_limit_signal)
@@ -294,16 +294,17 @@ class EpochLimit:
     limit: TimeLimit
     carried: list[float]
     """Sums of the epoch's batches done by an earlier attempt (all ranks')."""
-    done: int | None = None
-    """Batches done when the loop stopped early; None while it has not."""
+    done: int = 0
+    """Steps done when the loop ended (fewer than it was given: stopped early)."""
     totals: list[float] = field(default_factory=list)
+    """The all-rank sums then, the carried ones included (count last)."""
 
     def should_stop(self, step: int) -> bool:
         """Whether to stop before `step`."""
         return self.limit.should_stop(step)
 
     def stopped(self, done: int, totals: list[float]) -> None:
-        """The loop stopped after `done` batches, with these all-rank sums."""
+        """The loop ended after `done` steps, with these all-rank sums."""
         self.done, self.totals = done, totals
 
 
@@ -317,7 +318,7 @@ def hold_limit_signal(limit: TimeLimit, delay_s: float) -> None:
     preemption, the job's own, one at the last moment) goes to that handler at once. The
     first signal that reaches it requeues the attempt; any later one is dropped.
     """
-    from trainflow.tasks.train.early_signal import preemption_signal
+    from trainflow.tasks.train.limits.early_signal import preemption_signal
 
     sig = preemption_signal()
     acting = signal.getsignal(sig)

@@ -15,7 +15,7 @@ Every step is split on the rank's own clock (``time.perf_counter``, a few calls 
   Under FSDP and on one rank it is 0: FSDP's all-gathers and reduce-scatters, and the waits
   for slower ranks in them, run inside the forward and backward passes and count as compute
   (a data-slow rank's peers then show as compute-slow as it is: under FSDP a straggler is
-  judged by its data wait alone, tasks.train.stragglers).
+  judged by its data wait alone, tasks.train.limits.stragglers).
 - compute: the rest of the step (forward, backward, optimizer) minus communication.
 
 On a GPU these are host times (the host queues kernels ahead of the device and waits where it
@@ -23,7 +23,8 @@ syncs); the window's end synchronises the device, so the window's total is the d
 
 Every ``window_steps`` steps (a step count all ranks share) the window's sums of every rank are
 gathered into rank 0 (one all-gather of four floats) and handed to a judge
-(tasks.train.stragglers); the epoch's sums go to the epoch's metrics (tasks.train.throughput).
+(tasks.train.limits.stragglers); the epoch's sums go to the epoch's metrics
+(tasks.train.throughput).
 """
 
 import time

@@ -1,7 +1,7 @@
 """The training job's side of a time limit: checkpoint where the watch stops, requeue, and
 count the attempts that reached their limit without progress.
 
-tasks.train.time_limit decides where to stop; this saves the state there (mid-epoch if need
+tasks.train.limits.time_limit decides where to stop; this saves the state there (mid-epoch if need
 be: the position, the epoch's metric sums so far and the RNG state go with it; rank 0 writes a
 ddp run's whole state, every rank its shards of an fsdp run's, through the run's ShardedSaver),
 says so in one line, and requeues through submitit (rank 0 signals itself, so submitit calls
@@ -14,16 +14,21 @@ array task counts through the trial it trains (tasks.search.trial_worker): one r
 
 import time
 from dataclasses import asdict, dataclass
-from typing import NoReturn
+from pathlib import Path
+from typing import Any, NoReturn, Protocol
 
-from trainflow.tasks.train.checkpoint import rng_state, save_checkpoint, training_state
+from trainflow.tasks.train.checkpointing.checkpoint import (
+    Retain,
+    newest_kept,
+    rng_state,
+    save_checkpoint,
+    training_state,
+)
+from trainflow.tasks.train.checkpointing.recorder import EpochRecorder
+from trainflow.tasks.train.checkpointing.sharded_checkpoint import ShardedSaver
 from trainflow.tasks.train.distributed import DistContext
-from trainflow.tasks.train.epoch_records import EpochJob
-from trainflow.tasks.train.loop import Trainer
-from trainflow.tasks.train.progress import Progress
-from trainflow.tasks.train.recorder import EpochRecorder
-from trainflow.tasks.train.sharded_checkpoint import ShardedSaver
-from trainflow.tasks.train.time_limit import (
+from trainflow.tasks.train.job_spec import TrainJobSpec
+from trainflow.tasks.train.limits.time_limit import (
     SAVE_FACTOR,
     EpochLimit,
     Estimates,
@@ -31,9 +36,21 @@ from trainflow.tasks.train.time_limit import (
     requeue_now,
     time_text,
 )
+from trainflow.tasks.train.loop import Trainer
+from trainflow.tasks.train.progress import Progress, run_identity
 
-RequeuedJob = EpochJob
-"""What this module needs of the training job: what epoch_records needs."""
+
+class RequeuedJob(Protocol):
+    """What the requeue count needs of a training job (tasks.train.job.TrainingJob)."""
+
+    spec: TrainJobSpec
+    attempt: int
+    stalled: int
+    requeue: "LimitRequeue | None"
+    """The running attempt's watch (None before it starts)."""
+
+    @property
+    def saved_step(self) -> int: ...
 
 
 NEAR_LIMIT_S = 60.0
@@ -61,32 +78,42 @@ class StalledAtTimeLimit(Exception):
 
 @dataclass
 class LimitRequeue:
-    """One attempt's time-limit watch, and where the attempt started."""
+    """One attempt's time-limit watch, where the attempt started and its newest checkpoint."""
 
-    job: RequeuedJob
     limit: TimeLimit
+    identity: dict[str, Any]
+    """The run's identity (tasks.train.progress.run_identity), written into its checkpoint."""
+    checkpoint_dir: Path
+    attempt: int = 1
     start_step: int = -1
     """The step the attempt started training at (-1 while it starts)."""
+    saved_step: int = -1
+    """The step of the newest checkpoint this attempt wrote or resumed from (-1: none)."""
+    keep: Retain = newest_kept
+    """Which checkpoints a save keeps (train.keep_checkpoints: the monitor's)."""
 
     @classmethod
-    def for_job(cls, job: RequeuedJob, ctx: DistContext) -> "LimitRequeue":
-        """The watch of this attempt, from its start."""
-        limit = TimeLimit.for_job(ctx, job.spec.signal_delay_s, job.spec.train.time_limit_margin_s)
-        return cls(job, limit)
+    def for_job(cls, spec: TrainJobSpec, attempt: int, ctx: DistContext) -> "LimitRequeue":
+        """The watch of attempt `attempt` of the job of `spec`, from its start."""
+        limit = TimeLimit.for_job(ctx, spec.signal_delay_s, spec.train.time_limit_margin_s)
+        identity = run_identity(spec.train, spec.dataset.content_hash)
+        return cls(limit, identity, spec.checkpoint_dir, attempt)
 
     def save_took(self, seconds: float) -> None:
         """A checkpoint save took `seconds` (rank 0): what the next plans count on."""
         self.limit.estimates.save_s = seconds
 
-    def resumed(self, progress: Progress) -> None:
-        """The attempt starts training at `progress` (what it resumed, if anything): the
-        measurements of the attempts before, and a line from the second attempt on."""
+    def resumed(self, progress: Progress, checkpointed: bool) -> None:
+        """The attempt starts training at `progress` (`checkpointed`: resumed from a
+        checkpoint there): the measurements of the attempts before, and a line from the second
+        attempt on."""
         self.start_step = progress.step
+        self.saved_step = progress.step if checkpointed else -1
         self.limit.estimates = Estimates.from_state(progress.timing)
-        if self.limit.ctx.is_main and self.job.attempt > 1:
+        if self.limit.ctx.is_main and self.attempt > 1:
             within = f", batch {progress.epoch_batches}" if progress.epoch_batches else ""
             print(
-                f"attempt {self.job.attempt} continues from step {progress.step} "
+                f"attempt {self.attempt} continues from step {progress.step} "
                 f"(epoch {progress.epoch + 1}{within})",
                 flush=True,
             )
@@ -106,13 +133,13 @@ class LimitRequeue:
         """Save the state at this step boundary (nothing when the newest checkpoint is of this
         step), then requeue. Every rank calls it; rank 0 writes a ddp run's checkpoint, every
         rank its shards through `saver` (an fsdp run's). Never returns: the attempt ends here."""
-        job, main = self.job, trainer.dist.is_main
+        main = trainer.dist.is_main
         if main:
             recorder.wait()  # the last epoch's checkpoint is on disk first (ddp)
         if saver is not None:
             saver.wait()  # the last epoch's checkpoint is in place first (fsdp)
         left = time_text(self.limit.until_limit_s() or 0.0)
-        if progress.step in (job.saved_step, self.start_step):  # nothing new to save
+        if progress.step in (self.saved_step, self.start_step):  # nothing new to save
             if main:
                 print(f"time limit in {left}: no step done since step {progress.step}, "
                       "requeueing", flush=True)  # fmt: skip
@@ -125,14 +152,14 @@ class LimitRequeue:
                 flush=True,
             )
         progress.timing = est.as_state()
-        extra = {**asdict(progress), "run": job._run_identity()}
+        extra = {**asdict(progress), "run": self.identity}
         if saver is not None:
             state = {"scaler": trainer.scaler.state_dict(), "rng": rng_state(), **extra}
             saver.save(
                 trainer.model,
                 trainer.optimizer,
                 state,
-                job.checkpoint_dir,
+                self.checkpoint_dir,
                 progress.epoch,
                 progress.epoch_batches,
             )
@@ -140,33 +167,38 @@ class LimitRequeue:
         elif main:
             state = training_state(trainer.model, trainer.optimizer, trainer.scaler, extra)
             started = time.monotonic()
-            save_checkpoint(state, job.checkpoint_dir, job.keep)
+            save_checkpoint(state, self.checkpoint_dir, self.keep)
             self.save_took(time.monotonic() - started)
-        job.saved_step = progress.step
+        self.saved_step = progress.step
         requeue_now(main)
 
-    def stalled_after(self, job: RequeuedJob) -> int:
+    @property
+    def made_progress(self) -> bool:
+        """Whether this attempt wrote a checkpoint newer than the one it started from."""
+        return self.saved_step > self.start_step
+
+    def stalled_after(self, stalled: int) -> int:
         """Attempts in a row, this one included, that ended at their time limit without a new
-        checkpoint (for rank 0's `checkpoint`, at the requeue signal)."""
-        if made_progress(job):
+        checkpoint, when `stalled` did before it (for rank 0's `checkpoint`, at the requeue
+        signal)."""
+        if self.made_progress:
             return 0
         remaining = self.limit.remaining_s()
         if remaining is not None and remaining > NEAR_LIMIT_S:
-            return job.stalled  # a preemption: neither progress nor a stall
-        return job.stalled + 1
+            return stalled  # a preemption: neither progress nor a stall
+        return stalled + 1
 
 
 def made_progress(job: RequeuedJob) -> bool:
     """Whether this attempt of `job` wrote a checkpoint newer than the one it started from."""
-    requeue: LimitRequeue | None = getattr(job, "_requeue", None)
-    return requeue is not None and job.saved_step > requeue.start_step
+    return job.requeue is not None and job.requeue.made_progress
 
 
 def stalled_after(job: RequeuedJob) -> int:
     """Attempts in a row, this one included, that ended at their time limit without a new
     checkpoint; an attempt stopped before it started training counts as one."""
-    requeue: LimitRequeue | None = getattr(job, "_requeue", None)
-    return requeue.stalled_after(job) if requeue is not None else job.stalled + 1
+    requeue = job.requeue
+    return requeue.stalled_after(job.stalled) if requeue is not None else job.stalled + 1
 
 
 def check_stalled(stalled: int, max_requeues: int, step: int) -> int:

@@ -48,6 +48,13 @@ class EpochRecorder:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="epoch-record")
         self._pending = self._pool.submit(record)
 
+    def flush_when_idle(self, logger: MetricLogger) -> None:
+        """Flush `logger` on the writer thread unless a record is still being written (a
+        checkpoint's save, which flushes it when it validated; else the next flush carries
+        the points): the step never waits for the disk."""
+        if self._pending is None or self._pending.done():
+            self.submit(logger.flush)
+
     def wait(self) -> None:
         """Block until the record in flight is written; re-raise its exception."""
         pending, self._pending = self._pending, None

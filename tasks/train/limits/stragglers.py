@@ -1,7 +1,7 @@
 """Naming a rank that is persistently slower than the others (a straggler), on rank 0.
 
 Every window of steps, rank 0 gets each rank's seconds of data wait, compute and communication
-(tasks.train.step_times). A rank's own time a step is its data wait plus its compute: the
+(tasks.train.limits.step_times). A rank's own time a step is its data wait plus its compute: the
 communication part is mostly waiting for the slowest rank (under DDP every step waits for all
 gradients), so a long one marks a rank held back by a peer, not a slow rank. A rank whose own
 time exceeds the median of the other ranks' by more than ``train.straggler_fraction`` is
@@ -30,7 +30,7 @@ from trainflow.tasks.tracking.logger import tag_run
 from trainflow.tasks.tracking.system_metrics import node_name
 from trainflow.tasks.train.config import TrainConfig
 from trainflow.tasks.train.distributed import DistContext
-from trainflow.tasks.train.step_times import StepTimes
+from trainflow.tasks.train.limits.step_times import StepTimes
 
 TAG = "trainflow.straggler"
 """The train run's tag naming the stragglers found."""

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from trainflow.errors import ConfigError, DataError
-from trainflow.tasks.train.checkpoint import (
+from trainflow.tasks.train.checkpointing.checkpoint import (
     Resumable,
     Retain,
     atomic_save,
