@@ -163,9 +163,10 @@ def test_a_job_longer_than_its_time_limit_ends_as_one_without(
 ) -> None:
     lines: list[str] = []
     spec = _spec(dataset, tmp_path / "limited")
-    # 96 steps an epoch of at least 0.25 s each: an epoch outlasts what an attempt has left
-    # after its start-up, on a fast machine too.
-    job = _executor(tmp_path / "jobs-limited", 40).submit(SlowSteps(spec, 0.25))
+    # 96 steps an epoch of at least 0.25 s each (48 s in all): an epoch outlasts what an
+    # attempt of 30 s has left after its start-up, the margin (5 s) and the signal's delay
+    # (2 s), on a fast machine too, so the run takes three attempts or more.
+    job = _executor(tmp_path / "jobs-limited", 30).submit(SlowSteps(spec, 0.25))
     ref = wait_for_job(job, lines.append)
     assert isinstance(ref, CheckpointRef)
     stops = [ln for ln in lines if "checkpointing at step" in ln]
