@@ -39,15 +39,19 @@ def confusion_figure(cm: np.ndarray, classes: list[str]) -> Figure:
 
 
 def curves_figure(history: list[dict[str, float]], metric: str = "accuracy") -> Figure:
-    """Loss and `metric` (the objective's headline) per epoch, train against validation."""
+    """Loss and `metric` (the objective's headline) per validation, train against
+    validation: against the epoch, or the global step where validations ran inside epochs
+    (train.val_every_steps) or no epoch ended (train.max_steps)."""
     epochs = [int(h["epoch"]) for h in history]
+    axis = "epoch" if len(set(epochs)) == len(epochs) and 0 not in epochs else "step"
+    xs = [int(h[axis]) for h in history]
     fig, (loss_ax, acc_ax) = _subplots(1, 2, figsize=(10, 4))
     for key, ax in (("loss", loss_ax), (metric, acc_ax)):
         for split in ("train", "val"):
             name = f"{split}_{key}"
             if all(name in h for h in history):
-                ax.plot(epochs, [h[name] for h in history], marker="o", label=split)
-        ax.set_xlabel("epoch")
+                ax.plot(xs, [h[name] for h in history], marker="o", label=split)
+        ax.set_xlabel(axis)
         ax.set_ylabel(key)
         ax.grid(alpha=0.3)
         ax.legend()

@@ -33,10 +33,14 @@ class Tracked(Protocol):
     """What the monitor keeps of a run (tasks.train.progress.Progress holds it)."""
 
     epoch: int
+    history: list[dict[str, float]]
+    """One entry per validation (its epoch, step and metrics), the newest last."""
     best_metric: float
     best_epoch: int
     stale_validations: int
     improved_from: float | None
+    by_step: bool
+    """Whether the run counts steps (its lines then say the step) rather than epochs."""
 
 
 @dataclass(frozen=True)
@@ -102,10 +106,14 @@ class Monitor:
     def _stop_line(self, state: Tracked) -> str:
         if not self.stopped(state):
             return ""
+        now, best = f"epoch {state.epoch}", f"epoch {state.best_epoch}"
+        if state.by_step and state.history:  # the validations' steps, as the run's lines say
+            now = f"step {int(state.history[-1]['step'])}"
+            best = f"step {int(state.history[state.best_epoch - 1]['step'])}"
         return (
-            f"early stop at epoch {state.epoch}: {self.metric} has not improved by more than "
+            f"early stop at {now}: {self.metric} has not improved by more than "
             f"{self.min_delta:g} for {self.patience} validations (best {state.best_metric:.6g} "
-            f"at epoch {state.best_epoch})"
+            f"at {best})"
         )
 
     def value(self, metrics: dict[str, float]) -> float:
@@ -121,26 +129,29 @@ class Monitor:
 
     def retain(self, newest_first: list[Path], history: Sequence[dict[str, Any]]) -> set[str]:
         """The checkpoints of a folder (`newest_first`) to keep, given the run's `history`
-        (one entry per validation: its epoch and metrics): the newest, plus the `keep` best by
-        the monitor (one taken inside an epoch follows no validation: kept only while it is
-        the newest); without `keep`, the KEEP newest (checkpointing.checkpoint.newest_kept).
-        A tasks.train.checkpointing.checkpoint.Retain."""
+        (one entry per validation: its epoch, its steps into the next when it ran inside an
+        epoch, and its metrics): the newest, plus the `keep` best by the monitor (one written
+        where no validation ran, before a time limit or between train.val_every_steps
+        validations, is kept only while it is the newest); without `keep`, the KEEP newest
+        (checkpointing.checkpoint.newest_kept). A tasks.train.checkpointing.checkpoint.Retain."""
         if self.keep is None:
             return newest_kept(newest_first, history)
-        values: dict[int, float] = {}  # an epoch's first entry is its end's validation
-        for h in history:  # (later ones of the same count validated inside the next epoch)
-            if self.metric in h:
-                values.setdefault(int(h["epoch"]), float(h[self.metric]))
+        values = {_place(h): float(h[self.metric]) for h in history if self.metric in h}
         scored = [(p.name, _value_of(p.name, values)) for p in newest_first]
         return top_k(scored, self.keep, self.higher)
 
 
-def _value_of(name: str, values: dict[int, float]) -> float | None:
-    """The monitor value of the validation a checkpoint was written after, if any."""
+def _place(entry: dict[str, Any]) -> tuple[int, int]:
+    """A validation's (epochs done, steps into the next), as its checkpoint is named."""
+    return int(entry["epoch"]), int(entry.get("epoch_batches", 0))
+
+
+def _value_of(name: str, values: dict[tuple[int, int], float]) -> float | None:
+    """The monitor value of the validation a checkpoint was written at, if one ran there."""
     match = _CHECKPOINT.match(name)
-    if match is None or match.group(2):  # inside an epoch: after no validation
+    if match is None:
         return None
-    return values.get(int(match.group(1)))
+    return values.get((int(match.group(1)), int(match.group(2) or 0)))
 
 
 def top_k(newest_first: list[tuple[str, float | None]], k: int, higher: bool) -> set[str]:

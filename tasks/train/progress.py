@@ -16,7 +16,9 @@ from trainflow.tasks.tracking.packages import package_lock_hash
 from trainflow.tasks.train.config import TrainConfig
 from trainflow.tasks.train.ref import CheckpointRef
 
-NOT_LOGGED = ("epoch", "step")
+NOT_LOGGED = ("epoch", "step", "epoch_batches")
+"""History entry keys that say where a validation ran, not what it measured (epoch_batches:
+steps into the next epoch, for one that ran inside an epoch)."""
 # A run may resume with more epochs or steps, another logging or checkpoint cadence, other
 # checkpoint retention or early stopping (its count is kept), on another device, precision or
 # speed setting (memory format, compilation, data placement, DDP buckets, FSDP's resharding
@@ -145,7 +147,7 @@ def best_meta(train: TrainConfig, ref: DatasetRef, progress: Progress) -> dict[s
     return {
         "epoch": progress.epoch,
         "step": progress.step,
-        "metrics": dict(progress.history[-1]),
+        "metrics": {k: v for k, v in progress.history[-1].items() if k != "epoch_batches"},
         "train": train.model_dump(mode="json"),
         "shape": list(ref.shape),
         "num_classes": ref.n_classes,

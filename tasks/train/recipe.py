@@ -19,7 +19,7 @@ recorder are told what happened and answer.
 """
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from typing import Any, Protocol
 
@@ -138,6 +138,8 @@ class Recipe:
                 if not (due.validate or due.checkpoint):
                     continue
                 verdict = self.observe(metrics) if due.validate else None  # best? stop?
+                if verdict is not None and verdict.stop:  # the stop's state is checkpointed
+                    due = replace(due, checkpoint=True)  # (a resume trains no further)
                 trainer.heartbeat.beat("checkpoint", progress.step)
                 line = position.line(progress.epoch, progress.step, due) if due.validate else ""
                 self.record(metrics, due, line, saver)
@@ -236,7 +238,10 @@ class Recipe:
         self.limit.limit.estimates.eval_s = time.monotonic() - validated
         if due.epoch_end:
             metrics["epoch_time_s"] = time.perf_counter() - self.work.started
-        progress.history.append({"epoch": progress.epoch, "step": progress.step, **metrics})
+        place = {"epoch": progress.epoch, "step": progress.step}
+        if progress.epoch_batches:  # inside an epoch: where, as a checkpoint there is named
+            place["epoch_batches"] = progress.epoch_batches
+        progress.history.append({**place, **metrics})
 
     def observe(self, metrics: dict[str, float]) -> Verdict:
         """After a validation (the last history entry): whether it is the best so far and

@@ -96,6 +96,26 @@ def test_retain_reads_each_checkpoints_validation_from_the_history() -> None:
         }
         default = Monitor("val_loss", higher=False).retain(newest_first, history)
         assert default == {f"epoch-000003+000002{suffix}", f"epoch-000003{suffix}"}
+        # a validation inside an epoch (train.val_every_steps) scores the checkpoint there
+        inside = [*history, {"epoch": 3, "epoch_batches": 2, "step": 32, "val_loss": 0.1}]
+        newest = [Path(f"/c/{n}{suffix}") for n in ["epoch-000004", *names]]
+        assert best_one.retain(newest, inside) == {
+            f"epoch-000004{suffix}",
+            f"epoch-000003+000002{suffix}",
+        }
+
+
+def test_a_run_counting_steps_says_the_steps_in_its_stop_line() -> None:
+    progress = Progress(data_seed=0, by_step=True)
+    monitor = Monitor("val_loss", higher=False, patience=1)
+    for step, value in ((50, 1.0), (100, 0.5), (150, 0.7)):
+        entry = {"epoch": 0, "epoch_batches": step, "step": step, "val_loss": value}
+        progress.history.append(entry)
+        verdict = monitor.observe(progress, {"val_loss": value}, len(progress.history))
+    assert verdict.line == (
+        "early stop at step 150: val_loss has not improved by more than 0 for 1 validations "
+        "(best 0.5 at step 100)"
+    )
 
 
 def test_monitor_defaults_to_the_objective_and_is_checked_against_its_metrics(
@@ -232,6 +252,42 @@ def test_keep_checkpoints_keeps_the_k_best_by_the_monitor_and_the_newest(
     kept = {p.name for p in (spec.out_dir / "checkpoints").iterdir() if p.suffix != ".sha256"}
     assert kept == {f"epoch-{e:06d}{suffix}" for e in expected}
     assert ref.epoch == by_loss[0]["epoch"]  # best.pt: the highest val_loss
+
+
+@pytest.mark.services
+def test_early_stopping_inside_an_epoch_checkpoints_the_stop_and_a_resume_trains_no_further(
+    dataset: DatasetRef, tmp_path: Path
+) -> None:
+    """~10 s: a run counted in steps (16 an epoch, max_steps 14) validates every 3 steps and
+    checkpoints every 4; it cannot improve by min_delta (lr 1e-9), so it stops at its third
+    validation, step 9, inside the epoch: the stop is checkpointed there (no cadence asked for
+    it), the line says steps, and the same run resumed trains no further."""
+    cfg = TrainConfig(
+        batch_size=8, device="cpu", precision="fp32", max_steps=14, lr=1e-9,
+        val_every_steps=3, checkpoint_every_steps=4, monitor="val_loss", keep_checkpoints=1,
+        early_stop_patience=2, early_stop_min_delta=1e-3,
+    )  # fmt: skip
+    spec = TrainJobSpec(train=cfg, dataset=dataset, out_dir=tmp_path / "run")
+    _, history, lines = _run(spec, tmp_path / "jobs")
+    assert [(h["epoch"], h.get("epoch_batches"), h["step"]) for h in history] == [
+        (0, 3, 3),
+        (0, 6, 6),
+        (0, 9, 9),
+    ]
+    losses = [h["val_loss"] for h in history]
+    best = 3 * _first_best(losses)
+    said = [line for line in lines if "early stop" in line]
+    assert said == [
+        "[rank0] early stop at step 9: val_loss has not improved by more than 0.001 for 2 "
+        f"validations (best {min(losses):.6g} at step {best})"
+    ]
+    folder = spec.out_dir / "checkpoints"
+    kept = sorted(p.name for p in folder.iterdir())
+    # steps 4 and 8 followed no validation: each kept only while the newest
+    assert kept == ["epoch-000000+000009.pt", "epoch-000000+000009.pt.sha256"]
+    _, again, lines = _run(spec, tmp_path / "jobs")
+    assert any("resuming from" in line for line in lines)
+    assert again == history and sorted(p.name for p in folder.iterdir()) == kept
 
 
 class _Pruner:
