@@ -252,6 +252,8 @@ def test_the_experiment_files_shown_are_included_from_real_files() -> None:
         if fence.info.startswith("{literalinclude}")
     ]
     assert "../examples/charlm/charlm.toml" in included
+    assert "../examples/hf_finetune/finetune_recipe.toml" in included  # docs/training.md
+    assert "../examples/image_recipe/resnet.toml" in included
 
 
 def test_the_mistakes_example_is_what_the_command_prints(

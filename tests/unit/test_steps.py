@@ -79,11 +79,13 @@ def test_a_step_key_out_of_range_is_refused_before_anything_runs(override: str) 
 KEYS = {"schedule": "constant", "warmup_steps": 3, "max_grad_norm": 0.5}
 
 
-def _spec(dataset: Any, out: Path, strategy: str, **keys: Any) -> TrainJobSpec:
+def _spec(
+    dataset: Any, out: Path, strategy: str, batch_size: int = 32, **keys: Any
+) -> TrainJobSpec:
     train = TrainConfig(
         model="mlp",
         strategy=strategy,
-        batch_size=32,
+        batch_size=batch_size,
         precision="fp32",
         device="cpu",
         seed=3,
@@ -119,14 +121,16 @@ def _tensors(state: Any, prefix: str = "") -> dict[str, torch.Tensor]:
 def test_a_run_stopped_at_max_steps_inside_an_epoch_and_extended_equals_a_straight_run(
     tmp_path: Path, strategy: str
 ) -> None:
-    dataset = write_dataset(tmp_path / "ds")  # 256 samples: 4 steps an epoch on 2 ranks
+    # 256 samples: 4 steps an epoch on 2 ranks, each step 2 micro-batches of 16 per rank
+    dataset = write_dataset(tmp_path / "ds")
     sharded = strategy == "fsdp"
     run = make_executor(ClusterConfig(ranks_per_node=2, timeout_min=5), tmp_path / "jobs").submit
-    straight = _spec(dataset, tmp_path / "straight", strategy, max_steps=12)
+    accumulated = {"batch_size": 16, "grad_accumulation": 2}
+    straight = _spec(dataset, tmp_path / "straight", strategy, max_steps=12, **accumulated)
     assert wait_for_job(run(TrainingJob(straight)), print, 0.2) is not None
     # Validating every 3 steps and logging every 2 cuts the epochs into more segments: the
     # same steps all the same. The first job ends at step 6, 2 steps into epoch 2.
-    cadence = {"val_every_steps": 3, "log_every_steps": 2}
+    cadence = {"val_every_steps": 3, "log_every_steps": 2, **accumulated}
     first = _spec(dataset, tmp_path / "extended", strategy, max_steps=6, **cadence)
     assert wait_for_job(run(TrainingJob(first)), print, 0.2) is not None
     stopped = _final(first.out_dir, sharded)
