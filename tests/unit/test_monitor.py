@@ -9,6 +9,7 @@ from the run's logged history (history.json), not by the code under test.
 
 import json
 import math
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -298,8 +299,9 @@ class _Pruner:
         self.prune_at = prune_at
 
     def __call__(self, epoch: int, metrics: dict[str, float], dist: DistContext) -> bool:
-        if dist.is_main:
-            print(f"pruner asked after epoch {epoch}", flush=True)
+        if dist.is_main:  # one write: the recorder thread prints its lines meanwhile
+            sys.stdout.write(f"pruner asked after epoch {epoch}\n")
+            sys.stdout.flush()
         return epoch == self.prune_at
 
 
@@ -317,7 +319,7 @@ def test_the_pruner_asks_first_and_early_stopping_after_the_same_validation(
     )  # fmt: skip
     _, history, lines = _run(spec, tmp_path / "jobs", _Pruner(prune_at))
     assert len(history) == 3
-    asked = [line for line in lines if "pruner asked" in line]
-    assert asked == [f"[rank0] pruner asked after epoch {e}" for e in (1, 2, 3)]
-    early = [line for line in lines if "early stop at epoch 3" in line]
-    assert len(early) == (0 if prune_at else 1)
+    # (rank 0's recorder thread prints the epoch lines: a line may hold both threads' text)
+    out = "\n".join(lines)
+    assert re.findall(r"pruner asked after epoch (\d+)", out) == ["1", "2", "3"]
+    assert out.count("early stop at epoch 3") == (0 if prune_at else 1)
