@@ -163,10 +163,11 @@ def test_a_job_longer_than_its_time_limit_ends_as_one_without(
 ) -> None:
     lines: list[str] = []
     spec = _spec(dataset, tmp_path / "limited")
-    # 96 steps an epoch of at least 0.25 s each (48 s in all): an epoch outlasts what an
-    # attempt of 30 s has left after its start-up, the margin (5 s) and the signal's delay
-    # (2 s), on a fast machine too, so the run takes three attempts or more.
-    job = _executor(tmp_path / "jobs-limited", 30).submit(SlowSteps(spec, 0.25))
+    # 96 steps an epoch of at least 0.35 s each (67 s in all): an epoch outlasts what an
+    # attempt of 40 s has left after its start-up, the margin (5 s) and the signal's delay
+    # (2 s), on a fast machine too, so the run takes three attempts or more; 40 s leaves a
+    # loaded machine's start-up room before the watch runs.
+    job = _executor(tmp_path / "jobs-limited", 40).submit(SlowSteps(spec, 0.35))
     ref = wait_for_job(job, lines.append)
     assert isinstance(ref, CheckpointRef)
     stops = [ln for ln in lines if "checkpointing at step" in ln]
