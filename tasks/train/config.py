@@ -6,6 +6,7 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from trainflow.config_base import StrictModel
 from trainflow.tasks.train.batching import check_batch_keys
+from trainflow.tasks.train.parallel.layout import ParallelConfig
 
 ADAM_KEYS = ("adam_beta1", "adam_beta2", "adam_eps")
 SGD_KEYS = ("momentum", "nesterov")
@@ -190,6 +191,9 @@ class TrainConfig(StrictModel):
     training state does not fit on one device; checkpoints are then sharded too (one file
     per rank, torch.distributed.checkpoint), and load on any number of ranks. Sharding units
     are the model's blocks (tasks.train.sharding). One rank: the same as ddp."""
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    """strategy=fsdp only: the device mesh ([train.parallel]: dp_replicate, dp_shard, tp;
+    tasks.train.parallel.layout). Unset: every rank shards (dp_shard over the world)."""
     reshard_after_forward: bool = True
     """fsdp only: free each block's gathered weights after its forward pass (gathered again
     for the backward): less memory, one more all-gather per block and step. False keeps them
@@ -265,6 +269,11 @@ class TrainConfig(StrictModel):
             raise ValueError(
                 "train.strategy=fsdp cannot shard channels_last conv weights (FSDP2 needs "
                 "contiguous parameters): set train.channels_last=auto or off"
+            )
+        if self.strategy == "ddp" and self.parallel != ParallelConfig():
+            raise ValueError(
+                "train.parallel lays out a train.strategy=fsdp job (its data-parallel "
+                "dimensions are FSDP2's): set train.strategy=fsdp, or unset train.parallel"
             )
         if self.strategy == "fsdp" and self.precision == "fp16":
             raise ValueError(

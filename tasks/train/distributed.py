@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import submitit
 import torch
@@ -24,6 +25,9 @@ from torch.nn.parallel import DistributedDataParallel
 from trainflow.errors import ConfigError
 from trainflow.tasks.train.limits.early_signal import in_submitit_task
 from trainflow.tasks.train.rendezvous import Layout, export_env, meet, submitit_layout
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 DEFAULT_TIMEOUT = timedelta(minutes=5)
 """How long a collective waits for a silent peer before the job fails instead of hanging,
@@ -52,11 +56,30 @@ class DistContext:
     """The device this rank trains on."""
     backend: str | None
     """'gloo' or 'nccl'; None when world_size is 1 (no process group)."""
+    tp: int = 1
+    """Ranks of a tensor-parallel group (train.parallel.tp): they take the same batches."""
+    dp_group: dist.ProcessGroup | None = None
+    """The ranks sharing this rank's tensor-parallel coordinate, over which metric sums are
+    all-reduced (tasks.train.parallel.mesh); None: all ranks."""
+    mesh: "DeviceMesh | None" = None
+    """The job's device mesh (train.strategy=fsdp on several ranks); None otherwise."""
 
     @property
     def is_main(self) -> bool:
         """True on rank 0, the only rank with side effects (logs, checkpoints, results)."""
         return self.rank == 0
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel rank: which batches it takes (its rank without tensor
+        parallelism)."""
+        return self.rank // self.tp
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel ranks: how many take batches of their own (the world size without
+        tensor parallelism)."""
+        return self.world_size // self.tp
 
 
 def _export_submitit_env() -> Layout | None:
@@ -209,9 +232,11 @@ def _exit_at_shutdown() -> None:
 
 
 def all_reduce_sum(tensor: torch.Tensor, ctx: DistContext) -> torch.Tensor:
-    """Sum `tensor` over all ranks in place (no-op for a world of one) and return it."""
-    if ctx.world_size > 1:
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    """Sum `tensor` over the data-parallel ranks in place (all ranks without tensor
+    parallelism; no-op when there is one) and return it: a tensor-parallel group's ranks hold
+    sums of the same samples."""
+    if ctx.dp_size > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=ctx.dp_group)
     return tensor
 
 

@@ -57,6 +57,7 @@ from trainflow.tasks.train.models import (
 )
 from trainflow.tasks.train.monitor import monitor_for
 from trainflow.tasks.train.optimizers import make_optimizer
+from trainflow.tasks.train.parallel.mesh import on_job_mesh
 from trainflow.tasks.train.precision import PrecisionPolicy, resolve_precision
 from trainflow.tasks.train.progress import (
     Progress,
@@ -144,6 +145,7 @@ class TrainingJob(submitit.helpers.Checkpointable):
             # then a requeue signal that came during start-up acts: a preemption's requeues now.
             self.requeue = requeue = LimitRequeue.for_job(spec, self.attempt, dist)
             deliver_held_signal()
+            dist = on_job_mesh(dist, cfg)  # train.parallel's mesh: who takes which batches
             torch.manual_seed(cfg.seed)
             random.seed(cfg.seed)
             policy = resolve_precision(cfg.precision, dist.device)
@@ -296,7 +298,7 @@ def plan_for(cfg: TrainConfig, n_train: int, batch: GlobalBatch, dist: DistConte
     steps = steps_per_epoch(n_train, cfg.batch_size, batch.data_world, cfg.cuda_graphs)
     if steps == 0:
         raise ConfigError(
-            f"train.batch_size={cfg.batch_size} exceeds the {n_train // dist.world_size} "
+            f"train.batch_size={cfg.batch_size} exceeds the {n_train // dist.dp_size} "
             "training samples each rank gets, and train.cuda_graphs=true drops partial "
             "batches: no step would run. Lower train.batch_size or use fewer ranks"
         )

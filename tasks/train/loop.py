@@ -218,7 +218,7 @@ def evaluate_split(
     net = model if sharded else unwrap(model)
     net.eval()
     sums = torch.zeros(objective.sums_size, dtype=torch.float64, device=dist.device)
-    batches = eval_batches(data, batch_size, dist.rank, dist.world_size)
+    batches = eval_batches(data, batch_size, dist.dp_rank, dist.dp_size)
     counted = len(batches)
     if sharded:
         batches += _padding(batches, data, dist)

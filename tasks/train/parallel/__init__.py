@@ -1,0 +1,8 @@
+"""Models split across ranks: the device mesh of train.parallel and the plans that split a
+model's layers over its tensor-parallel dimension.
+
+Modules:
+    layout             train.parallel's sizes resolved against the world (no torch).
+    mesh               the device mesh, and each rank's place in the data-parallel dimension.
+    tensor_parallel    a model's tensor-parallel plan (its own, or its library's) and applying it.
+"""

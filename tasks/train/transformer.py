@@ -1,0 +1,175 @@
+"""The built-in decoder transformer (`train.model=transformer`): a small Llama-style causal
+language model over token ids, with its tensor-parallel plan.
+
+Token embedding -> `layers` blocks (RMSNorm -> causal multi-head attention with rotary
+positions -> residual; RMSNorm -> SwiGLU MLP -> residual) -> RMSNorm -> output layer: the
+next-token logits at every position (batch, T, vocabulary). No dropout, no tied weights, no
+position table: the same function under any split of its layers.
+
+Its plan (`tp_plan`, tasks.train.parallel.tensor_parallel) is torchtitan's Llama plan: the
+embedding splits the vocabulary and leaves each rank its part of the sequence (sequence
+parallelism); each norm runs on that part; attention and MLP gather the sequence, split their
+heads / hidden units column-wise and reduce-scatter back to parts of the sequence row-wise;
+the output layer splits the vocabulary and gathers the logits whole.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trainflow.errors import ConfigError
+from trainflow.tasks.spec import DataSpec
+
+
+def rotary(x: torch.Tensor) -> torch.Tensor:
+    """`x` (batch, heads, T, head_dim) with rotary position embeddings: each pair of channels
+    (i, i + head_dim/2) rotated by position x 10000^(-2i/head_dim)."""
+    t, d = x.shape[-2], x.shape[-1]
+    half = d // 2
+    freqs = 10000.0 ** (-torch.arange(half, device=x.device, dtype=torch.float32) / half)
+    angles = torch.arange(t, device=x.device, dtype=torch.float32)[:, None] * freqs
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    first, second = x[..., :half], x[..., half:]
+    return torch.cat((first * cos - second * sin, first * sin + second * cos), dim=-1)
+
+
+class Attention(nn.Module):
+    """Causal multi-head self-attention; the head count follows the width of wq's output, so
+    a rank holding some of the heads (tensor parallelism) computes those."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.head_dim = dim // heads
+        self.wq = nn.Linear(dim, dim, bias=False)
+        self.wk = nn.Linear(dim, dim, bias=False)
+        self.wv = nn.Linear(dim, dim, bias=False)
+        self.wo = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(batch, T, dim) -> (batch, T, dim)."""
+        b, t, _ = x.shape
+        q, k, v = (w(x).view(b, t, -1, self.head_dim).transpose(1, 2) for w in self._qkv())
+        out = F.scaled_dot_product_attention(rotary(q), rotary(k), v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(b, t, -1))
+
+    def _qkv(self) -> tuple[nn.Linear, nn.Linear, nn.Linear]:
+        return self.wq, self.wk, self.wv
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(batch, T, dim) -> (batch, T, dim)."""
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    """Pre-norm attention and MLP, each with a residual connection."""
+
+    def __init__(self, dim: int, heads: int, hidden: int) -> None:
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(dim)
+        self.attention = Attention(dim, heads)
+        self.ffn_norm = nn.RMSNorm(dim)
+        self.feed_forward = FeedForward(dim, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(batch, T, dim) -> (batch, T, dim)."""
+        x = x + self.attention(self.attention_norm(x))
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    """The decoder: embedding, blocks, final norm, output layer."""
+
+    def __init__(self, vocab: int, dim: int, layers: int, heads: int, hidden: int) -> None:
+        super().__init__()
+        self.heads, self.hidden = heads, hidden
+        self.tok_embeddings = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(Block(dim, heads, hidden) for _ in range(layers))
+        self.norm = nn.RMSNorm(dim)
+        self.output = nn.Linear(dim, vocab, bias=False)
+        nn.init.normal_(self.tok_embeddings.weight, std=0.02)  # GPT-2's: a uniform first guess
+
+    def shard_units(self) -> list[nn.Module]:
+        """The blocks: train.strategy=fsdp shards each on its own."""
+        return list(self.layers)
+
+    def tp_plan(self, tp: int) -> dict[str, object]:
+        """The layers' split over `tp` ranks (tasks.train.parallel.tensor_parallel);
+        ConfigError when the heads, the MLP's hidden units or the vocabulary do not divide."""
+        sizes = {
+            "heads": self.heads,
+            "hidden": self.hidden,
+            "vocabulary": self.output.out_features,
+        }
+        bad = {k: v for k, v in sizes.items() if v % tp}
+        if bad:
+            name, value = next(iter(bad.items()))
+            arg = {"heads": "heads", "hidden": "hidden", "vocabulary": "(the dataset's)"}[name]
+            raise ConfigError(
+                f"train.parallel.tp={tp} does not divide the transformer's {value} {name}: "
+                f"set train.parallel.tp to a divisor of {value}"
+                + ("" if name == "vocabulary" else f", or train.model_args.{arg}")
+            )
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            PrepareModuleInput,
+            RowwiseParallel,
+            SequenceParallel,
+        )
+
+        def gather() -> PrepareModuleInput:
+            return PrepareModuleInput(
+                input_layouts=(Shard(1),),
+                desired_input_layouts=(Replicate(),),
+                use_local_output=True,
+            )
+
+        return {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "layers.*.attention_norm": SequenceParallel(),
+            "layers.*.attention": gather(),
+            "layers.*.attention.w[qkv]": ColwiseParallel(),
+            "layers.*.attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "layers.*.ffn_norm": SequenceParallel(),
+            "layers.*.feed_forward": gather(),
+            "layers.*.feed_forward.w[13]": ColwiseParallel(),
+            "layers.*.feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        }
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """(batch, T) token ids -> (batch, T, vocabulary) logits."""
+        x = self.tok_embeddings(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.output(self.norm(x))
+
+
+def transformer(
+    spec: DataSpec, dim: int = 64, layers: int = 2, heads: int = 4, hidden: int | None = None
+) -> nn.Module:
+    """Factory of the built-in `transformer`: next-token logits per position for token ids
+    (objective sequence). `hidden`: the MLP's width, 4 x dim unless set."""
+    if spec.num_classes is None or spec.sample_dtype != "int64" or len(spec.sample_shape) != 1:
+        raise ConfigError(
+            f"train.model=transformer reads sequences of token ids, but the data are "
+            f"{spec.sample_dtype} samples shaped {spec.sample_shape}: use train.model=mlp or a "
+            "model of your own"
+        )
+    if dim % heads or (dim // heads) % 2:
+        raise ConfigError(
+            f"train.model_args: dim={dim} must be heads={heads} x an even head size: change "
+            "train.model_args.dim or heads"
+        )
+    return Transformer(int(spec.num_classes), dim, layers, heads, hidden or 4 * dim)
