@@ -9,17 +9,26 @@ the gradients' own units.
 """
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 
-def clip_gradients(model: nn.Module, max_norm: float) -> torch.Tensor:
+def clip_gradients(
+    model: nn.Module, max_norm: float, stages: dist.ProcessGroup | None = None
+) -> torch.Tensor:
     """Scale the gradients of `model` so that their global L2 norm is at most `max_norm`;
     returns the norm before clipping, a plain scalar tensor equal on every rank. It is inf or
-    nan when a gradient is (under fp16 the GradScaler then skips the step)."""
+    nan when a gradient is (under fp16 the GradScaler then skips the step). `stages`: `model`
+    is one pipeline stage and this group the ranks holding the others: the squares of their
+    norms are summed (torchtitan's way), so every stage clips by the whole model's norm."""
     params = [p for p in model.parameters() if p.grad is not None]
     norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
     if isinstance(norm, DTensor):
         norm = norm.full_tensor()
+    if stages is not None:
+        squared = norm**2
+        dist.all_reduce(squared, op=dist.ReduceOp.SUM, group=stages)
+        norm = squared.sqrt()
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
     return norm

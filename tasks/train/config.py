@@ -275,6 +275,19 @@ class TrainConfig(StrictModel):
                 "train.parallel lays out a train.strategy=fsdp job (its data-parallel "
                 "dimensions are FSDP2's): set train.strategy=fsdp, or unset train.parallel"
             )
+        par = self.parallel
+        if par.pp != 1 and par.tp != 1:
+            raise ValueError(
+                f"train.parallel.pp={par.pp} with tp={par.tp}: pipeline stages with tensor "
+                "parallelism are not supported yet: set train.parallel.pp or tp to 1"
+            )
+        micro = par.pp_microbatches or (par.pp if par.pp > 1 else None)
+        if par.pp != 1 and micro is not None and self.batch_size % micro:
+            raise ValueError(
+                f"train.batch_size={self.batch_size} does not split into train.parallel.pp="
+                f"{par.pp}'s {micro} micro-batches: set train.batch_size to a multiple of {micro}"
+                " or train.parallel.pp_microbatches to a divisor of it"
+            )
         if self.strategy == "fsdp" and self.precision == "fp16":
             raise ValueError(
                 "train.strategy=fsdp does not support precision=fp16 (loss scaling of sharded "
@@ -347,6 +360,13 @@ class TrainConfig(StrictModel):
         if self.epochs is not None:
             return self.epochs
         return None if self.max_steps is not None else DEFAULT_EPOCHS
+
+    @property
+    def same_shape_batches(self) -> bool:
+        """Whether every training batch is whole (the last partial batch of an epoch dropped):
+        CUDA graphs replay one shape, and a pipeline's stages receive activations into buffers
+        of one shape (train.parallel.pp above 1)."""
+        return self.cuda_graphs or self.parallel.pp != 1
 
     @property
     def counts_steps(self) -> bool:

@@ -58,8 +58,11 @@ class DistContext:
     """'gloo' or 'nccl'; None when world_size is 1 (no process group)."""
     tp: int = 1
     """Ranks of a tensor-parallel group (train.parallel.tp): they take the same batches."""
+    pp: int = 1
+    """Pipeline stages (train.parallel.pp): the stages of one pipeline take the same batches."""
     dp_group: dist.ProcessGroup | None = None
-    """The ranks sharing this rank's tensor-parallel coordinate, over which metric sums are
+    """The ranks sharing this rank's tensor-parallel coordinate (every stage's: only the last
+    stage of a pipeline counts its samples, the others add zeros), over which metric sums are
     all-reduced (tasks.train.parallel.mesh); None: all ranks."""
     mesh: "DeviceMesh | None" = None
     """The job's device mesh (train.strategy=fsdp on several ranks); None otherwise."""
@@ -71,15 +74,15 @@ class DistContext:
 
     @property
     def dp_rank(self) -> int:
-        """This rank's data-parallel rank: which batches it takes (its rank without tensor
-        parallelism)."""
-        return self.rank // self.tp
+        """This rank's data-parallel rank: which batches it takes (its place in the mesh
+        without its tensor-parallel and pipeline coordinates: tp innermost, pp outermost)."""
+        return (self.rank // self.tp) % self.dp_size
 
     @property
     def dp_size(self) -> int:
         """Data-parallel ranks: how many take batches of their own (the world size without
-        tensor parallelism)."""
-        return self.world_size // self.tp
+        tensor parallelism and pipeline stages)."""
+        return self.world_size // (self.tp * self.pp)
 
 
 def _export_submitit_env() -> Layout | None:
@@ -232,10 +235,11 @@ def _exit_at_shutdown() -> None:
 
 
 def all_reduce_sum(tensor: torch.Tensor, ctx: DistContext) -> torch.Tensor:
-    """Sum `tensor` over the data-parallel ranks in place (all ranks without tensor
-    parallelism; no-op when there is one) and return it: a tensor-parallel group's ranks hold
-    sums of the same samples."""
-    if ctx.dp_size > 1:
+    """Sum `tensor` over the data-parallel ranks and pipeline stages in place (all ranks
+    without tensor parallelism; no-op when there is one) and return it: a tensor-parallel
+    group's ranks hold sums of the same samples; of a pipeline's stages only the last has
+    outputs, and the others hold zeros."""
+    if ctx.world_size // ctx.tp > 1:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=ctx.dp_group)
     return tensor
 

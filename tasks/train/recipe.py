@@ -184,7 +184,7 @@ class Recipe:
                     dist.dp_rank,
                     dist.dp_size,
                     accumulation,
-                    drop_last=cfg.cuda_graphs,
+                    drop_last=cfg.same_shape_batches,
                 ),
             )
         first = progress.epoch_batches * accumulation  # inside an epoch: where it stopped
@@ -233,6 +233,7 @@ class Recipe:
             trainer.objective,
             trainer.cuda_graphs,
             trainer.heartbeat,
+            trainer.pipeline,
         )
         metrics |= {f"val_{k}": v for k, v in val_metrics.items()}
         self.limit.limit.estimates.eval_s = time.monotonic() - validated
@@ -281,7 +282,7 @@ class Recipe:
         best_path, state = self.spec.out_dir / "best.pt", None
         if saver is not None:
             if best is not None:
-                weights = full_weights(trainer.model)  # collective
+                weights = full_weights(trainer.model, ctx)  # collective
                 if ctx.is_main:
                     save_best_weights(weights, best_path, best)
                 best = None

@@ -148,12 +148,55 @@ class Transformer(nn.Module):
             "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
         }
 
+    def pp_split(self, stage: int, stages: int) -> nn.Module:
+        """Stage `stage` of `stages` (tasks.train.parallel.pipeline): an equal share of the
+        blocks in order, the first stage with the embedding, the last with the final norm
+        and the output layer, each under its name here; ConfigError when the blocks do not
+        divide."""
+        n = len(self.layers)
+        if n % stages:
+            raise ConfigError(
+                f"train.parallel.pp={stages} does not divide the transformer's {n} layers: set "
+                f"train.parallel.pp to a divisor of {n}, or train.model_args.layers"
+            )
+        per = n // stages
+        return TransformerStage(self, range(stage * per, (stage + 1) * per), stage, stages)
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """(batch, T) token ids -> (batch, T, vocabulary) logits."""
         x = self.tok_embeddings(ids)
         for layer in self.layers:
             x = layer(x)
         return self.output(self.norm(x))
+
+
+class TransformerStage(nn.Module):
+    """One pipeline stage of a Transformer: its blocks `owned` (a ModuleDict keyed by their
+    index in the whole model, so `layers.3.attention.wq.weight` keeps its name), with the
+    embedding on the first stage and the final norm and output layer on the last."""
+
+    def __init__(self, model: Transformer, owned: range, stage: int, stages: int) -> None:
+        super().__init__()
+        first, last = stage == 0, stage == stages - 1
+        self.tok_embeddings = model.tok_embeddings if first else None
+        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in owned})
+        self.norm = model.norm if last else None
+        self.output = model.output if last else None
+
+    def shard_units(self) -> list[nn.Module]:
+        """The stage's blocks: train.strategy=fsdp shards each on its own."""
+        return list(self.layers.values())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Token ids (first stage) or the previous stage's activations (batch, T, dim) ->
+        activations, or the logits on the last stage."""
+        if self.tok_embeddings is not None:
+            x = self.tok_embeddings(x)
+        for layer in self.layers.values():
+            x = layer(x)
+        if self.norm is not None and self.output is not None:
+            x = self.output(self.norm(x))
+        return x
 
 
 def transformer(

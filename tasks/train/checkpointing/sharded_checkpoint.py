@@ -291,13 +291,23 @@ def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, folder: Pat
     sd.set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
 
 
-def full_weights(model: nn.Module) -> dict[str, Any]:
+def full_weights(model: nn.Module, ctx: DistContext | None = None) -> dict[str, Any]:
     """The whole model's state dict, gathered onto rank 0's host memory (collective: every
     rank calls it; the others get {}). What best.pt and the logged MLflow model hold, so they
-    load into a plain model as a DDP run's do."""
+    load into a plain model as a DDP run's do. Under pipeline stages (ctx.pp above 1) `model`
+    is this rank's stage: each stage's is gathered whole onto its first rank, and those are
+    sent to rank 0."""
     sd = _dcp_state()
-    options = sd.StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return sd.get_model_state_dict(model, options=options)
+    if ctx is None or ctx.pp == 1:
+        options = sd.StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return sd.get_model_state_dict(model, options=options)
+    whole = sd.get_model_state_dict(model, options=sd.StateDictOptions(full_state_dict=True))
+    first = ctx.rank % (ctx.world_size // ctx.pp) == 0  # the stage's first rank
+    mine = {k: v.detach().to("cpu", copy=True) for k, v in whole.items()} if first else {}
+    del whole
+    stages: list[Any] | None = [None] * ctx.world_size if ctx.is_main else None
+    dist.gather_object(mine, stages, dst=0)
+    return {k: v for stage in stages or [] for k, v in stage.items()}
 
 
 def _dcp_state() -> Any:

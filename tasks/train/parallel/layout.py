@@ -1,18 +1,23 @@
 """train.parallel: how a job's ranks are laid out on a device mesh, and its check (no torch:
 the config's validation and the preflight use it before anything imports torch).
 
-Three dimensions, the innermost last (ranks next to each other share a node: put tensor
-parallelism, which talks every layer, there):
+Four dimensions, the innermost last (ranks next to each other share a node: put tensor
+parallelism, which talks every layer, there; pipeline stages, which hand over activations
+once per micro-batch, outermost, where the links may be slowest):
 
+    pp             pipeline parallelism: the model's layers cut into `pp` stages in order,
+                   each rank holding one stage and passing activations (forward) and their
+                   gradients (backward) to its neighbours, micro-batch by micro-batch.
     dp_replicate   HSDP: full replicas of the sharded model, gradients all-reduced between them.
     dp_shard       FSDP2: parameters, gradients and optimizer state sharded.
     tp             tensor parallelism: each layer's weights split, every rank of a group
                    computing part of every layer on the same batch (with sequence parallelism
                    for the norms between them).
 
-A rank's coordinates: tp = rank % tp; the data-parallel rank, rank // tp, picks its batches
-(the tp ranks of one group take the same ones). The sizes multiply to the world size; one of
-them may be -1, "the rest of the world".
+A rank's coordinates: tp = rank % tp; the data-parallel rank, (rank // tp) % (dp_replicate x
+dp_shard), picks its batches (the tp ranks of one group, and the stages of one pipeline, take
+the same ones); the stage, rank // (dp_replicate x dp_shard x tp). The sizes multiply to the
+world size; one of them may be -1, "the rest of the world".
 """
 
 import math
@@ -23,12 +28,25 @@ from pydantic import Field, model_validator
 from trainflow.config_base import StrictModel
 from trainflow.errors import ConfigError
 
-DIMENSIONS = ("dp_replicate", "dp_shard", "tp")
+DIMENSIONS = ("pp", "dp_replicate", "dp_shard", "tp")
 """The mesh's dimensions, outermost first."""
 
 
 class ParallelConfig(StrictModel):
     """The mesh of a train.strategy=fsdp job: [train.parallel] in an experiment file."""
+
+    pp: int = Field(1, ge=-1, le=65_536)
+    """Pipeline stages the model's layers are cut into, in order (torch.distributed.pipelining,
+    1F1B schedule): each rank holds and computes one stage's layers, so parameters and
+    activations per rank shrink with the stages. The model's layers must divide by it, and it
+    must name its cut (a method pp_split; the built-in transformer has one). Outermost: the
+    stages exchange activations once per micro-batch, the least traffic of the dimensions.
+    -1: the rest of the world."""
+    pp_microbatches: int | None = Field(None, ge=1, le=65_536)
+    """pp above 1: micro-batches each rank's batch is split into for the pipeline schedule
+    (at least pp; train.batch_size must divide by it). More micro-batches, a smaller share of
+    idle stages (the pipeline's bubble, (pp - 1) / (micro-batches + pp - 1) of a step), but
+    smaller matrix products. Unset: pp."""
 
     dp_replicate: int = Field(1, ge=-1, le=65_536)
     """Replicas of the sharded model (HSDP: sharded within a replica, all-reduced between
@@ -53,6 +71,12 @@ class ParallelConfig(StrictModel):
                 f"train.parallel.{rest[0]} and {rest[1]} are both -1 (the rest of the world): "
                 "set all but one of them"
             )
+        micro = self.pp_microbatches
+        if micro is not None and self.pp > 1 and micro < self.pp:
+            raise ValueError(
+                f"train.parallel.pp_microbatches={micro} is fewer than the pp={self.pp} stages "
+                "(the 1F1B schedule needs one in flight per stage): set it to pp or more"
+            )
         return self
 
     @property
@@ -65,6 +89,7 @@ class ParallelConfig(StrictModel):
 class MeshShape:
     """train.parallel resolved for a world: every size known."""
 
+    pp: int = 1
     dp_replicate: int = 1
     dp_shard: int = 1
     tp: int = 1
@@ -77,7 +102,7 @@ class MeshShape:
     @property
     def world(self) -> int:
         """Ranks of the mesh."""
-        return self.dp * self.tp
+        return self.pp * self.dp * self.tp
 
     def __str__(self) -> str:
         return " x ".join(f"{d}={getattr(self, d)}" for d in DIMENSIONS)
@@ -98,3 +123,9 @@ def mesh_shape(cfg: ParallelConfig, world: int) -> MeshShape:
             f"to multiply to {world}, or one of them to -1 (the rest of the world)"
         )
     return MeshShape(**sizes)
+
+
+def microbatches(cfg: ParallelConfig, shape: MeshShape) -> int:
+    """The pipeline schedule's micro-batches per batch: train.parallel.pp_microbatches, or
+    else one per stage."""
+    return cfg.pp_microbatches or shape.pp

@@ -7,7 +7,8 @@ tensor-parallel plan splits layers over its `tp` dimension (tasks.train.parallel
 tensor_parallel). The data side (batches, metric sums, the global batch) then counts
 data-parallel ranks, not ranks: a tensor-parallel group takes one batch together, and its
 ranks' metric sums are of the same samples, so the sums are all-reduced over one group of
-ranks per tp coordinate (`dp_group`).
+ranks per tp coordinate (`dp_group`). The stages of a pipeline (`pp`) take one batch together
+too; only the last stage has the outputs, so the others add zeros to those sums.
 """
 
 from dataclasses import replace
@@ -49,19 +50,27 @@ def tensor_mesh(mesh: "DeviceMesh") -> "DeviceMesh | None":
     return mesh["tp"] if "tp" in (mesh.mesh_dim_names or ()) else None
 
 
+def pipeline_mesh(mesh: "DeviceMesh | None") -> "DeviceMesh | None":
+    """The `pp` submesh (this rank's pipeline: one rank per stage), None without stages."""
+    if mesh is None or "pp" not in (mesh.mesh_dim_names or ()):
+        return None
+    return mesh["pp"]
+
+
 def on_mesh(ctx: DistContext, shape: MeshShape) -> DistContext:
     """`ctx` on the mesh of `shape` (collective, on several ranks): the mesh, and its
-    data-parallel place: `tp` ranks per group, and when tp > 1 the group of ranks with this
-    rank's tp coordinate, over which metric sums are all-reduced (every rank creates every
-    group, as torch.distributed requires)."""
+    data-parallel place: `tp` ranks per group, `pp` stages per pipeline, and when tp > 1 the
+    group of ranks with this rank's tp coordinate (every stage's), over which metric sums are
+    all-reduced (every rank creates every group, as torch.distributed requires)."""
     if ctx.world_size == 1:
         return ctx
     mesh = build_mesh(shape, ctx)
     if shape.tp == 1:
-        return replace(ctx, mesh=mesh)
-    groups = [[t + k * shape.tp for k in range(shape.dp)] for t in range(shape.tp)]
+        return replace(ctx, pp=shape.pp, mesh=mesh)
+    others = shape.world // shape.tp
+    groups = [[t + k * shape.tp for k in range(others)] for t in range(shape.tp)]
     mine, _ = dist.new_subgroups_by_enumeration(groups)
-    return replace(ctx, tp=shape.tp, dp_group=mine, mesh=mesh)
+    return replace(ctx, tp=shape.tp, pp=shape.pp, dp_group=mine, mesh=mesh)
 
 
 def on_job_mesh(ctx: DistContext, cfg: TrainConfig) -> DistContext:

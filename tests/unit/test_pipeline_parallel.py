@@ -1,0 +1,103 @@
+"""Pipeline parallelism (train.parallel.pp) against data parallelism: trainflow's own training
+job, the built-in transformer (4 blocks, 2 per stage), the same next-token data, seed and
+global batch, fp32, SGD with momentum, with clipping, through submitit's local executor (real
+gloo ranks).
+
+- pp=2 x dp_shard=2 on 4 ranks against DDP on 2 ranks: the data-parallel ranks of both are 2,
+  so each optimizer step sees the same samples; each stage's pipeline splits a rank's batch of
+  16 into 2 micro-batches of 8 (the 1F1B schedule).
+- pp=2 on 2 ranks against 1 rank.
+
+Bound, and why: BOUND_NOTE.
+"""
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.unit.datasets import write_token_dataset
+from trainflow.cluster.config import ClusterConfig
+from trainflow.cluster.executor import make_executor
+from trainflow.cluster.jobs import wait_for_job
+from trainflow.tasks.preprocess.ref import DatasetRef
+from trainflow.tasks.train.config import TrainConfig
+from trainflow.tasks.train.job import TrainingJob, TrainJobSpec
+from trainflow.tasks.train.ref import CheckpointRef
+
+pytestmark = [pytest.mark.services, pytest.mark.timeout(300)]
+BOUND = 1e-6
+CLIP = 0.5
+
+
+@pytest.fixture(scope="module")
+def tokens(tmp_path_factory: pytest.TempPathFactory) -> DatasetRef:
+    root = tmp_path_factory.mktemp("tokens") / "ds"
+    return write_token_dataset(root, context=32, vocab=40, n_train=768, n_val=128)
+
+
+def train(tokens: DatasetRef, out: Path, ranks: int, **keys: Any) -> dict[str, Any]:
+    """Run the job on `ranks` local ranks; its history and best.pt's weights."""
+    cfg = TrainConfig(
+        model="transformer",
+        model_args={"dim": 64, "layers": 4, "heads": 4},
+        objective="sequence",
+        device="cpu",
+        precision="fp32",
+        max_steps=12,
+        batch_size=16,
+        optimizer="sgd",
+        lr=0.1,
+        max_grad_norm=CLIP,
+        val_every_steps=6,
+        test_after_training=False,
+        **keys,
+    )
+    spec = TrainJobSpec(train=cfg, dataset=tokens, out_dir=out / "run")
+    executor = make_executor(ClusterConfig(ranks_per_node=ranks, timeout_min=10), out / "jobs")
+    ref = wait_for_job(executor.submit(TrainingJob(spec)), lambda line: None, 0.2)
+    assert isinstance(ref, CheckpointRef)
+    return {
+        "history": json.loads(ref.history_path.read_text()),
+        "best": torch.load(ref.path, weights_only=True)["model"],
+    }
+
+
+def differences(got: dict[str, Any], want: dict[str, Any]) -> tuple[float, float]:
+    """The largest relative difference of the history's losses and norms, and the largest
+    absolute difference of best.pt's weights."""
+    rel = max(
+        abs(g[k] - w[k]) / abs(w[k])
+        for g, w in zip(got["history"], want["history"], strict=True)
+        for k in ("train_loss", "val_loss", "grad_norm")
+    )
+    weights = max((got["best"][n] - v).abs().max().item() for n, v in want["best"].items())
+    return rel, weights
+
+
+def assert_same_training(got: dict[str, Any], want: dict[str, Any]) -> None:
+    assert [h["step"] for h in got["history"]] == [h["step"] for h in want["history"]] == [6, 12]
+    print("differences (relative history, absolute weights):", differences(got, want))
+    for g, w in zip(got["history"], want["history"], strict=True):
+        for key in ("train_loss", "val_loss", "grad_norm"):
+            assert g[key] == pytest.approx(w[key], rel=BOUND), (key, g, w)
+        assert g["grad_norm"] > CLIP  # clipped: the norm over every stage's gradients counts
+    assert got["best"].keys() == want["best"].keys()
+    for name, value in want["best"].items():
+        torch.testing.assert_close(got["best"][name], value, rtol=0, atol=BOUND, msg=name)
+
+
+def test_pp2_by_dp_shard2_trains_as_ddp_on_the_same_global_batch(
+    tokens: DatasetRef, tmp_path: Path
+) -> None:
+    ddp = train(tokens, tmp_path / "ddp", 2, strategy="ddp")
+    mesh = train(tokens, tmp_path / "mesh", 4, strategy="fsdp", parallel={"pp": 2})
+    assert_same_training(mesh, ddp)
+
+
+def test_pp2_alone_trains_as_one_rank(tokens: DatasetRef, tmp_path: Path) -> None:
+    one = train(tokens, tmp_path / "one", 1)
+    pp = train(tokens, tmp_path / "pp", 2, strategy="fsdp", parallel={"pp": 2})
+    assert_same_training(pp, one)
