@@ -17,15 +17,17 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 from tests.unit.datasets import write_token_dataset
 from trainflow.cluster.config import ClusterConfig
 from trainflow.cluster.executor import make_executor
 from trainflow.cluster.jobs import wait_for_job
-from trainflow.tasks.preprocess.ref import DatasetRef
+from trainflow.tasks.preprocess.ref import DatasetRef, dataset_spec
 from trainflow.tasks.train.config import TrainConfig
 from trainflow.tasks.train.job import TrainingJob, TrainJobSpec
 from trainflow.tasks.train.ref import CheckpointRef
+from trainflow.tasks.train.transformer import transformer
 
 pytestmark = [pytest.mark.services, pytest.mark.timeout(300)]
 BOUND = 1e-6
@@ -62,6 +64,7 @@ def train(tokens: DatasetRef, out: Path, ranks: int, **keys: Any) -> dict[str, A
     return {
         "history": json.loads(ref.history_path.read_text()),
         "best": torch.load(ref.path, weights_only=True)["model"],
+        "last": max(p for p in (out / "run" / "checkpoints").iterdir() if p.suffix != ".sha256"),
     }
 
 
@@ -89,12 +92,22 @@ def assert_same_training(got: dict[str, Any], want: dict[str, Any]) -> None:
         torch.testing.assert_close(got["best"][name], value, rtol=0, atol=BOUND, msg=name)
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # dcp.load in one process
 def test_pp2_by_dp_shard2_trains_as_ddp_on_the_same_global_batch(
     tokens: DatasetRef, tmp_path: Path
 ) -> None:
     ddp = train(tokens, tmp_path / "ddp", 2, strategy="ddp")
     mesh = train(tokens, tmp_path / "mesh", 4, strategy="fsdp", parallel={"pp": 2})
     assert_same_training(mesh, ddp)
+    # The stages' sharded checkpoint (DCP) holds the whole model under its own names: it
+    # loads into one plain model, with the weights DDP's last checkpoint holds.
+    want = torch.load(ddp["last"], weights_only=True)["model"]
+    model = transformer(dataset_spec(tokens, "sequence"), dim=64, layers=4, heads=4)
+    state = {"model": model.state_dict()}
+    dcp.load(state, checkpoint_id=mesh["last"], no_dist=True)
+    assert mesh["last"].name == ddp["last"].stem and state["model"].keys() == want.keys()
+    for name, value in want.items():
+        torch.testing.assert_close(state["model"][name], value, rtol=0, atol=BOUND, msg=name)
 
 
 def test_pp2_alone_trains_as_one_rank(tokens: DatasetRef, tmp_path: Path) -> None:
