@@ -90,7 +90,8 @@ def _train_step(
         group["lr"] = lr
     pipeline = trainer.pipeline
     if pipeline is not None:  # the schedule runs the stages' passes, micro-batch by micro-batch
-        sums, count = pipeline.accumulate(trainer, micro_batches)
+        trainer.optimizer.zero_grad(set_to_none=True)
+        sums, count = pipeline.accumulate(micro_batches, trainer.policy, trainer.heartbeat)
     else:
         sums, count = _accumulate(trainer, micro_batches)
     norm = None

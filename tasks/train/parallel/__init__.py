@@ -1,8 +1,10 @@
-"""Models split across ranks: the device mesh of train.parallel and the plans that split a
-model's layers over its tensor-parallel dimension.
+"""Models split across ranks: the device mesh of train.parallel, the plans that split a
+model's layers over its tensor-parallel dimension, and the pipeline stages that cut them over
+its `pp` dimension.
 
 Modules:
     layout             train.parallel's sizes resolved against the world (no torch).
     mesh               the device mesh, and each rank's place in the data-parallel dimension.
     tensor_parallel    a model's tensor-parallel plan (its own, or its library's) and applying it.
+    pipeline           a model's pipeline stages (its pp_split) and the step that runs them.
 """

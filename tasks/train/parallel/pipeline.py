@@ -41,7 +41,8 @@ from trainflow.tasks.train.parallel.mesh import pipeline_mesh
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
-    from trainflow.tasks.train.loop import Trainer
+    from trainflow.cluster.heartbeat import Heartbeat
+    from trainflow.tasks.train.precision import PrecisionPolicy
 
 SPLIT_METHOD = "pp_split"
 """The method by which a model names its pipeline stages."""
@@ -132,21 +133,24 @@ class PipelineStep:
         self._schedule = Schedule1F1B(stage, microbatches, loss_fn=loss, scale_grads=False)
 
     def accumulate(
-        self, trainer: "Trainer", micro_batches: "Iterable[tuple[torch.Tensor, torch.Tensor]]"
+        self,
+        batches: "Iterable[tuple[torch.Tensor, torch.Tensor]]",
+        policy: "PrecisionPolicy",
+        heartbeat: "Heartbeat",
     ) -> tuple[torch.Tensor, int]:
-        """Forward and backward passes of the step's batches (train.batch_size each, split
-        into micro-batches by the schedule), their gradients added up in the stage's
-        parameters; returns their metric sums and sample count: the last stage's, zeros and 0
-        on the others (their sums are added over the stages: tasks.train.distributed)."""
-        trainer.optimizer.zero_grad(set_to_none=True)
+        """Forward and backward passes of the step's `batches` (train.batch_size each, split
+        into micro-batches by the schedule) under `policy`'s autocast, their gradients added
+        to the stage's parameters' (zeroed by the caller); returns their metric sums and
+        sample count: the last stage's, zeros and 0 on the others (their sums are added over
+        the stages: tasks.train.distributed). `heartbeat` is told of each batch."""
         sums = torch.zeros(self.objective.sums_size, dtype=torch.float64, device=self.device)
         count = 0
-        for x, y in micro_batches:
+        for x, y in batches:
             # whole batches only (TrainConfig.same_shape_batches), checked by pipeline_step
             assert x.shape[0] % self.microbatches == 0, (x.shape, self.microbatches)
-            trainer.heartbeat.beat("backward")
+            heartbeat.beat("backward")
             inputs = (x,) if self.first else ()
-            with trainer.policy.autocast():
+            with policy.autocast():
                 output = self._schedule.step(*inputs, target=y if self.last else None)
             if self.last:
                 sums += self.objective.sums(logits_of(output).detach(), y)
