@@ -122,7 +122,9 @@ class ShardedSaver:
         import torch.distributed.checkpoint as dcp  # (see _dcp_state)
 
         self._started = time.monotonic()
-        model_state, optim_state = _dcp_state().get_state_dict(model, optimizer)
+        sd = _dcp_state()
+        options = sd.StateDictOptions(flatten_optimizer_state_dict=True)
+        model_state, optim_state = sd.get_state_dict(model, optimizer, options=options)
         state = {"model": model_state, "optimizer": optim_state}
         future = dcp.async_save(
             state, checkpoint_id=tmp, process_group=self.group, no_dist=self.group is None
@@ -280,15 +282,36 @@ def _choose(directory: Path) -> tuple[str, list[str]] | str | None:
 
 def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> None:
     """Fill `model` and `optimizer` (sharded over this job's ranks, however many) from the
-    checkpoint `folder`, whatever number of ranks wrote it (collective)."""
+    checkpoint `folder`, whatever number of ranks wrote it (collective), and whatever pipeline
+    stages (see flat_optimizer)."""
     import torch.distributed.checkpoint as dcp  # (see _dcp_state)
 
     sd = _dcp_state()
-    model_state, optim_state = sd.get_state_dict(model, optimizer)  # the shards to fill
+    options = sd.StateDictOptions(flatten_optimizer_state_dict=flat_optimizer(folder))
+    # the shards to fill
+    model_state, optim_state = sd.get_state_dict(model, optimizer, options=options)
     state: dict[str, Any] = {"model": model_state, "optimizer": optim_state}
     _quiet_dcp()
     dcp.load(state, checkpoint_id=folder, no_dist=not dist.is_initialized())  # fills in place
-    sd.set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+    sd.set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=model_state,
+        optim_state_dict=optim_state,
+        options=options,
+    )
+
+
+def flat_optimizer(folder: Path) -> bool:
+    """Whether the checkpoint `folder` holds the optimizer's state flattened, each parameter
+    group's settings stored per parameter name (`optimizer.param_groups.<name>.lr`), as they
+    are written: a pipeline stage holds its own parameters' groups, and the groups of every
+    stage must be kept (torchtitan's flatten_optimizer_state_dict). Checkpoints written
+    before kept one list of groups (`optimizer.param_groups`), and still load."""
+    import torch.distributed.checkpoint as dcp  # (see _dcp_state)
+
+    keys = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    return "optimizer.param_groups.0.params" not in keys  # the list's: unflattened
 
 
 def full_weights(model: nn.Module, ctx: DistContext | None = None) -> dict[str, Any]:
