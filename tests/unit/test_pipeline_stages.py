@@ -1,15 +1,21 @@
 """Pipeline stages without ranks: train.parallel.pp's refusals (one line each, before any
 job), each rank's data-parallel place with stages on the mesh, and the built-in transformer's
 cut: its stages, run one after another, compute the whole model, and hold its parameters
-under the whole model's names, each in exactly one stage."""
+under the whole model's names, each in exactly one stage; the layout of a checkpoint's
+optimizer state that keeps every stage's groups."""
+
+from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from pydantic import ValidationError
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
 from trainflow.errors import ConfigError
 from trainflow.tasks.spec import DataSpec
+from trainflow.tasks.train.checkpointing.sharded_checkpoint import flat_optimizer, load_sharded
 from trainflow.tasks.train.config import TrainConfig
 from trainflow.tasks.train.distributed import DistContext
 from trainflow.tasks.train.parallel.layout import ParallelConfig, mesh_shape, microbatches
@@ -97,3 +103,29 @@ class Renamed(nn.Module):
 def test_a_cut_that_renames_the_models_parameters_is_refused() -> None:
     with pytest.raises(ConfigError, match=r"returned tensors \['0.weight', '0.bias'\]"):
         stage_module(Renamed(), 0, 2)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP in one process
+@pytest.mark.parametrize("flat", [True, False], ids=["per-name groups", "one list (older)"])
+def test_a_checkpoints_optimizer_loads_in_either_layout(tmp_path: Path, flat: bool) -> None:
+    """Checkpoints keep the optimizer's groups per parameter name (each pipeline stage its
+    own); those written before, one list of groups, load as well."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(4, 3)).sum().backward()
+    optimizer.step()
+    options = StateDictOptions(flatten_optimizer_state_dict=flat)
+    model_state, optim_state = get_state_dict(model, optimizer, options=options)
+    dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=tmp_path)
+    assert flat_optimizer(tmp_path) == flat
+
+    fresh = nn.Linear(3, 2)
+    fresh_optimizer = torch.optim.SGD(fresh.parameters(), lr=0.5, momentum=0.1)
+    load_sharded(fresh, fresh_optimizer, tmp_path)
+    torch.testing.assert_close(fresh.state_dict(), model.state_dict(), rtol=0, atol=0)
+    assert fresh_optimizer.param_groups[0]["lr"] == 0.1
+    assert fresh_optimizer.param_groups[0]["momentum"] == 0.9
+    for p, q in zip(model.parameters(), fresh.parameters(), strict=True):
+        want = optimizer.state[p]["momentum_buffer"]
+        torch.testing.assert_close(fresh_optimizer.state[q]["momentum_buffer"], want)
