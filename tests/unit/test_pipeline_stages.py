@@ -18,8 +18,9 @@ from trainflow.tasks.spec import DataSpec
 from trainflow.tasks.train.checkpointing.sharded_checkpoint import flat_optimizer, load_sharded
 from trainflow.tasks.train.config import TrainConfig
 from trainflow.tasks.train.distributed import DistContext
+from trainflow.tasks.train.model_plugins import check_model
 from trainflow.tasks.train.parallel.layout import ParallelConfig, mesh_shape, microbatches
-from trainflow.tasks.train.parallel.pipeline import stage_module
+from trainflow.tasks.train.parallel.pipeline import check_stages, stage_module
 from trainflow.tasks.train.transformer import transformer
 
 SPEC = DataSpec((16,), "int64", "sequence", 30, (16,))
@@ -129,3 +130,21 @@ def test_a_checkpoints_optimizer_loads_in_either_layout(tmp_path: Path, flat: bo
     for p, q in zip(model.parameters(), fresh.parameters(), strict=True):
         want = optimizer.state[p]["momentum_buffer"]
         torch.testing.assert_close(fresh_optimizer.state[q]["momentum_buffer"], want)
+
+
+class Partial(Renamed):
+    """A model whose cut leaves its layer out of every stage."""
+
+    def pp_split(self, stage: int, stages: int) -> nn.Module:
+        return nn.Module()
+
+
+def test_the_preflight_refuses_a_cut_before_any_job() -> None:
+    cfg = TrainConfig(strategy="fsdp", model="transformer", objective="sequence")
+    ok = cfg.model_copy(update={"parallel": ParallelConfig(pp=2)})
+    assert check_model(ok, SPEC).parameters > 0
+    three = ok.model_copy(update={"model_args": {"layers": 3}})
+    with pytest.raises(ConfigError, match="pp=2 does not divide the transformer's 3 layers"):
+        check_model(three, SPEC)
+    with pytest.raises(ConfigError, match=r"puts body.weight in 0 of the 2 stages"):
+        check_stages(Partial(), 2)

@@ -73,6 +73,23 @@ def stage_module(model: nn.Module, stage: int, stages: int) -> nn.Module:
     return part
 
 
+def check_stages(model: nn.Module, stages: int) -> None:
+    """ConfigError (one line) unless `model` cuts into `stages` stages (stage_module) that
+    hold each of its parameters exactly once: one left out would not train, one held twice
+    would train apart in two stages. The preflight's check, on the meta device."""
+    held: dict[str, int] = {}
+    for stage in range(stages):
+        for name, _ in stage_module(model, stage, stages).named_parameters():
+            held[name] = held.get(name, 0) + 1
+    wrong = [n for n, _ in model.named_parameters() if held.get(n, 0) != 1]
+    if wrong:
+        count = held.get(wrong[0], 0)
+        raise ConfigError(
+            f"{type(model).__name__}.{SPLIT_METHOD}(stage, {stages}) puts {wrong[0]} in "
+            f"{count} of the {stages} stages: every parameter belongs to exactly one stage"
+        )
+
+
 def this_stage(model: nn.Module, ctx: DistContext) -> nn.Module:
     """The stage of `model` this rank holds (its place on the mesh's `pp` dimension), or
     `model` itself without stages."""
