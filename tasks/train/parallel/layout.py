@@ -72,6 +72,11 @@ class ParallelConfig(StrictModel):
                 "set all but one of them"
             )
         micro = self.pp_microbatches
+        if micro is not None and self.pp == 1:
+            raise ValueError(
+                f"train.parallel.pp_microbatches={micro} splits a pipeline's batches, but "
+                "train.parallel.pp=1 (no stages): set train.parallel.pp, or unset it"
+            )
         if micro is not None and self.pp > 1 and micro < self.pp:
             raise ValueError(
                 f"train.parallel.pp_microbatches={micro} is fewer than the pp={self.pp} stages "

@@ -108,6 +108,11 @@ def pipeline_step(
     if ctx.pp == 1:
         return None
     n = microbatches(cfg.parallel, mesh_shape(cfg.parallel, ctx.world_size))
+    if n < ctx.pp:  # pp=-1 resolved to more stages than the micro-batches set
+        raise ConfigError(
+            f"train.parallel.pp_microbatches={n} is fewer than this job's {ctx.pp} stages "
+            "(the 1F1B schedule needs one in flight per stage): set it to pp or more"
+        )
     if cfg.batch_size % n:
         raise ConfigError(
             f"train.batch_size={cfg.batch_size} does not split into train.parallel."
