@@ -47,21 +47,7 @@ def tokens(tmp_path_factory: pytest.TempPathFactory) -> DatasetRef:
 
 def train(tokens: DatasetRef, out: Path, ranks: int, **keys: Any) -> dict[str, Any]:
     """Run the job on `ranks` local ranks; its history and best.pt's weights."""
-    cfg = TrainConfig(
-        model="transformer",
-        model_args={"dim": 64, "layers": 2, "heads": 4},
-        objective="sequence",
-        device="cpu",
-        precision="fp32",
-        max_steps=12,
-        batch_size=16,
-        optimizer="sgd",
-        lr=0.1,
-        max_grad_norm=CLIP,
-        val_every_steps=6,
-        test_after_training=False,
-        **keys,
-    )
+    cfg = TrainConfig(**{**COMMON, **keys})
     spec = TrainJobSpec(train=cfg, dataset=tokens, out_dir=out / "run")
     executor = make_executor(ClusterConfig(ranks_per_node=ranks, timeout_min=10), out / "jobs")
     ref = wait_for_job(executor.submit(TrainingJob(spec)), lambda line: None, 0.2)
@@ -70,6 +56,22 @@ def train(tokens: DatasetRef, out: Path, ranks: int, **keys: Any) -> dict[str, A
         "history": json.loads(ref.history_path.read_text()),
         "best": torch.load(ref.path, weights_only=True)["model"],
     }
+
+
+COMMON: dict[str, Any] = dict(
+    model="transformer",
+    model_args={"dim": 64, "layers": 2, "heads": 4},
+    objective="sequence",
+    device="cpu",
+    precision="fp32",
+    max_steps=12,
+    batch_size=16,
+    optimizer="sgd",
+    lr=0.1,
+    max_grad_norm=CLIP,
+    val_every_steps=6,
+    test_after_training=False,
+)
 
 
 def assert_same_training(got: dict[str, Any], want: dict[str, Any]) -> None:
@@ -95,3 +97,23 @@ def test_tp2_alone_trains_as_one_rank(tokens: DatasetRef, tmp_path: Path) -> Non
     one = train(tokens, tmp_path / "one", 1)
     tp = train(tokens, tmp_path / "tp", 2, strategy="fsdp", parallel={"tp": 2})
     assert_same_training(tp, one)
+
+
+def test_a_run_continues_on_other_meshes_from_its_sharded_checkpoints(
+    tokens: DatasetRef, tmp_path: Path
+) -> None:
+    """Steps 1-4 on tp=2 x dp_shard=2 (4 ranks), 5-8 on dp_shard=2 (2 ranks), 9-12 on one rank
+    (which keeps the global batch by accumulating 2 micro-batches), each resuming the last's
+    checkpoint through torch.distributed.checkpoint, against 12 straight steps on tp=2 x
+    dp_shard=2: the same bound (each mesh sums in its own order). Constant learning rate, so a
+    longer max_steps changes no step already taken."""
+    fsdp = {"strategy": "fsdp", "schedule": "constant", "checkpoint_every_steps": 4}
+    straight = train(tokens, tmp_path / "straight", 4, **fsdp, parallel={"tp": 2})
+    out = tmp_path / "moved"
+    train(tokens, out, 4, **fsdp, parallel={"tp": 2}, max_steps=4)
+    train(tokens, out, 2, **fsdp, max_steps=8)
+    moved = train(tokens, out, 1, **fsdp)
+    # each stop at max_steps validated there too (steps 4 and 8): compare the common steps
+    assert [h["step"] for h in moved["history"]] == [4, 6, 8, 12]
+    moved["history"] = [h for h in moved["history"] if h["step"] in (6, 12)]
+    assert_same_training(moved, straight)

@@ -98,3 +98,9 @@ def mesh_shape(cfg: ParallelConfig, world: int) -> MeshShape:
             f"to multiply to {world}, or one of them to -1 (the rest of the world)"
         )
     return MeshShape(**sizes)
+
+
+def job_shape(strategy: str, cfg: ParallelConfig, world: int) -> MeshShape:
+    """The mesh of a train.strategy job of `world` ranks: train.parallel's under fsdp, every
+    rank a replica under ddp. ConfigError as mesh_shape."""
+    return mesh_shape(cfg, world) if strategy == "fsdp" else MeshShape(dp_replicate=world)
