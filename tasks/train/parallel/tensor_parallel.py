@@ -16,6 +16,8 @@ style gathers the logits, so the loss and the metrics are those of the whole mod
 rank of the group.
 """
 
+import logging
+import warnings
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
@@ -60,4 +62,16 @@ def split_layers(model: nn.Module, tp_mesh: "DeviceMesh", tp: int) -> nn.Module:
     (tasks.train.sharded_init)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
+    _quiet_notes()
     return parallelize_module(model, tp_mesh, tp_plan(model, tp), src_data_rank=None)
+
+
+def _quiet_notes() -> None:
+    """Keep two of torch's notes to its own developers off the job's log (torch 2.13):
+    DTensor's advice to flatten mesh dimensions, logged as a warning where the gradient norm
+    all-reduces over tp and dp_shard one after the other and where a full state dict is
+    gathered (DeviceMesh's flatten is private); and FSDP2's warning that the root returns a
+    view (the gathered logits), which matters only to an in-place change of the output, which
+    the loop never makes."""
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
