@@ -112,7 +112,11 @@ def test_tp2_by_dp_shard2_in_bf16_with_activation_checkpointing_stays_within_bf1
     tests/unit/test_fsdp_vs_ddp.py's for bf16 (1% of the loss; why there); measured here
     within 4e-4 relative."""
     ddp = train(tokens, tmp_path / "ddp", 2, strategy="ddp", precision="bf16")
-    keys = {"strategy": "fsdp", "parallel": {"tp": 2}, "activation_checkpointing": True}
+    keys: dict[str, Any] = {
+        "strategy": "fsdp",
+        "parallel": {"tp": 2},
+        "activation_checkpointing": True,
+    }
     mesh = train(tokens, tmp_path / "mesh", 4, precision="bf16", **keys)
     for got, want in zip(mesh["history"], ddp["history"], strict=True):
         for key in ("train_loss", "val_loss", "grad_norm"):
@@ -133,7 +137,7 @@ def test_a_run_continues_on_other_meshes_from_its_sharded_checkpoints(
     checkpoint through torch.distributed.checkpoint, against 12 straight steps on tp=2 x
     dp_shard=2: the same bound (each mesh sums in its own order). Constant learning rate, so a
     longer max_steps changes no step already taken."""
-    fsdp = {"strategy": "fsdp", "schedule": "constant", "checkpoint_every_steps": 4}
+    fsdp: dict[str, Any] = {"strategy": "fsdp", "schedule": "constant", "checkpoint_every_steps": 4}
     straight = train(tokens, tmp_path / "straight", 4, **fsdp, parallel={"tp": 2})
     out = tmp_path / "moved"
     train(tokens, out, 4, **fsdp, parallel={"tp": 2}, max_steps=4)
