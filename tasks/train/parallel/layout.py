@@ -4,11 +4,10 @@ the config's validation and the preflight use it before anything imports torch).
 Three dimensions, the innermost last (ranks next to each other share a node: put tensor
 parallelism, which talks every layer, there):
 
-    dp_replicate   HSDP: full replicas of the sharded model, gradients all-reduced between them.
-    dp_shard       FSDP2: parameters, gradients and optimizer state sharded.
-    tp             tensor parallelism: each layer's weights split, every rank of a group
-                   computing part of every layer on the same batch (with sequence parallelism
-                   for the norms between them).
+- dp_replicate: HSDP, full replicas of the sharded model, gradients all-reduced between them;
+- dp_shard: FSDP2, parameters, gradients and optimizer state sharded;
+- tp: tensor parallelism, each layer's weights split, every rank of a group computing part of
+  every layer on the same batch (with sequence parallelism for the norms between them).
 
 A rank's coordinates: tp = rank % tp; the data-parallel rank, rank // tp, picks its batches
 (the tp ranks of one group take the same ones). The sizes multiply to the world size; one of
