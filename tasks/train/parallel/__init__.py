@@ -4,5 +4,6 @@ model's layers over its tensor-parallel dimension.
 Modules:
     layout             train.parallel's sizes resolved against the world (no torch).
     mesh               the device mesh, and each rank's place in the data-parallel dimension.
-    tensor_parallel    a model's tensor-parallel plan (its own, or its library's) and applying it.
+    tensor_parallel    how a model is split (its own plan or its library's), and the checks.
+    hf_plan            transformers models: the library's plan, checked against the model, applied.
 """
