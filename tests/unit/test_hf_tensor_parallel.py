@@ -102,7 +102,7 @@ def test_a_models_own_plan_comes_before_transformers() -> None:
     ("args", "tp", "words"),
     [
         ({"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 4}, 2, "plan for the gpt2"),
-        ({**LLAMA, "num_attention_heads": 4}, 3, "the llama model (LlamaForCausalLM)'s 4 attention"),
+        ({**LLAMA, "num_attention_heads": 4}, 3, "(LlamaForCausalLM)'s 4 attention heads"),
         ({**LLAMA, "num_key_value_heads": 2}, 4, "2 key/value heads"),
         ({**LLAMA, "intermediate_size": 129}, 2, "train.model_args.intermediate_size"),
         ({**LLAMA, "tie_word_embeddings": True}, 2, "tie_word_embeddings=false"),
