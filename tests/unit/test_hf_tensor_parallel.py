@@ -80,6 +80,7 @@ def test_llamas_plan_is_transformers_own_spelled_out_as_its_loading_does() -> No
     # transformers' own loading (from_pretrained(distributed_config=...)) spells the plan out
     # with its private _resolve_parallel_plans: the same entries, in the same order (a
     # parameter before its module). Fails when transformers changes how it reads a plan.
+    assert isinstance(model, LlamaForCausalLM)
     own, _, _ = model._resolve_parallel_plans(DistributedConfig(tp_size=2))
     assert list(split.plan.items()) == list(own.items())
 
@@ -87,11 +88,12 @@ def test_llamas_plan_is_transformers_own_spelled_out_as_its_loading_does() -> No
 def test_a_models_own_plan_comes_before_transformers() -> None:
     from torch.distributed.tensor.parallel import ColwiseParallel
 
-    class Own(LlamaForCausalLM):  # type: ignore[misc]
+    class Own(LlamaForCausalLM):
         def tp_plan(self, tp: int) -> dict[str, object]:  # type: ignore[override]
             return {"lm_head": ColwiseParallel()}
 
     llama = meta_model(**LLAMA)
+    assert isinstance(llama, LlamaForCausalLM)
     with torch.device("meta"):
         own = Own(llama.config)
     assert how_to_split(own, 2).source == "Own.tp_plan(2)"
