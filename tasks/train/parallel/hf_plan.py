@@ -66,7 +66,7 @@ def expanded_plan(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
     """`plan` spelled out for `model`: for each module in order, its own parameters that a rule
     names (its own rule, or its module's) and then the module itself when a rule names it;
     layer numbers matched by ``*`` (transformers' `replace_layer_number_by_wildcard`)."""
-    from transformers.integrations.tensor_parallel import replace_layer_number_by_wildcard
+    from transformers.distributed.parallel_utils import replace_layer_number_by_wildcard
 
     spelled: dict[str, str] = {}
     for name, module in model.named_modules():
