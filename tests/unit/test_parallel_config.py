@@ -115,7 +115,8 @@ def test_a_model_without_a_plan_is_refused_in_one_line() -> None:
     assert str(refused.value) == (
         "train.parallel.tp=2: the model TokenConv has no tensor-parallel plan: give it a "
         "method tp_plan(self, tp) returning its layers' parallel styles (docs/training.md, "
-        "Parallelism), use train.model=transformer, or set train.parallel.tp=1"
+        "Parallelism), use train.model=transformer or a Hugging Face architecture with a plan "
+        "(train.model=hf, e.g. llama), or set train.parallel.tp=1"
     )
 
 
