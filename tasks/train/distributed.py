@@ -79,6 +79,15 @@ class DistContext:
         return (self.rank // self.tp) % self.dp_size
 
     @property
+    def mesh_text(self) -> str:
+        """The mesh's sizes ('dp_shard=2 x tp=2') when it is more than FSDP's one dimension of
+        all ranks; '' otherwise."""
+        names = tuple(self.mesh.mesh_dim_names or ()) if self.mesh is not None else ()
+        if self.mesh is None or names == ("dp_shard",):
+            return ""
+        return " x ".join(f"{n}={s}" for n, s in zip(names, self.mesh.shape, strict=True))
+
+    @property
     def dp_size(self) -> int:
         """Data-parallel ranks: how many take batches of their own (the world size without
         tensor parallelism and pipeline stages)."""

@@ -87,10 +87,6 @@ def checked_model(cfg: TrainConfig, spec: DataSpec) -> tuple[ModelReport, nn.Mod
         from trainflow.tasks.train.sharding import sharding_units
 
         sharding_units(model)  # a model's own shard_units() that names strangers: one line
-    if cfg.parallel.pp > 1:  # a model without stages, or whose layers do not divide: one line
-        from trainflow.tasks.train.parallel.pipeline import check_stages
-
-        check_stages(model, cfg.parallel.pp)
     need = spec.output_shape(CHECK_BATCH)
     try:
         logits = logits_of(out)

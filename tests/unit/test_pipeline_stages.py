@@ -14,11 +14,13 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
 from trainflow.errors import ConfigError
+from trainflow.flows.config import build_config
+from trainflow.flows.preflight import check_split
 from trainflow.tasks.spec import DataSpec
 from trainflow.tasks.train.checkpointing.sharded_checkpoint import flat_optimizer, load_sharded
 from trainflow.tasks.train.config import TrainConfig
 from trainflow.tasks.train.distributed import DistContext
-from trainflow.tasks.train.model_plugins import check_model
+from trainflow.tasks.train.model_plugins import checked_model
 from trainflow.tasks.train.parallel.layout import ParallelConfig, mesh_shape, microbatches
 from trainflow.tasks.train.parallel.pipeline import check_stages, stage_module
 from trainflow.tasks.train.transformer import transformer
@@ -141,12 +143,30 @@ class Partial(Renamed):
         return nn.Module()
 
 
+def preflight(model: str, pp: int, **args: object) -> None:
+    """The preflight's check of train.parallel.pp={pp} on `model`'s meta build (pp ranks)."""
+    overrides = [
+        f"train.model={model}",
+        "train.objective=sequence",
+        "train.strategy=fsdp",
+        f"train.parallel.pp={pp}",
+        "train.batch_size=16",
+        f"cluster.ranks_per_node={pp}",
+    ]
+    cfg = build_config("tiny", overrides)
+    cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"model_args": args})})
+    check_split(cfg.train, cfg, checked_model(cfg.train, SPEC)[1])
+
+
 def test_the_preflight_refuses_a_cut_before_any_job() -> None:
-    cfg = TrainConfig(strategy="fsdp", model="transformer", objective="sequence")
-    ok = cfg.model_copy(update={"parallel": ParallelConfig(pp=2)})
-    assert check_model(ok, SPEC).parameters > 0
-    three = ok.model_copy(update={"model_args": {"layers": 3}})
-    with pytest.raises(ConfigError, match="pp=2 does not divide the transformer's 3 layers"):
-        check_model(three, SPEC)
+    preflight("transformer", 2, layers=4)  # 2 blocks a stage: no refusal
+    with pytest.raises(ConfigError) as refused:
+        preflight("transformer", 2, layers=3)
+    assert str(refused.value) == (
+        "train.parallel.pp=2 does not divide the transformer's 3 layers: set "
+        "train.parallel.pp to a divisor of 3, or train.model_args.layers"
+    )
+    with pytest.raises(ConfigError, match="TokenConv names no pipeline stages: give it a"):
+        preflight("token_conv", 2)
     with pytest.raises(ConfigError, match=r"puts body.weight in 0 of the 2 stages"):
         check_stages(Partial(), 2)

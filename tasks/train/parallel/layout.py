@@ -5,14 +5,13 @@ Four dimensions, the innermost last (ranks next to each other share a node: put 
 parallelism, which talks every layer, there; pipeline stages, which hand over activations
 once per micro-batch, outermost, where the links may be slowest):
 
-    pp             pipeline parallelism: the model's layers cut into `pp` stages in order,
-                   each rank holding one stage and passing activations (forward) and their
-                   gradients (backward) to its neighbours, micro-batch by micro-batch.
-    dp_replicate   HSDP: full replicas of the sharded model, gradients all-reduced between them.
-    dp_shard       FSDP2: parameters, gradients and optimizer state sharded.
-    tp             tensor parallelism: each layer's weights split, every rank of a group
-                   computing part of every layer on the same batch (with sequence parallelism
-                   for the norms between them).
+- pp: pipeline parallelism, the model's layers cut into `pp` stages in order, each rank
+  holding one stage and passing activations (forward) and their gradients (backward) to its
+  neighbours, micro-batch by micro-batch;
+- dp_replicate: HSDP, full replicas of the sharded model, gradients all-reduced between them;
+- dp_shard: FSDP2, parameters, gradients and optimizer state sharded;
+- tp: tensor parallelism, each layer's weights split, every rank of a group computing part of
+  every layer on the same batch (with sequence parallelism for the norms between them).
 
 A rank's coordinates: tp = rank % tp; the data-parallel rank, (rank // tp) % (dp_replicate x
 dp_shard), picks its batches (the tp ranks of one group, and the stages of one pipeline, take
@@ -134,3 +133,9 @@ def microbatches(cfg: ParallelConfig, shape: MeshShape) -> int:
     """The pipeline schedule's micro-batches per batch: train.parallel.pp_microbatches, or
     else one per stage."""
     return cfg.pp_microbatches or shape.pp
+
+
+def job_shape(strategy: str, cfg: ParallelConfig, world: int) -> MeshShape:
+    """The mesh of a train.strategy job of `world` ranks: train.parallel's under fsdp, every
+    rank a replica under ddp. ConfigError as mesh_shape."""
+    return mesh_shape(cfg, world) if strategy == "fsdp" else MeshShape(dp_replicate=world)

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from trainflow.tasks.train.config import TrainConfig
 from trainflow.tasks.train.distributed import DistContext
-from trainflow.tasks.train.parallel.layout import DIMENSIONS, MeshShape, mesh_shape
+from trainflow.tasks.train.parallel.layout import DIMENSIONS, MeshShape, job_shape
 
 if TYPE_CHECKING:  # imports DTensor (~0.7 s): a ddp run never needs it
     from torch.distributed.device_mesh import DeviceMesh
@@ -79,4 +79,4 @@ def on_job_mesh(ctx: DistContext, cfg: TrainConfig) -> DistContext:
     ranks included)."""
     if cfg.strategy != "fsdp":
         return ctx
-    return on_mesh(ctx, mesh_shape(cfg.parallel, ctx.world_size))
+    return on_mesh(ctx, job_shape(cfg.strategy, cfg.parallel, ctx.world_size))
