@@ -7,6 +7,7 @@ gloo ranks).
   so each optimizer step sees the same samples; each stage's pipeline splits a rank's batch of
   16 into 2 micro-batches of 8 (the 1F1B schedule).
 - pp=2 on 2 ranks against 1 rank.
+- a pp=2 x dp_shard=2 run moved to one rank without stages halfway, against DDP.
 
 Bound, and why: the same function, its sums grouped differently. A stage's gradient is the
 sum of its micro-batches' backward passes, each loss divided by their number, where the
@@ -50,23 +51,26 @@ def tokens(tmp_path_factory: pytest.TempPathFactory) -> DatasetRef:
     return write_token_dataset(root, context=32, vocab=40, n_train=768, n_val=128)
 
 
+COMMON: dict[str, Any] = dict(
+    model="transformer",
+    model_args={"dim": 64, "layers": 4, "heads": 4},
+    objective="sequence",
+    device="cpu",
+    precision="fp32",
+    max_steps=12,
+    batch_size=16,
+    optimizer="sgd",
+    lr=0.1,
+    max_grad_norm=CLIP,
+    val_every_steps=6,
+    test_after_training=False,
+)
+
+
 def train(tokens: DatasetRef, out: Path, ranks: int, **keys: Any) -> dict[str, Any]:
-    """Run the job on `ranks` local ranks; its history and best.pt's weights."""
-    cfg = TrainConfig(
-        model="transformer",
-        model_args={"dim": 64, "layers": 4, "heads": 4},
-        objective="sequence",
-        device="cpu",
-        precision="fp32",
-        max_steps=12,
-        batch_size=16,
-        optimizer="sgd",
-        lr=0.1,
-        max_grad_norm=CLIP,
-        val_every_steps=6,
-        test_after_training=False,
-        **keys,
-    )
+    """Run the job on `ranks` local ranks; its history, best.pt's weights and its newest
+    checkpoint."""
+    cfg = TrainConfig(**{**COMMON, **keys})
     spec = TrainJobSpec(train=cfg, dataset=tokens, out_dir=out / "run")
     executor = make_executor(ClusterConfig(ranks_per_node=ranks, timeout_min=10), out / "jobs")
     ref = wait_for_job(executor.submit(TrainingJob(spec)), lambda line: None, 0.2)
@@ -124,3 +128,19 @@ def test_pp2_alone_trains_as_one_rank(tokens: DatasetRef, tmp_path: Path) -> Non
     one = train(tokens, tmp_path / "one", 1)
     pp = train(tokens, tmp_path / "pp", 2, strategy="fsdp", parallel={"pp": 2})
     assert_same_training(pp, one)
+
+
+def test_a_pipelined_run_continues_on_one_rank_from_its_sharded_checkpoint(
+    tokens: DatasetRef, tmp_path: Path
+) -> None:
+    """Steps 1-6 on pp=2 x dp_shard=2 (4 ranks), 7-12 on one rank without stages (which keeps
+    the global batch by accumulating 2 micro-batches), resuming the stages' checkpoint through
+    torch.distributed.checkpoint (the weights and SGD's momentum under the whole model's
+    names), against 12 straight steps of DDP on 2 ranks: the same bound. Constant learning
+    rate, so a longer max_steps changes no step already taken."""
+    constant: dict[str, Any] = {"schedule": "constant", "checkpoint_every_steps": 6}
+    ddp = train(tokens, tmp_path / "ddp", 2, strategy="ddp", **constant)
+    out = tmp_path / "moved"
+    train(tokens, out, 4, strategy="fsdp", parallel={"pp": 2}, max_steps=6, **constant)
+    moved = train(tokens, out, 1, strategy="fsdp", **constant)
+    assert_same_training(moved, ddp)
