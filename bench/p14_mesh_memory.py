@@ -9,7 +9,8 @@ each rank with the same micro-batch (BATCH sequences of CONTEXT tokens; a tensor
 group's ranks share theirs). Per rank:
 - training state: the bytes of the parameters, gradients and AdamW state this rank holds after
   the step (a DTensor's local shard, numel x element size; exact, not RSS), against a
-  one-rank run's. Goal at tp x dp = 4: within 1/4 + 10% of one rank's.
+  one-rank run's. Goal at tp x dp = 4: within 1/4 + 10% of one rank's. Also the parameters
+  whose gradient this rank holds more of than of the weight (a shard's gradient kept whole).
 - activations: the bytes autograd keeps from the forward pass (loss included) for the
   backward pass, counted once the forward pass is done: the saved tensors, seen through
   torch.autograd.graph.saved_tensors_hooks, each storage once (a DTensor's local one), less
@@ -18,7 +19,9 @@ group's ranks share theirs). Per rank:
   (torch.cuda.memory_allocated and its peak are CUDA's), and RSS mixes the activations with
   malloc's caching, gloo's buffers and the gathered weights; the saved tensors are exactly
   what the backward pass needs kept, whatever the device. Goal: tp=2 with sequence
-  parallelism below dp_shard=2 (and DDP on 2) at the same micro-batch.
+  parallelism below dp_shard=2 (and DDP on 2) at the same micro-batch. As a cross-check, the
+  growth over the forward pass of the bytes glibc's malloc (under torch's CPU allocator) has
+  handed out and not had back (malloc_in_use).
 """
 
 import ctypes
@@ -175,6 +178,11 @@ def _rank(rank: int, world: int, port: int, way: str, out: str) -> None:
         "activation_bytes": activations,
         "malloc_growth_bytes": grown,
         "loss": float(loss.detach()),
+        "gradients_larger_than_their_weight": [
+            name
+            for name, p in model.named_parameters()
+            if p.grad is not None and local_bytes([p.grad]) > local_bytes([p])
+        ],
     }
     records: list[Any] = [record]
     if world > 1:
