@@ -6,7 +6,8 @@ gloo ranks).
 - pp=2 x dp_shard=2 on 4 ranks against DDP on 2 ranks: the data-parallel ranks of both are 2,
   so each optimizer step sees the same samples; each stage's pipeline splits a rank's batch of
   16 into 2 micro-batches of 8 (the 1F1B schedule).
-- pp=2 on 2 ranks against 1 rank.
+- pp=2 on 2 ranks against 1 rank; pp=4 (1 block a stage, 8 micro-batches of 2) on 4 ranks
+  against 1 rank: the middle stages take neither inputs nor targets.
 - a pp=2 x dp_shard=2 run moved to one rank without stages halfway, against DDP.
 
 Bound, and why: the same function, its sums grouped differently. A stage's gradient is the
@@ -124,9 +125,16 @@ def test_pp2_by_dp_shard2_trains_as_ddp_on_the_same_global_batch(
         torch.testing.assert_close(state["model"][name], value, rtol=0, atol=BOUND, msg=name)
 
 
-def test_pp2_alone_trains_as_one_rank(tokens: DatasetRef, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "parallel",
+    [{"pp": 2}, {"pp": 4, "pp_microbatches": 8}],  # 4: stages with neither input nor output
+    ids=["pp=2", "pp=4 x 8 micro-batches"],
+)
+def test_stages_alone_train_as_one_rank(
+    tokens: DatasetRef, tmp_path: Path, parallel: dict[str, int]
+) -> None:
     one = train(tokens, tmp_path / "one", 1)
-    pp = train(tokens, tmp_path / "pp", 2, strategy="fsdp", parallel={"pp": 2})
+    pp = train(tokens, tmp_path / "pp", parallel["pp"], strategy="fsdp", parallel=parallel)
     assert_same_training(pp, one)
 
 
