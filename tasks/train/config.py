@@ -275,17 +275,11 @@ class TrainConfig(StrictModel):
                 "train.parallel lays out a train.strategy=fsdp job (its data-parallel "
                 "dimensions are FSDP2's): set train.strategy=fsdp, or unset train.parallel"
             )
-        par = self.parallel
-        if par.pp != 1 and par.tp != 1:
-            raise ValueError(
-                f"train.parallel.pp={par.pp} with tp={par.tp}: pipeline stages with tensor "
-                "parallelism are not supported yet: set train.parallel.pp or tp to 1"
-            )
-        micro = par.pp_microbatches or (par.pp if par.pp > 1 else None)
-        if par.pp != 1 and micro is not None and self.batch_size % micro:
+        micro, pp = self.parallel.known_microbatches, self.parallel.pp
+        if micro and self.batch_size % micro:
             raise ValueError(
                 f"train.batch_size={self.batch_size} does not split into train.parallel.pp="
-                f"{par.pp}'s {micro} micro-batches: set train.batch_size to a multiple of {micro}"
+                f"{pp}'s {micro} micro-batches: set train.batch_size to a multiple of {micro}"
                 " or train.parallel.pp_microbatches to a divisor of it"
             )
         if self.strategy == "fsdp" and self.precision == "fp16":

@@ -70,6 +70,11 @@ class ParallelConfig(StrictModel):
                 f"train.parallel.{rest[0]} and {rest[1]} are both -1 (the rest of the world): "
                 "set all but one of them"
             )
+        if self.pp != 1 and self.tp != 1:
+            raise ValueError(
+                f"train.parallel.pp={self.pp} with tp={self.tp}: pipeline stages with tensor "
+                "parallelism are not supported yet: set train.parallel.pp or tp to 1"
+            )
         micro = self.pp_microbatches
         if micro is not None and self.pp == 1:
             raise ValueError(
@@ -82,6 +87,12 @@ class ParallelConfig(StrictModel):
                 "(the 1F1B schedule needs one in flight per stage): set it to pp or more"
             )
         return self
+
+    @property
+    def known_microbatches(self) -> int | None:
+        """The pipeline's micro-batches per batch where the config alone tells them
+        (pp_microbatches, or pp above 1); None without stages or with pp=-1 unset."""
+        return self.pp_microbatches or (self.pp if self.pp > 1 else None)
 
     @property
     def splits_layers(self) -> bool:
