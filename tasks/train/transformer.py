@@ -13,6 +13,8 @@ heads / hidden units column-wise and reduce-scatter back to parts of the sequenc
 the output layer splits the vocabulary and gathers the logits whole.
 """
 
+from fnmatch import fnmatchcase
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -105,48 +107,7 @@ class Transformer(nn.Module):
     def tp_plan(self, tp: int) -> dict[str, object]:
         """The layers' split over `tp` ranks (tasks.train.parallel.tensor_parallel);
         ConfigError when the heads, the MLP's hidden units or the vocabulary do not divide."""
-        sizes = {
-            "heads": self.heads,
-            "hidden": self.hidden,
-            "vocabulary": self.output.out_features,
-        }
-        bad = {k: v for k, v in sizes.items() if v % tp}
-        if bad:
-            name, value = next(iter(bad.items()))
-            arg = {"heads": "heads", "hidden": "hidden", "vocabulary": "(the dataset's)"}[name]
-            raise ConfigError(
-                f"train.parallel.tp={tp} does not divide the transformer's {value} {name}: "
-                f"set train.parallel.tp to a divisor of {value}"
-                + ("" if name == "vocabulary" else f", or train.model_args.{arg}")
-            )
-        from torch.distributed.tensor import Replicate, Shard
-        from torch.distributed.tensor.parallel import (
-            ColwiseParallel,
-            PrepareModuleInput,
-            RowwiseParallel,
-            SequenceParallel,
-        )
-
-        def gather() -> PrepareModuleInput:
-            return PrepareModuleInput(
-                input_layouts=(Shard(1),),
-                desired_input_layouts=(Replicate(),),
-                use_local_output=True,
-            )
-
-        return {
-            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-            "layers.*.attention_norm": SequenceParallel(),
-            "layers.*.attention": gather(),
-            "layers.*.attention.w[qkv]": ColwiseParallel(),
-            "layers.*.attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-            "layers.*.ffn_norm": SequenceParallel(),
-            "layers.*.feed_forward": gather(),
-            "layers.*.feed_forward.w[13]": ColwiseParallel(),
-            "layers.*.feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-            "norm": SequenceParallel(),
-            "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
-        }
+        return llama_plan(self.heads, self.hidden, self.output.out_features, tp)
 
     def pp_split(self, stage: int, stages: int) -> nn.Module:
         """Stage `stage` of `stages` (tasks.train.parallel.pipeline): an equal share of the
@@ -182,6 +143,14 @@ class TransformerStage(nn.Module):
         self.layers = nn.ModuleDict({str(i): model.layers[i] for i in owned})
         self.norm = model.norm if last else None
         self.output = model.output if last else None
+        self.sizes = (model.heads, model.hidden, model.output.out_features)
+
+    def tp_plan(self, tp: int) -> dict[str, object]:
+        """The whole model's plan for the modules this stage holds (pipeline stages with
+        tensor parallelism: each stage splits its own layers over its tp group)."""
+        names = [name for name, _ in self.named_modules()]
+        plan = llama_plan(*self.sizes, tp)
+        return {k: v for k, v in plan.items() if any(fnmatchcase(n, k) for n in names)}
 
     def shard_units(self) -> list[nn.Module]:
         """The stage's blocks: train.strategy=fsdp shards each on its own."""
@@ -197,6 +166,47 @@ class TransformerStage(nn.Module):
         if self.norm is not None and self.output is not None:
             x = self.output(self.norm(x))
         return x
+
+
+def llama_plan(heads: int, hidden: int, vocabulary: int, tp: int) -> dict[str, object]:
+    """torchtitan's Llama plan over `tp` ranks, with sequence parallelism (module docstring);
+    ConfigError when `tp` does not divide the heads, the MLP's hidden units or the vocabulary."""
+    sizes = {"heads": heads, "hidden": hidden, "vocabulary": vocabulary}
+    bad = {k: v for k, v in sizes.items() if v % tp}
+    if bad:
+        name, value = next(iter(bad.items()))
+        arg = {"heads": "heads", "hidden": "hidden", "vocabulary": "(the dataset's)"}[name]
+        raise ConfigError(
+            f"train.parallel.tp={tp} does not divide the transformer's {value} {name}: "
+            f"set train.parallel.tp to a divisor of {value}"
+            + ("" if name == "vocabulary" else f", or train.model_args.{arg}")
+        )
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    def gather() -> PrepareModuleInput:
+        return PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+        )
+
+    return {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "layers.*.attention_norm": SequenceParallel(),
+        "layers.*.attention": gather(),
+        "layers.*.attention.w[qkv]": ColwiseParallel(),
+        "layers.*.attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "layers.*.ffn_norm": SequenceParallel(),
+        "layers.*.feed_forward": gather(),
+        "layers.*.feed_forward.w[13]": ColwiseParallel(),
+        "layers.*.feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    }
 
 
 def transformer(

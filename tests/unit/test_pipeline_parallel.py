@@ -152,3 +152,13 @@ def test_a_pipelined_run_continues_on_one_rank_from_its_sharded_checkpoint(
     train(tokens, out, 4, strategy="fsdp", parallel={"pp": 2}, max_steps=6, **constant)
     moved = train(tokens, out, 1, strategy="fsdp", **constant)
     assert_same_training(moved, ddp)
+
+
+def test_stages_with_their_layers_split_train_as_one_rank(
+    tokens: DatasetRef, tmp_path: Path
+) -> None:
+    """pp=2 x tp=2 on 4 ranks: each stage splits its own layers over its tp group (sequence
+    parallelism included: the stages pass each other their tp rank's part of the sequence)."""
+    one = train(tokens, tmp_path / "one", 1)
+    both = train(tokens, tmp_path / "both", 4, strategy="fsdp", parallel={"pp": 2, "tp": 2})
+    assert_same_training(both, one)

@@ -42,11 +42,9 @@ def test_pp_refusals_name_the_key_and_the_fix_in_one_line() -> None:
     assert "train.batch_size=10" in uneven and "multiple of 4" in uneven
     uneven = refusal(batch_size=16, parallel={"pp": 2, "pp_microbatches": 3})
     assert "multiple of 3" in uneven
-    both = refusal(parallel={"pp": 2, "tp": 2})
-    assert "not supported yet" in both and "tp to 1" in both
     idle = refusal(parallel={"pp_microbatches": 4})
     assert "train.parallel.pp=1 (no stages)" in idle
-    for message in (few, uneven, both, idle):
+    for message in (few, uneven, idle):
         assert "\n" not in message
 
 

@@ -70,11 +70,6 @@ class ParallelConfig(StrictModel):
                 f"train.parallel.{rest[0]} and {rest[1]} are both -1 (the rest of the world): "
                 "set all but one of them"
             )
-        if self.pp != 1 and self.tp != 1:
-            raise ValueError(
-                f"train.parallel.pp={self.pp} with tp={self.tp}: pipeline stages with tensor "
-                "parallelism are not supported yet: set train.parallel.pp or tp to 1"
-            )
         micro = self.pp_microbatches
         if micro is not None and self.pp == 1:
             raise ValueError(
