@@ -25,6 +25,7 @@ BENCHES = [
     "p12_stragglers",
     "p13_accumulation",
     "p14_mesh_memory",
+    "p15_mesh_example",
 ]
 
 
