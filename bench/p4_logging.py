@@ -41,7 +41,7 @@ def _ratio(uri: str, workdir: Path, cfg: TrainConfig) -> tuple[float, float, flo
 
     runs = PipelineRuns(TrackingConfig(tracking_uri=uri, experiment="bench-p4"), workdir, "p4")
     out = Path(tempfile.mkdtemp(dir=workdir))
-    logger = JournalLogger(Journal(out, "rank0"), out)
+    logger = JournalLogger(Journal(out, "rank0"))
     relay = Relay(out, runs.tracking_uri, runs.open_stage("train", {}), say=print)
     relay.start()
 

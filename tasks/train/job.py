@@ -179,7 +179,7 @@ class TrainingJob(submitit.helpers.Checkpointable):
             requeue.resumed(progress, checkpointed=found is not None)
             if dist.is_main:
                 announce_global_batch(batch, progress.epoch, journal)
-            logger = recorder.closing(make_logger(journal, spec.out_dir))
+            logger = recorder.closing(make_logger(journal))
             monitor = monitor_for(cfg, trainer.objective)  # the best validation, early stop
             requeue.keep = monitor.retain  # which checkpoints a save keeps
             relog(progress, logger, self.spec.out_dir)
