@@ -191,7 +191,7 @@ class Recipe:
         batches = self.order[1][first : first + steps * accumulation]
         started, before = time.perf_counter(), list(progress.epoch_sums)
         clock = RankClock(dist.device)
-        stop = self.limit.epoch(progress, steps)
+        stop = self.limit.epoch(progress, plan.next_pause(progress.step))
         metrics, progress.step = train_epoch(
             trainer, self.train, batches, progress.step, clock, stop
         )

@@ -118,9 +118,10 @@ class LimitRequeue:
                 flush=True,
             )
 
-    def epoch(self, progress: Progress, steps: int) -> EpochLimit:
-        """The loop's stop for an epoch (or what is left of it) of `steps` steps."""
-        self.limit.start_epoch(progress.step, steps)
+    def epoch(self, progress: Progress, until: int) -> EpochLimit:
+        """The loop's stop for a segment of an epoch from `progress.step` on, where the next
+        validation, checkpoint or epoch end comes at step `until` (RunPlan.next_pause)."""
+        self.limit.start_epoch(progress.step, until - progress.step)
         return EpochLimit(self.limit, list(progress.epoch_sums))
 
     def checkpoint_and_requeue(

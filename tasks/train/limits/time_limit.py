@@ -222,7 +222,12 @@ class TimeLimit:
         return None if self.limit_at is None else self.limit_at - time.monotonic()
 
     def start_epoch(self, first_step: int, steps: int) -> None:
-        """An epoch (or what is left of it) of `steps` steps starts at `first_step`: look first."""
+        """The loop goes on at `first_step`, `steps` steps before the next validation,
+        checkpoint or epoch end: look first, unless `first_step` is inside the stretch the
+        watch already planned (only a log came between: the plan, the next look and the step
+        time measured so far go on, with no look, collective or device sync per log)."""
+        if first_step < self.epoch_end and first_step + steps == self.epoch_end:
+            return
         self.epoch_end, self.next_check, self.stop_at = first_step + steps, first_step, -1
         self._last = None  # validation came between: no step time across the boundary
 
