@@ -9,6 +9,7 @@ import threading
 import time
 from typing import Literal, Protocol
 
+from trainflow.console import say
 from trainflow.tasks.tracking.journal import Journal, Point
 
 DRAIN_S = 30.0
@@ -74,7 +75,7 @@ class JournalLogger:
                 self._journal.metrics(points, through=step)
             except OSError as exc:
                 if not self._warned:
-                    print(f"warning: metrics not recorded for MLflow: {exc}", flush=True)
+                    say(f"warning: metrics not recorded for MLflow: {exc}")
                     self._warned = True
 
     def close(self, drain_s: float = DRAIN_S) -> int:
@@ -110,4 +111,4 @@ def _record(
     try:
         journal.values(kind, values)
     except OSError as exc:
-        print(f"warning: {kind} {sorted(values)} not recorded: {exc}", flush=True)
+        say(f"warning: {kind} {sorted(values)} not recorded: {exc}")

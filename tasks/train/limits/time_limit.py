@@ -34,6 +34,7 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
+from trainflow.console import say
 from trainflow.tasks.train.distributed import DistContext
 
 SAVE_FACTOR = 1.5
@@ -340,10 +341,9 @@ def hold_limit_signal(limit: TimeLimit, delay_s: float) -> None:
             and until_limit is not None
             and last + 0.5 < until_limit <= delay_s + SIGNAL_EARLY_S
         ):
-            print(
+            say(
                 f"time limit in {time_text(until_limit)}: requeue signal held for "
-                f"{time_text(until_limit - last)}, until the planned checkpoint",
-                flush=True,
+                f"{time_text(until_limit - last)}, until the planned checkpoint"
             )
             timer = threading.Timer(until_limit - last, os.kill, (os.getpid(), signum))
             timer.daemon = True
