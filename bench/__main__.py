@@ -24,6 +24,7 @@ BENCHES = [
     "p11_search",
     "p12_stragglers",
     "p13_accumulation",
+    "p14_mesh_memory",
 ]
 
 

@@ -65,7 +65,7 @@ def next_placement(
     excluded: frozenset[str],
     lost_nodes: set[str],
     usable: list[str] | None,
-    elastic: bool,
+    elastic: bool | Callable[[int], bool],
     started_on: int | None = None,
 ) -> Placement:
     """The rule that places a restart (no Slurm involved: `usable` is what usable_nodes read).
@@ -76,21 +76,27 @@ def next_placement(
     divide `started_on` (the run's first size, default `nodes`: its global batch is then kept
     by gradient accumulation, tasks.train.resume); else anywhere, the lost nodes included (a
     node that lost a rank may well run the next attempt). `usable` None (no placement, a local
-    executor): anywhere."""
+    executor): anywhere. `elastic` may be a predicate on a number of ranks instead: the sizes
+    the job can run at (train.parallel's mesh must make them up)."""
+    fits = elastic if callable(elastic) else (lambda ranks: elastic)
     without = excluded | lost_nodes
     left = len(set(usable) - without) if usable is not None and without else -1
     if left >= nodes:
         return Placement(nodes, without, f"excluding node(s) {', '.join(sorted(without))}")
     first = started_on or nodes
     most = min(nodes - len(lost_nodes - excluded), left)
-    fewer = max((d for d in range(1, most + 1) if first % d == 0), default=0)
-    if elastic and fewer:
+    sizes = [d for d in range(1, most + 1) if first % d == 0]
+    fewer = max((d for d in sizes if fits(d * ranks_per_node)), default=0)
+    if fewer:
         where = (
             f"excluding node(s) {', '.join(sorted(without))}, on {fewer} of the {left} node(s) "
             f"left ({fewer * ranks_per_node} ranks: the sharded checkpoint reshards)"
         )
         return Placement(fewer, without, where)
-    return Placement(nodes, excluded, "on any node (the others cannot hold the job alone)")
+    why = "the others cannot hold the job alone"
+    if elastic and sizes and not fewer:
+        why += f" and train.parallel makes up no fewer ranks than {nodes * ranks_per_node}"
+    return Placement(nodes, excluded, f"on any node ({why})")
 
 
 def run_with_restarts(
@@ -99,14 +105,15 @@ def run_with_restarts(
     wait: Callable[[submitit.Job[Any]], Any],
     log: Callable[[str], None],
     on_loss: Callable[[RankLostError, int], None] = lambda err, attempt: None,
-    elastic: bool = False,
+    elastic: bool | Callable[[int], bool] = False,
 ) -> Any:
     """Submit and wait; after a lost rank, submit again (at most cfg.max_restarts times).
 
     `on_loss(err, attempt)` is told of every loss (e.g. to tag the MLflow run). With no restart
     left the last RankLostError propagates, saying so. `elastic` (a job whose checkpoints load
-    on any number of ranks: train.strategy=fsdp): when the other nodes cannot hold the job at
-    its size, it continues on the nodes left, without the lost ones.
+    on any number of ranks: train.strategy=fsdp; or a predicate on the number of ranks, the
+    sizes its mesh allows): when the other nodes cannot hold the job at its size, it continues
+    on the nodes left, without the lost ones.
     """
     placement = Placement(cfg.nodes, frozenset(), "")
     for attempt in range(cfg.max_restarts + 1):

@@ -22,6 +22,7 @@ from trainflow.tasks.preprocess.size import preprocess_need
 from trainflow.tasks.train.batching import data_ranks
 from trainflow.tasks.train.config import TrainConfig
 from trainflow.tasks.train.model_report import ModelReport
+from trainflow.tasks.train.parallel.layout import MeshShape, job_shape
 
 if TYPE_CHECKING:  # check_code imports torch (seconds), check_inputs does not
     from torch import nn
@@ -69,20 +70,46 @@ def check_code(
     check_monitor(cfg.train, objective)  # train.monitor names one of its metrics
     model, meta = checked_model(cfg.train, spec)  # the user's factory runs once per config
     check_optimizer(cfg.train, spec, meta)
+    check_split(cfg.train, cfg, meta)
     check_init_from(cfg, meta)
     for train in sweep:
         check_global_batch(train, cfg)
         if (train.objective, train.objective_args) == (cfg.train.objective, objective_args):
             check_monitor(train, objective)
-        check_optimizer(train, spec, checked_model(train, spec)[1])
+        built = checked_model(train, spec)[1]
+        check_optimizer(train, spec, built)
+        check_split(train, cfg, built)
     plan_snapshot(user_modules(cfg, model))  # a code folder too big to snapshot
     return model
 
 
 def check_global_batch(train: TrainConfig, cfg: PipelineConfig) -> None:
-    """train.global_batch_size makes up whole micro-batches on every rank of the training job
-    (cluster.nodes x cluster.ranks_per_node): ConfigError naming the values that would."""
-    data_ranks(train, cfg.cluster.nodes * cfg.cluster.ranks_per_node)
+    """train.parallel lays out the training job's ranks (cluster.nodes x
+    cluster.ranks_per_node), and train.global_batch_size makes up whole micro-batches on its
+    data-parallel ranks: ConfigError naming the values that would."""
+    data_ranks(train, job_mesh(train, cfg).dp)
+
+
+def job_mesh(train: TrainConfig, cfg: PipelineConfig) -> MeshShape:
+    """The mesh of `train`'s job on the cluster's ranks (ConfigError when it does not fit)."""
+    world = cfg.cluster.nodes * cfg.cluster.ranks_per_node
+    return job_shape(train.strategy, train.parallel, world)
+
+
+def check_split(train: TrainConfig, cfg: PipelineConfig, model: "nn.Module") -> None:
+    """With train.parallel.tp above 1, `model` (built on the meta device) has a
+    tensor-parallel plan whose sizes divide by tp; with pp above 1, a cut into pp stages
+    that holds each parameter once, its layers dividing by pp: ConfigError (one line)
+    otherwise."""
+    shape = job_mesh(train, cfg)
+    if shape.tp > 1:
+        from trainflow.tasks.train.parallel.tensor_parallel import tp_plan
+
+        tp_plan(model, shape.tp)
+    if shape.pp > 1:
+        from trainflow.tasks.train.parallel.pipeline import check_stages
+
+        check_stages(model, shape.pp)
 
 
 def check_init_from(cfg: PipelineConfig, model: "nn.Module") -> None:

@@ -33,7 +33,11 @@ from trainflow.flows.run_record import RunRecord, find_run, read_record, still_r
 from trainflow.tasks.train.model_report import ModelReport
 from trainflow.tasks.train.progress import MAY_CHANGE_ON_RESUME
 
-MAY_CHANGE = (*sorted(f"train.{key}" for key in MAY_CHANGE_ON_RESUME), "cluster.*")
+MAY_CHANGE = (
+    *sorted(f"train.{key}" for key in MAY_CHANGE_ON_RESUME - {"parallel"}),
+    "train.parallel.*",
+    "cluster.*",
+)
 """What `--set` may change on a resume: nothing the run's checkpoints depend on."""
 
 
@@ -54,7 +58,7 @@ def build_resume(
     for text in overrides:
         path, value = parse_override(text)
         key = ".".join(path)
-        if not (key.startswith("cluster.") or key in MAY_CHANGE):
+        if not (key.startswith(("cluster.", "train.parallel.")) or key in MAY_CHANGE):
             raise ConfigError(
                 f"--set {key}: a resumed run keeps its config; only {', '.join(MAY_CHANGE)} may "
                 "change (start a new run with `trainflow run` to change anything else)"

@@ -289,15 +289,16 @@ def _follower_hook(epoch: int, metrics: dict[str, float], dist: DistContext) -> 
 
 
 def _agree(decision: bool, dist: DistContext) -> bool:
-    """Rank 0's decision on every rank (a sum in which only rank 0 may count)."""
+    """Rank 0's decision on every rank: a broadcast over the whole world (not the metric
+    sums' all-reduce, which under a mesh covers the data-parallel ranks only)."""
     if dist.world_size == 1:
         return decision
     import torch
-
-    from trainflow.tasks.train.distributed import all_reduce_sum
+    import torch.distributed
 
     flag = torch.tensor([1.0 if decision and dist.is_main else 0.0], device=dist.device)
-    return bool(all_reduce_sum(flag, dist).item() > 0)
+    torch.distributed.broadcast(flag, src=0)
+    return bool(flag.item() > 0)
 
 
 def _follow(folder: Path) -> None:

@@ -21,9 +21,11 @@ Modules:
     rendezvous         ranks meet on a store rank 0 starts on a free port.
     sharding           train.strategy=fsdp: FSDP2 fully_shard per sharding unit.
     sharded_init       fsdp: rank 0 builds the model, the others receive their shards.
+    parallel           train.parallel: the device mesh, tensor-parallel plans.
     precision          bf16 / fp16 with GradScaler / fp32, chosen per device.
     native_bf16        whether a device computes bf16 natively.
     models             the built-in networks and their factories.
+    transformer        the built-in decoder transformer and its tensor-parallel plan.
     hf_models          the built-in factory hf: transformers architectures, local fine-tuning.
     outputs            a model's output (tensor, ModelOutput/dict, tuple) read as logits.
     model_plugins      the model factory seam: build_model, check_model on the meta device.

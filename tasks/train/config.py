@@ -6,6 +6,7 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from trainflow.config_base import StrictModel
 from trainflow.tasks.train.batching import check_batch_keys
+from trainflow.tasks.train.parallel.layout import ParallelConfig
 
 ADAM_KEYS = ("adam_beta1", "adam_beta2", "adam_eps")
 SGD_KEYS = ("momentum", "nesterov")
@@ -190,6 +191,9 @@ class TrainConfig(StrictModel):
     training state does not fit on one device; checkpoints are then sharded too (one file
     per rank, torch.distributed.checkpoint), and load on any number of ranks. Sharding units
     are the model's blocks (tasks.train.sharding). One rank: the same as ddp."""
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    """strategy=fsdp only: the device mesh ([train.parallel]: dp_replicate, dp_shard, tp;
+    tasks.train.parallel.layout). Unset: every rank shards (dp_shard over the world)."""
     reshard_after_forward: bool = True
     """fsdp only: free each block's gathered weights after its forward pass (gathered again
     for the backward): less memory, one more all-gather per block and step. False keeps them
@@ -266,6 +270,18 @@ class TrainConfig(StrictModel):
                 "train.strategy=fsdp cannot shard channels_last conv weights (FSDP2 needs "
                 "contiguous parameters): set train.channels_last=auto or off"
             )
+        if self.strategy == "ddp" and self.parallel != ParallelConfig():
+            raise ValueError(
+                "train.parallel lays out a train.strategy=fsdp job (its data-parallel "
+                "dimensions are FSDP2's): set train.strategy=fsdp, or unset train.parallel"
+            )
+        micro, pp = self.parallel.known_microbatches, self.parallel.pp
+        if micro and self.batch_size % micro:
+            raise ValueError(
+                f"train.batch_size={self.batch_size} does not split into train.parallel.pp="
+                f"{pp}'s {micro} micro-batches: set train.batch_size to a multiple of {micro}"
+                " or train.parallel.pp_microbatches to a divisor of it"
+            )
         if self.strategy == "fsdp" and self.precision == "fp16":
             raise ValueError(
                 "train.strategy=fsdp does not support precision=fp16 (loss scaling of sharded "
@@ -338,6 +354,13 @@ class TrainConfig(StrictModel):
         if self.epochs is not None:
             return self.epochs
         return None if self.max_steps is not None else DEFAULT_EPOCHS
+
+    @property
+    def same_shape_batches(self) -> bool:
+        """Whether every training batch is whole (the last partial batch of an epoch dropped):
+        CUDA graphs replay one shape, and a pipeline's stages receive activations into buffers
+        of one shape (train.parallel.pp above 1)."""
+        return self.cuda_graphs or self.parallel.pp != 1
 
     @property
     def counts_steps(self) -> bool:

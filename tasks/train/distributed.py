@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import submitit
 import torch
@@ -24,6 +25,9 @@ from torch.nn.parallel import DistributedDataParallel
 from trainflow.errors import ConfigError
 from trainflow.tasks.train.limits.early_signal import in_submitit_task
 from trainflow.tasks.train.rendezvous import Layout, export_env, meet, submitit_layout
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 DEFAULT_TIMEOUT = timedelta(minutes=5)
 """How long a collective waits for a silent peer before the job fails instead of hanging,
@@ -52,11 +56,42 @@ class DistContext:
     """The device this rank trains on."""
     backend: str | None
     """'gloo' or 'nccl'; None when world_size is 1 (no process group)."""
+    tp: int = 1
+    """Ranks of a tensor-parallel group (train.parallel.tp): they take the same batches."""
+    pp: int = 1
+    """Pipeline stages (train.parallel.pp): the stages of one pipeline take the same batches."""
+    dp_group: dist.ProcessGroup | None = None
+    """The ranks sharing this rank's tensor-parallel coordinate (every stage's: only the last
+    stage of a pipeline counts its samples, the others add zeros), over which metric sums are
+    all-reduced (tasks.train.parallel.mesh); None: all ranks."""
+    mesh: "DeviceMesh | None" = None
+    """The job's device mesh (train.strategy=fsdp on several ranks); None otherwise."""
 
     @property
     def is_main(self) -> bool:
         """True on rank 0, the only rank with side effects (logs, checkpoints, results)."""
         return self.rank == 0
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel rank: which batches it takes (its place in the mesh
+        without its tensor-parallel and pipeline coordinates: tp innermost, pp outermost)."""
+        return (self.rank // self.tp) % self.dp_size
+
+    @property
+    def mesh_text(self) -> str:
+        """The mesh's sizes ('dp_shard=2 x tp=2') when it is more than FSDP's one dimension of
+        all ranks; '' otherwise."""
+        names = tuple(self.mesh.mesh_dim_names or ()) if self.mesh is not None else ()
+        if self.mesh is None or names == ("dp_shard",):
+            return ""
+        return " x ".join(f"{n}={s}" for n, s in zip(names, self.mesh.shape, strict=True))
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel ranks: how many take batches of their own (the world size without
+        tensor parallelism and pipeline stages)."""
+        return self.world_size // (self.tp * self.pp)
 
 
 def _export_submitit_env() -> Layout | None:
@@ -209,9 +244,12 @@ def _exit_at_shutdown() -> None:
 
 
 def all_reduce_sum(tensor: torch.Tensor, ctx: DistContext) -> torch.Tensor:
-    """Sum `tensor` over all ranks in place (no-op for a world of one) and return it."""
-    if ctx.world_size > 1:
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    """Sum `tensor` over the data-parallel ranks and pipeline stages in place (all ranks
+    without tensor parallelism; no-op when there is one) and return it: a tensor-parallel
+    group's ranks hold sums of the same samples; of a pipeline's stages only the last has
+    outputs, and the others hold zeros."""
+    if ctx.world_size // ctx.tp > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=ctx.dp_group)
     return tensor
 
 

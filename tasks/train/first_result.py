@@ -67,6 +67,7 @@ def first_result(
         trainer.objective,
         trainer.cuda_graphs,
         trainer.heartbeat,
+        trainer.pipeline,
     )
     tested = {f"test_{k}": v for k, v in metrics.items()}
     if ctx.is_main:
@@ -96,7 +97,7 @@ def load_best(model: nn.Module, best: Path, ctx: DistContext) -> None:
     file before this; a sharded model takes it from rank 0 alone."""
     if ctx.world_size > 1:
         dist.barrier()  # rank 0's record of the best epoch is on disk
-    if not is_sharded(model):
+    if not is_sharded(model) and ctx.pp == 1:  # a pipeline stage holds part of the file
         unwrap(model).load_state_dict(load_state(best)["model"])
         return
     full: dict[str, Any] = load_state(best)["model"] if ctx.is_main else {}

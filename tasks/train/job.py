@@ -58,6 +58,8 @@ from trainflow.tasks.train.models import (
 )
 from trainflow.tasks.train.monitor import monitor_for
 from trainflow.tasks.train.optimizers import make_optimizer
+from trainflow.tasks.train.parallel.mesh import on_job_mesh
+from trainflow.tasks.train.parallel.pipeline import pipeline_step
 from trainflow.tasks.train.precision import PrecisionPolicy, resolve_precision
 from trainflow.tasks.train.progress import (
     Progress,
@@ -145,6 +147,7 @@ class TrainingJob(submitit.helpers.Checkpointable):
             # then a requeue signal that came during start-up acts: a preemption's requeues now.
             self.requeue = requeue = LimitRequeue.for_job(spec, self.attempt, dist)
             deliver_held_signal()
+            dist = on_job_mesh(dist, cfg)  # train.parallel's mesh: who takes which batches
             torch.manual_seed(cfg.seed)
             random.seed(cfg.seed)
             policy = resolve_precision(cfg.precision, dist.device)
@@ -248,18 +251,19 @@ class TrainingJob(submitit.helpers.Checkpointable):
             checkpoint_activations(sharding_units(model))
         if cfg.strategy == "fsdp":  # the optimizer then holds this rank's shards only
             model = shard_from_rank0(model, dist, policy, cfg.reshard_after_forward)
-            optimizer = make_optimizer(cfg, model)
+            optimizer = make_optimizer(cfg, model)  # of this rank's pipeline stage under pp
         else:
             optimizer = make_optimizer(cfg, model)
             model = wrap_ddp(model, dist, cfg.ddp_bucket_cap_mb, batch.accumulation)
         total_steps = plan.total_steps
+        objective = self.objective()
         return Trainer(
             model=model,
             optimizer=optimizer,
             scaler=policy.make_scaler(),
             policy=policy,
             dist=dist,
-            objective=self.objective(),
+            objective=objective,
             peak_lr=cfg.lr,
             total_steps=total_steps,
             cuda_graphs=uses_cuda_graphs(cfg, dist.device),
@@ -267,6 +271,7 @@ class TrainingJob(submitit.helpers.Checkpointable):
             accumulation=batch.accumulation,
             schedule=schedule_for(cfg, total_steps),
             max_grad_norm=cfg.max_grad_norm,
+            pipeline=pipeline_step(model, dist, cfg, objective, batch.accumulation),
         )
 
     def _resume(
@@ -294,11 +299,11 @@ class TrainingJob(submitit.helpers.Checkpointable):
 def plan_for(cfg: TrainConfig, n_train: int, batch: GlobalBatch, dist: DistContext) -> RunPlan:
     """The run's length and cadence over `n_train` training samples in `batch`'s layout;
     ConfigError when no step would run."""
-    steps = steps_per_epoch(n_train, cfg.batch_size, batch.data_world, cfg.cuda_graphs)
+    steps = steps_per_epoch(n_train, cfg.batch_size, batch.data_world, cfg.same_shape_batches)
     if steps == 0:
         raise ConfigError(
-            f"train.batch_size={cfg.batch_size} exceeds the {n_train // dist.world_size} "
-            "training samples each rank gets, and train.cuda_graphs=true drops partial "
-            "batches: no step would run. Lower train.batch_size or use fewer ranks"
+            f"train.batch_size={cfg.batch_size} exceeds the {n_train // dist.dp_size} "
+            "training samples each rank gets, and train.cuda_graphs=true or train.parallel.pp drop "
+            "partial batches: no step would run. Lower train.batch_size or use fewer ranks"
         )
     return run_plan(cfg, steps)

@@ -49,7 +49,7 @@ def announce(
         f"backend {dist.backend}, precision {policy.name}, channels_last "
         f"{'on' if nhwc else 'off'}, compile {'on' if cfg.compile or graphs else 'off'}, "
         f"cuda_graphs {'on' if graphs else 'off'}, data in {memory_of(data, dist)}, "
-        f"strategy {cfg.strategy}"
+        f"strategy {cfg.strategy}" + (f", mesh {dist.mesh_text}" if dist.mesh_text else "")
     )
     if cfg.cuda_graphs and not graphs:
         say(

@@ -9,7 +9,7 @@ import itertools
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.distributed as dist
@@ -29,6 +29,9 @@ from trainflow.tasks.train.prefetch import Batch
 from trainflow.tasks.train.schedule import Schedule
 from trainflow.tasks.train.sharding import is_sharded
 from trainflow.tasks.train.throughput import RankClock
+
+if TYPE_CHECKING:  # imports torch.distributed.pipelining: only a pipelined run needs it
+    from trainflow.tasks.train.parallel.pipeline import PipelineStep
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,9 @@ class Trainer:
     0: no clipping, no norm computed."""
     schedule: Schedule = field(default_factory=Schedule)
     """The learning rate's shape over the run (tasks.train.schedule): cosine to 0 unless set."""
+    pipeline: "PipelineStep | None" = None
+    """train.parallel.pp above 1: `model` is this rank's stage, and this runs its forward and
+    backward passes through the pipeline (tasks.train.parallel.pipeline)."""
 
     def lr(self, step: int) -> float:
         """The learning rate of optimizer step `step`."""
@@ -82,6 +88,25 @@ def _train_step(
     (None without clipping)."""
     for group in trainer.optimizer.param_groups:
         group["lr"] = lr
+    pipeline = trainer.pipeline
+    if pipeline is not None:  # the schedule runs the stages' passes, micro-batch by micro-batch
+        trainer.optimizer.zero_grad(set_to_none=True)
+        sums, count = pipeline.accumulate(micro_batches, trainer.policy, trainer.heartbeat)
+    else:
+        sums, count = _accumulate(trainer, micro_batches)
+    norm = None
+    if trainer.max_grad_norm > 0:
+        trainer.scaler.unscale_(trainer.optimizer)  # fp16: clip true gradients (else a no-op)
+        stages = pipeline.group if pipeline is not None else None  # the norm of every stage's
+        norm = clip_gradients(trainer.model, trainer.max_grad_norm, stages)
+    trainer.scaler.step(trainer.optimizer)
+    trainer.scaler.update()
+    return sums, count, norm
+
+
+def _accumulate(trainer: Trainer, micro_batches: Iterator[Batch]) -> tuple[torch.Tensor, int]:
+    """The forward and backward passes of the step's micro-batches, their gradients added up;
+    returns their metric sums (on device) and sample count."""
     sums, count, micro = None, 0, -1
     for micro, (x, y) in enumerate(micro_batches):
         if trainer.cuda_graphs:  # each micro-batch's forward is an iteration of its own
@@ -103,13 +128,7 @@ def _train_step(
     assert sums is not None, "a step without a batch"
     # accumulated_batches gives every step all its micro-batches: else DDP never synced
     assert micro == trainer.accumulation - 1, f"{micro + 1} of {trainer.accumulation} batches"
-    norm = None
-    if trainer.max_grad_norm > 0:
-        trainer.scaler.unscale_(trainer.optimizer)  # fp16: clip true gradients (else a no-op)
-        norm = clip_gradients(trainer.model, trainer.max_grad_norm)
-    trainer.scaler.step(trainer.optimizer)
-    trainer.scaler.update()
-    return sums, count, norm
+    return sums, count
 
 
 class EpochStop(Protocol):
@@ -205,6 +224,7 @@ def evaluate_split(
     objective: Objective,
     cuda_graphs: bool = False,
     heartbeat: Heartbeat | None = None,
+    pipeline: "PipelineStep | None" = None,
 ) -> dict[str, float]:
     """The objective's metrics of `model` on all of `data`, each rank taking a share.
 
@@ -212,13 +232,14 @@ def evaluate_split(
     would wait for its peers. A sharded (FSDP) model has no unwrapped module, and each of its
     forward passes gathers weights from every rank: ranks with fewer batches run one-sample
     padding passes, not counted, until all ranks have run as many. `heartbeat` is told of
-    every batch done.
+    every batch done. `pipeline`: `model` is this rank's stage, and each batch passes through
+    the pipeline's stages (the last one's outputs counted).
     """
     sharded = is_sharded(model)
     net = model if sharded else unwrap(model)
     net.eval()
     sums = torch.zeros(objective.sums_size, dtype=torch.float64, device=dist.device)
-    batches = eval_batches(data, batch_size, dist.rank, dist.world_size)
+    batches = eval_batches(data, batch_size, dist.dp_rank, dist.dp_size)
     counted = len(batches)
     if sharded:
         batches += _padding(batches, data, dist)
@@ -228,8 +249,8 @@ def evaluate_split(
         if cuda_graphs:
             torch.compiler.cudagraph_mark_step_begin()
         with policy.autocast():
-            output = logits_of(net(x))
-        if index < counted:
+            output = logits_of(net(x)) if pipeline is None else pipeline.forward(x)
+        if index < counted and output is not None:
             sums += objective.sums(output, y)
         beat("evaluation")
     return objective.metrics(all_reduce_sum(sums, dist).tolist())

@@ -32,6 +32,7 @@ BUILTIN_MODELS = {
     "resnet": "trainflow.tasks.train.models:resnet",
     "mlp": "trainflow.tasks.train.models:mlp",
     "token_conv": "trainflow.tasks.train.models:token_conv",
+    "transformer": "trainflow.tasks.train.transformer:transformer",
     "hf": "trainflow.tasks.train.hf_models:transformers_model",
     "transformers": "trainflow.tasks.train.hf_models:transformers_model",
 }

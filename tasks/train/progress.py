@@ -44,6 +44,7 @@ MAY_CHANGE_ON_RESUME = {
     "data_placement",
     "ddp_bucket_cap_mb",
     "reshard_after_forward",
+    "parallel",
     "activation_checkpointing",
     "test_after_training",
     "keep_checkpoints",

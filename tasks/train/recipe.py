@@ -182,10 +182,10 @@ class Recipe:
                     cfg.batch_size,
                     progress.data_seed,
                     epoch,
-                    dist.rank,
-                    dist.world_size,
+                    dist.dp_rank,
+                    dist.dp_size,
                     accumulation,
-                    drop_last=cfg.cuda_graphs,
+                    drop_last=cfg.same_shape_batches,
                 ),
             )
         first = progress.epoch_batches * accumulation  # inside an epoch: where it stopped
@@ -234,6 +234,7 @@ class Recipe:
             trainer.objective,
             trainer.cuda_graphs,
             trainer.heartbeat,
+            trainer.pipeline,
         )
         metrics |= {f"val_{k}": v for k, v in val_metrics.items()}
         self.limit.limit.estimates.eval_s = time.monotonic() - validated
@@ -282,7 +283,7 @@ class Recipe:
         best_path, state = self.spec.out_dir / "best.pt", None
         if saver is not None:
             if best is not None:
-                weights = full_weights(trainer.model)  # collective
+                weights = full_weights(trainer.model, ctx)  # collective
                 if ctx.is_main:
                     save_best_weights(weights, best_path, best)
                 best = None

@@ -62,7 +62,7 @@ class GlobalBatch:
 def global_batch(found: Resumable | None, cfg: TrainConfig, dist: DistContext) -> GlobalBatch:
     """The global batch of the run `found` continues (this job's own on a fresh start: the
     config's, tasks.train.batching). ConfigError when this job's ranks cannot make it up."""
-    world = dist.world_size
+    world = dist.dp_size  # data-parallel ranks: a tensor-parallel group takes one batch
     if found is None:
         data_world = data_ranks(cfg, world)
     else:  # 0: written before it was recorded (ran on this world)

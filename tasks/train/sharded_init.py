@@ -78,33 +78,59 @@ def shard_from_rank0(
     state dict is taken before sharding (it references the whole tensors fully_shard replaces
     by shards), the others allocate their shards (`to_empty`), and DCP's set_model_state_dict
     broadcasts each tensor from rank 0, every rank keeping its shard. Buffers (not sharded)
-    are then broadcast whole: non-persistent ones are not in the state dict. On one rank this
-    is wrap_fsdp."""
+    are then broadcast whole: non-persistent ones are not in the state dict. Under pipeline
+    stages (train.parallel.pp) each rank keeps its stage of the model (cut before sharding)
+    and takes its stage's tensors. On one rank this is wrap_fsdp."""
     if ctx.world_size == 1:
         return wrap_fsdp(model, ctx, policy, reshard_after_forward)
+    from trainflow.tasks.train.parallel.pipeline import this_stage
+
     full = model.state_dict() if ctx.is_main else {}
-    model = wrap_fsdp(model, ctx, policy, reshard_after_forward)
+    buffers = dict(model.named_buffers()) if ctx.is_main else {}  # the other stages' too
+    model = wrap_fsdp(this_stage(model, ctx), ctx, policy, reshard_after_forward)
     if not ctx.is_main:
         model.to_empty(device=ctx.device)
-    fill_from_rank0(model, full, ctx)
-    del full  # rank 0's host copy of the whole model
+    fill_from_rank0(model, full, ctx, buffers)
+    del full, buffers  # rank 0's host copy of the whole model
     return model
 
 
-def fill_from_rank0(model: nn.Module, full: dict[str, Any], ctx: DistContext) -> None:
+def fill_from_rank0(
+    model: nn.Module,
+    full: dict[str, Any],
+    ctx: DistContext,
+    buffers: dict[str, torch.Tensor] | None = None,
+) -> None:
     """Rank 0's whole state dict `full` ({} on the other ranks) into the sharded `model`
     (collective): DCP's set_model_state_dict broadcasts each tensor from rank 0, every rank
     keeping its shard; buffers are then broadcast whole (non-persistent ones are not in a
-    state dict). Also the fsdp model's load of best.pt (tasks.train.first_result)."""
+    state dict). Also the fsdp model's load of best.pt (tasks.train.first_result). A pipeline
+    stage takes the tensors it holds, and rank 0's stage leaves the other stages' (not
+    strict: the names are checked by tasks.train.parallel.pipeline.stage_module); its buffers
+    come from rank 0's whole model's, `buffers` (given when it starts; a load of best.pt keeps
+    the non-persistent ones it has)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     many = ctx.world_size > 1
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=many)
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=many, strict=ctx.pp == 1)
     set_model_state_dict(model, full, options=options)
-    if many:
+    if many and ctx.pp == 1:
         with torch.no_grad():
             for buffer in model.buffers():
                 dist.broadcast(buffer, src=0)
+    elif many and buffers is not None:
+        stage_buffers(model, buffers, ctx)
+
+
+def stage_buffers(model: nn.Module, whole: dict[str, torch.Tensor], ctx: DistContext) -> None:
+    """Rank 0's buffers of the whole model, `whole` ({} on the other ranks), into each
+    pipeline stage's buffers of the same names (collective): one broadcast of them all, on the
+    host (buffers are small: norms' running statistics, position tables)."""
+    sent: list[Any] = [{k: v.cpu() for k, v in whole.items()} if ctx.is_main else None]
+    dist.broadcast_object_list(sent, src=0)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            buffer.copy_(sent[0][name])
 
 
 M_MMAP_THRESHOLD = -3

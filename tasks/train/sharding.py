@@ -133,11 +133,14 @@ def mixed_precision(policy: PrecisionPolicy) -> "MixedPrecisionPolicy":
 
 
 def device_mesh(ctx: DistContext) -> "DeviceMesh":
-    """A one-dimensional mesh of all ranks on this rank's device type (gloo on CPU, NCCL on
-    GPU: the backends the process group was started with)."""
+    """The job's mesh (ctx.mesh, train.parallel: tasks.train.parallel.mesh), or else a
+    one-dimensional mesh of all ranks on this rank's device type (gloo on CPU, NCCL on GPU:
+    the backends the process group was started with)."""
+    if ctx.mesh is not None:
+        return ctx.mesh
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(ctx.device.type, (ctx.world_size,), mesh_dim_names=("shard",))
+    return init_device_mesh(ctx.device.type, (ctx.world_size,), mesh_dim_names=("dp_shard",))
 
 
 def wrap_fsdp(
@@ -146,8 +149,10 @@ def wrap_fsdp(
     policy: PrecisionPolicy,
     reshard_after_forward: bool = True,
 ) -> nn.Module:
-    """`model` sharded in place with FSDP2: each of sharding_units(model), then the root.
-    Build the optimizer afterwards: its parameters are the shards (DTensors).
+    """`model` split and sharded in place: its layers split over the mesh's `tp` dimension
+    by its plan (tasks.train.parallel.tensor_parallel) when there is one, then FSDP2 over the
+    data-parallel dimensions, each of sharding_units(model) and then the root. Build the
+    optimizer afterwards: its parameters are the shards (DTensors).
 
     Pass the model on the host (as built): fully_shard moves each unit to the rank's device
     as it shards it, so the device holds the shards and at most one unit whole, never the
@@ -157,20 +162,33 @@ def wrap_fsdp(
         return model.to(ctx.device)
     from torch.distributed.fsdp import fully_shard
 
+    from trainflow.tasks.train.parallel.mesh import data_mesh, tensor_mesh
+    from trainflow.tasks.train.parallel.tensor_parallel import split_layers
+
     mesh = device_mesh(ctx)
     mp = mixed_precision(policy)
+    tp_mesh, dp_mesh = tensor_mesh(mesh), data_mesh(mesh)
+    if tp_mesh is not None:
+        model = split_layers(model, tp_mesh, ctx.tp)
+    if dp_mesh is None:  # every rank in one tensor-parallel group: nothing to shard
+        on_meta = any(p.is_meta for p in model.parameters())  # filled later (to_empty)
+        return model if on_meta else model.to(ctx.device)
     for unit in sharding_units(model):
-        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
+        fully_shard(unit, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
     # The root's parameters are needed again first thing in the backward pass: keep them.
-    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp)
     return model
 
 
 def is_sharded(model: nn.Module) -> bool:
-    """True when `model` was sharded by wrap_fsdp (an FSDP2 module). Without FSDP imported
-    (by wrap_fsdp) no module can be one."""
+    """True when `model` was sharded or split by wrap_fsdp (an FSDP2 module, or parameters
+    that are DTensors: tensor parallelism alone): its forward passes are collectives. Without
+    DTensor imported (by wrap_fsdp) no module can be one."""
     fsdp = sys.modules.get("torch.distributed.fsdp")
-    return fsdp is not None and isinstance(model, fsdp.FSDPModule)
+    if fsdp is not None and isinstance(model, fsdp.FSDPModule):
+        return True
+    tensor = sys.modules.get("torch.distributed.tensor")
+    return tensor is not None and any(isinstance(p, tensor.DTensor) for p in model.parameters())
 
 
 def local_numel(tensors: Iterable[torch.Tensor]) -> int:

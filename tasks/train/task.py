@@ -3,6 +3,7 @@
 from collections.abc import Callable
 from contextlib import ExitStack
 from datetime import datetime, timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -17,15 +18,17 @@ from trainflow.cluster.jobs import wait_for_job, wait_for_jobs
 from trainflow.cluster.lost_ranks import RankLostError
 from trainflow.cluster.restarts import run_with_restarts
 from trainflow.cluster.slurm_checks import check_cluster
-from trainflow.errors import JobError
+from trainflow.errors import ConfigError, JobError
 from trainflow.tasks.diskspace import disk_stage, require_space
 from trainflow.tasks.tracking import orphaned_runs
 from trainflow.tasks.tracking.job_accounting import record_job_accounting
 from trainflow.tasks.tracking.lost_ranks import record_lost_ranks
 from trainflow.tasks.tracking.relay import relaying
+from trainflow.tasks.train.config import TrainConfig
 from trainflow.tasks.train.epoch_progress import EpochProgress
 from trainflow.tasks.train.job import TrainingJob, TrainJobSpec
 from trainflow.tasks.train.model_report import ModelReport
+from trainflow.tasks.train.parallel.layout import job_shape
 from trainflow.tasks.train.ref import CheckpointRef
 
 
@@ -138,9 +141,20 @@ def train_with_restarts(
     def on_loss(err: RankLostError, attempt: int) -> None:
         record_lost_ranks(spec.tracking_uri, spec.run_id, err, attempt, warn)
 
-    elastic = spec.train.strategy == "fsdp"  # its checkpoints load on any number of ranks
     with relaying(spec.out_dir, spec.tracking_uri, spec.run_id, log):
-        return run_with_restarts(cluster, submit, wait, log, on_loss, elastic)
+        return run_with_restarts(cluster, submit, wait, log, on_loss, partial(admits, spec.train))
+
+
+def admits(train: TrainConfig, ranks: int) -> bool:
+    """Whether a job of `train` can continue on `ranks` ranks after losing some: under fsdp
+    (its checkpoints load on any number of ranks) where train.parallel's mesh makes them up."""
+    if train.strategy != "fsdp":
+        return False
+    try:
+        job_shape(train.strategy, train.parallel, ranks)
+    except ConfigError:
+        return False
+    return True
 
 
 def _mark_killed_then(spec: TrainJobSpec) -> list[str] | None:

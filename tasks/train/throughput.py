@@ -166,14 +166,20 @@ def epoch_throughput(
     all-gather) and return, on every rank, the per-rank spread, each rank's step time and its
     parts, achieved FLOP/s and MFU as metrics."""
     row = [float(samples), float(steps), seconds, *(parts or [0.0, 0.0, 0.0])]
-    return throughput_metrics(gather_rows(row, ctx), facts.per_sample, facts.peak)
+    # the ranks of a tensor-parallel group, and the stages of a pipeline, share their samples
+    shared = ctx.tp * ctx.pp
+    return throughput_metrics(gather_rows(row, ctx), facts.per_sample, facts.peak, shared)
 
 
-def throughput_metrics(figures: list[list[float]], flops: float, peak: Peak) -> dict[str, float]:
+def throughput_metrics(
+    figures: list[list[float]], flops: float, peak: Peak, tp: int = 1
+) -> dict[str, float]:
     """Metrics from per-rank [samples, steps, seconds, (data_wait, compute, comm seconds)]:
     samples/s and step time per rank as min/median/max, the slowest rank, every rank's step
     time and its parts (`rank_step_s/rank_<r>`, `rank_<part>_s/rank_<r>`: one chart in the
-    MLflow UI puts ranks side by side), and (with a FLOP count) achieved FLOP/s and MFU."""
+    MLflow UI puts ranks side by side), and (with a FLOP count) achieved FLOP/s and MFU: the
+    whole model's FLOPs per sample times the job's samples (each tensor-parallel group of
+    `tp` ranks counts its samples once) over every rank's peak."""
     rates = [f[0] / max(f[2], 1e-9) for f in figures]
     step_s = [f[2] / max(f[1], 1) for f in figures]
     metrics = {
@@ -186,7 +192,8 @@ def throughput_metrics(figures: list[list[float]], flops: float, peak: Peak) -> 
         for part, total in zip(PARTS, f[3:], strict=False):
             metrics[f"rank_{part}_s/rank_{rank}"] = total / max(f[1], 1)
     if flops > 0:
-        total = sum(f[0] for f in figures) / max(max(f[2] for f in figures), 1e-9)
+        samples = sum(f[0] for f in figures) / tp  # a tp group's ranks share their samples
+        total = samples / max(max(f[2] for f in figures), 1e-9)
         metrics["achieved_flops_per_s"] = flops * total
         metrics["model_flops_per_sample"] = flops
         if peak.flops_per_s:

@@ -256,3 +256,48 @@ def test_p7t_records_a_side_that_printed_its_result_and_then_aborted_at_exit(tmp
     assert "exit status -6" in summary(r)
     with pytest.raises(RuntimeError, match="failed"):  # no result line: nothing to record
         record("lightning", Timed(-6, 3.0, None, None, 1.0, ["Aborted\n"]), tmp_path)
+
+
+def test_p14_counts_each_saved_storage_once_less_the_parameters_and_freed_ones() -> None:
+    from bench.p14_mesh_memory import held_bytes, local_bytes
+
+    weight = torch.nn.Parameter(torch.zeros(8, 4))
+    kept = torch.zeros(16, 16)  # 1,024 bytes, saved through two views
+    freed = torch.zeros(100)
+    freed.untyped_storage().resize_(0)  # as FSDP frees a gathered weight
+    saved = [kept, kept[:4].t(), weight, weight.t(), freed, torch.zeros(3, dtype=torch.bfloat16)]
+    assert held_bytes(saved, [weight]) == 16 * 16 * 4 + 3 * 2
+    assert local_bytes([weight, torch.zeros(5, dtype=torch.float64)]) == 8 * 4 * 4 + 5 * 8
+
+
+def test_p14_counts_a_dtensors_local_shard() -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from bench.p14_mesh_memory import held_bytes, local_bytes, storages
+    from bench.ranks import free_port
+
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+    )
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        whole = torch.ones(6, 10)
+        d = distribute_tensor(whole, mesh, [Shard(0)])
+        assert [s.data_ptr() for s in storages(d)] == [d.to_local().untyped_storage().data_ptr()]
+        assert local_bytes([d]) == 6 * 10 * 4 == held_bytes([d, d.to_local()], [])
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_p14_reads_what_malloc_has_handed_out() -> None:
+    from bench.p14_mesh_memory import malloc_in_use
+
+    before = malloc_in_use()
+    if before < 0:
+        pytest.skip("the C library has no mallinfo2 (not glibc 2.33+)")
+    big = torch.ones(16 * 2**20, dtype=torch.uint8)  # 16 MiB, written (not lazily mapped)
+    grown = malloc_in_use() - before
+    del big
+    assert 16 * 2**20 <= grown < 17 * 2**20
+    assert malloc_in_use() - before < 2**20

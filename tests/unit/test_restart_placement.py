@@ -1,6 +1,8 @@
 """The rule that places a restart after lost ranks (cluster.restarts.next_placement), without
 Slurm: the node lists are what usable_nodes reads from a 2- or 3-node partition."""
 
+from functools import partial
+
 import pytest
 
 from trainflow.cluster.config import ClusterConfig
@@ -68,3 +70,22 @@ def test_an_allocation_offers_its_own_nodes(monkeypatch: pytest.MonkeyPatch) -> 
     assert usable == TWO
     placed = next_placement(2, 2, frozenset(), {"tfnode1"}, usable, elastic=True)
     assert (placed.nodes, placed.excluded) == (1, frozenset({"tfnode1"}))
+
+
+def test_a_mesh_continues_on_fewer_nodes_only_where_its_sizes_make_them_up() -> None:
+    """tp=2 with dp_shard the rest: 2 nodes x 2 ranks lose one, 1 node x 2 ranks is tp=2 x
+    dp_shard=1. dp_shard=2 fixed: 2 ranks cannot make up 2 x 2, so the job stays at its size."""
+    from trainflow.tasks.train.config import TrainConfig
+    from trainflow.tasks.train.task import admits
+
+    rest = TrainConfig(strategy="fsdp", parallel={"tp": 2})
+    placed = next_placement(2, 2, frozenset(), {"tfnode2"}, TWO, partial(admits, rest))
+    assert (placed.nodes, placed.excluded) == (1, frozenset({"tfnode2"}))
+    fixed = TrainConfig(strategy="fsdp", parallel={"tp": 2, "dp_shard": 2})
+    placed = next_placement(2, 2, frozenset(), {"tfnode2"}, TWO, partial(admits, fixed))
+    assert (placed.nodes, placed.excluded) == (2, frozenset())
+    assert placed.where == (
+        "on any node (the others cannot hold the job alone and train.parallel makes up no "
+        "fewer ranks than 4)"
+    )
+    assert not admits(TrainConfig(), 2)  # ddp: its checkpoints are for the ranks they had

@@ -44,6 +44,14 @@ def test_spread_names_the_slowest_rank_and_mfu_uses_all_devices() -> None:
     assert m["mfu"] == pytest.approx(7500.0 / 3000.0)
 
 
+def test_a_tensor_parallel_group_counts_its_samples_once() -> None:
+    # 4 ranks in 2 groups of tp=2: each group took 100 samples in 1 s, each rank says so.
+    figures = [[100.0, 10.0, 1.0]] * 4
+    m = throughput_metrics(figures, 50.0, Peak(1000.0, "test"), tp=2)
+    assert m["achieved_flops_per_s"] == 200.0 * 50.0  # 200 samples/s of the whole model
+    assert m["mfu"] == pytest.approx(10_000.0 / 4000.0)  # over all 4 ranks' peak
+
+
 def test_no_mfu_without_a_peak_or_a_flop_count() -> None:
     figures = [[10.0, 1.0, 1.0]]
     assert "mfu" not in throughput_metrics(figures, 5.0, Peak(None, "unknown GPU"))

@@ -123,7 +123,9 @@ class ShardedSaver:
         import torch.distributed.checkpoint as dcp  # (see _dcp_state)
 
         self._started = time.monotonic()
-        model_state, optim_state = _dcp_state().get_state_dict(model, optimizer)
+        sd = _dcp_state()
+        options = sd.StateDictOptions(flatten_optimizer_state_dict=True)
+        model_state, optim_state = sd.get_state_dict(model, optimizer, options=options)
         state = {"model": model_state, "optimizer": optim_state}
         future = dcp.async_save(
             state, checkpoint_id=tmp, process_group=self.group, no_dist=self.group is None
@@ -281,24 +283,55 @@ def _choose(directory: Path) -> tuple[str, list[str]] | str | None:
 
 def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> None:
     """Fill `model` and `optimizer` (sharded over this job's ranks, however many) from the
-    checkpoint `folder`, whatever number of ranks wrote it (collective)."""
+    checkpoint `folder`, whatever number of ranks wrote it (collective), and whatever pipeline
+    stages (see flat_optimizer)."""
     import torch.distributed.checkpoint as dcp  # (see _dcp_state)
 
     sd = _dcp_state()
-    model_state, optim_state = sd.get_state_dict(model, optimizer)  # the shards to fill
+    options = sd.StateDictOptions(flatten_optimizer_state_dict=flat_optimizer(folder))
+    # the shards to fill
+    model_state, optim_state = sd.get_state_dict(model, optimizer, options=options)
     state: dict[str, Any] = {"model": model_state, "optimizer": optim_state}
     _quiet_dcp()
     dcp.load(state, checkpoint_id=folder, no_dist=not dist.is_initialized())  # fills in place
-    sd.set_state_dict(model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state)
+    sd.set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=model_state,
+        optim_state_dict=optim_state,
+        options=options,
+    )
 
 
-def full_weights(model: nn.Module) -> dict[str, Any]:
+def flat_optimizer(folder: Path) -> bool:
+    """Whether the checkpoint `folder` holds the optimizer's state flattened, each parameter
+    group's settings stored per parameter name (`optimizer.param_groups.<name>.lr`), as they
+    are written: a pipeline stage holds its own parameters' groups, and the groups of every
+    stage must be kept (torchtitan's flatten_optimizer_state_dict). Checkpoints written
+    before kept one list of groups (`optimizer.param_groups`), and still load."""
+    import torch.distributed.checkpoint as dcp  # (see _dcp_state)
+
+    keys = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    return "optimizer.param_groups.0.params" not in keys  # the list's: unflattened
+
+
+def full_weights(model: nn.Module, ctx: DistContext | None = None) -> dict[str, Any]:
     """The whole model's state dict, gathered onto rank 0's host memory (collective: every
     rank calls it; the others get {}). What best.pt and the logged MLflow model hold, so they
-    load into a plain model as a DDP run's do."""
+    load into a plain model as a DDP run's do. Under pipeline stages (ctx.pp above 1) `model`
+    is this rank's stage: each stage's is gathered whole onto its first rank, and those are
+    sent to rank 0."""
     sd = _dcp_state()
-    options = sd.StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return sd.get_model_state_dict(model, options=options)
+    if ctx is None or ctx.pp == 1:
+        options = sd.StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return sd.get_model_state_dict(model, options=options)
+    whole = sd.get_model_state_dict(model, options=sd.StateDictOptions(full_state_dict=True))
+    first = ctx.rank % (ctx.world_size // ctx.pp) == 0  # the stage's first rank
+    mine = {k: v.detach().to("cpu", copy=True) for k, v in whole.items()} if first else {}
+    del whole
+    stages: list[Any] | None = [None] * ctx.world_size if ctx.is_main else None
+    dist.gather_object(mine, stages, dst=0)
+    return {k: v for stage in stages or [] for k, v in stage.items()}
 
 
 def _dcp_state() -> Any:
