@@ -1,5 +1,6 @@
 """What the documentation shows a user, read out of README.md and docs/*.md for the tests that
-check it against the real command line and config (tests/unit/test_docs_commands.py)."""
+check it against the real command line and config (tests/unit/test_docs_commands.py,
+test_docs_keys.py, test_docs_experiments.py)."""
 
 import re
 import shlex
@@ -9,6 +10,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 """Every page a user reads: the front door and the docs site's pages."""
+
+EXAMPLE_FILES = {p.name: p for p in sorted((ROOT / "examples").glob("*/*.toml"))}
+"""Experiment files the pages run by name (`trainflow run charlm.toml` in its folder)."""
 
 SECTIONS = ("preprocess", "train", "evaluate", "cluster", "tracking")
 """The config's sections: a dotted key starting with one of these is a config key."""

@@ -8,8 +8,9 @@ that read the tree (mypy, ruff, editors) see the same names.
 
 What every layer uses lives here, beside the links, so no layer climbs into another for it:
 `trainflow.errors` (the errors a user can act on, and --debug) and `trainflow.config_base`
-(StrictModel, the base of every component's config), and `trainflow.gc_policy` (how the command
-and a rank set Python's garbage collector). They import nothing from the layers.
+(StrictModel, the base of every component's config), `trainflow.gc_policy` (how the command
+and a rank set Python's garbage collector) and `trainflow.console` (a console line written
+whole from any thread). They import nothing from the layers.
 """
 
 __version__ = "0.1.0"

@@ -26,6 +26,9 @@ from typing import Any, Literal
 FOLDER = "tracking"
 """The journal's folder in a training run's out_dir."""
 
+THROUGH = "through"
+"""A metric record's key (its first) naming the step that every point up to is journaled."""
+
 Point = tuple[str, float, int, int]
 """A metric point: key, value, timestamp (ms), step."""
 
@@ -45,11 +48,14 @@ class Journal:
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self._lock = threading.Lock()
 
-    def metrics(self, points: Iterable[Point]) -> None:
-        """Record metric points (oldest first)."""
+    def metrics(self, points: Iterable[Point], through: int | None = None) -> None:
+        """Record metric points (oldest first); `through`: every point up to this step is
+        in the journal with this record (tasks.tracking.logged_through reads it back), in
+        the same write as the points."""
         rows = [[key, _encode(value), ts, step] for key, value, ts, step in points]
         if rows:
-            self._write({"metrics": rows})
+            mark = {} if through is None else {THROUGH: through}
+            self._write({**mark, "metrics": rows})
 
     def values(self, kind: Literal["params", "tags"], values: dict[str, str]) -> None:
         """Record run params (MLflow keeps a param's first value) or tags."""

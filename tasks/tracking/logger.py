@@ -7,11 +7,10 @@ waits on the tracking server and no rank imports MLflow.
 
 import threading
 import time
-from pathlib import Path
 from typing import Literal, Protocol
 
+from trainflow.console import say
 from trainflow.tasks.tracking.journal import Journal, Point
-from trainflow.tasks.tracking.logged_through import save_handed
 
 DRAIN_S = 30.0
 """How long the end of a job waits for the server to take the points still buffered."""
@@ -46,16 +45,17 @@ class NullLogger:
 
 class JournalLogger:
     """Buffers metrics and writes them to rank 0's journal at each flush; the flow sends them
-    to the MLflow run (tasks.tracking.journal, tasks.tracking.relay). A flush also records the
-    step it reached (tasks.tracking.logged_through): a resumed attempt does not log those
-    steps again.
+    to the MLflow run (tasks.tracking.journal, tasks.tracking.relay). A flush's record also
+    names the step it reached (tasks.tracking.logged_through): a resumed attempt does not log
+    those steps again. `log` never waits for a flush's write: the two share only the buffer.
     A journal that cannot be written (a full disk) is one warning; training goes on."""
 
-    def __init__(self, journal: Journal, out_dir: Path) -> None:
-        self._journal, self._out_dir = journal, out_dir
+    def __init__(self, journal: Journal) -> None:
+        self._journal = journal
         self._buffer: list[Point] = []
         self._last_step = 0
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the buffer
+        self._writing = threading.Lock()  # one flush at a time: records stay in step order
         self._warned = False
 
     def log(self, metrics: dict[str, float], step: int) -> None:
@@ -66,16 +66,16 @@ class JournalLogger:
             self._last_step = max(self._last_step, step)
 
     def flush(self) -> None:
-        """Write what is buffered to the journal."""
-        with self._lock:
-            points, self._buffer = self._buffer, []
-            step = self._last_step
+        """Write what is buffered to the journal, with the step it reaches (one write)."""
+        with self._writing:
+            with self._lock:
+                points, self._buffer = self._buffer, []
+                step = self._last_step
             try:
-                self._journal.metrics(points)
-                save_handed(self._out_dir, step)
+                self._journal.metrics(points, through=step)
             except OSError as exc:
                 if not self._warned:
-                    print(f"warning: metrics not recorded for MLflow: {exc}", flush=True)
+                    say(f"warning: metrics not recorded for MLflow: {exc}")
                     self._warned = True
 
     def close(self, drain_s: float = DRAIN_S) -> int:
@@ -84,10 +84,10 @@ class JournalLogger:
         return 0
 
 
-def make_logger(journal: Journal | None, out_dir: Path) -> MetricLogger:
+def make_logger(journal: Journal | None) -> MetricLogger:
     """JournalLogger on rank 0 of a job with a run (it has the journal), else NullLogger."""
     if journal is not None:
-        return JournalLogger(journal, out_dir)
+        return JournalLogger(journal)
     return NullLogger()
 
 
@@ -111,4 +111,4 @@ def _record(
     try:
         journal.values(kind, values)
     except OSError as exc:
-        print(f"warning: {kind} {sorted(values)} not recorded: {exc}", flush=True)
+        say(f"warning: {kind} {sorted(values)} not recorded: {exc}")

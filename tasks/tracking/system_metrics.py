@@ -23,6 +23,7 @@ from typing import Any
 
 import psutil
 
+from trainflow.console import say
 from trainflow.tasks.tracking.journal import Journal, count_records
 
 STOP_WAIT_S = 10.0
@@ -57,7 +58,7 @@ def node_monitor(out_dir: Path | None, local_rank: int, interval_s: float) -> It
     node = node_name()
     sampler = _Sampler(Journal(out_dir, f"node-{node}"), node, interval_s)
     sampler.start()
-    print(f"system metrics of node {node} every {interval_s:g} s", flush=True)
+    say(f"system metrics of node {node} every {interval_s:g} s")
     try:
         yield node
     finally:
@@ -98,7 +99,7 @@ class _Sampler(threading.Thread):
             self._step += 1
         except Exception as exc:  # metrics are an extra: training goes on without them
             if not self._warned:
-                print(f"warning: system metrics of node {self._node}: {exc}", flush=True)
+                say(f"warning: system metrics of node {self._node}: {exc}")
                 self._warned = True
 
     def _values(self) -> dict[str, float]:

@@ -57,11 +57,19 @@ class RunPlan:
     def next_boundary(self, step: int) -> int:
         """The first step after `step` where the loop stops: the end of the epoch `step` is
         in, the run's end, or the next step of a cadence."""
+        return self._next(step, (self.val_every, self.checkpoint_every, self.log_every))
+
+    def next_pause(self, step: int) -> int:
+        """The first step after `step` where the loop does more than log: the end of the epoch
+        `step` is in, the run's end, a validation or a checkpoint (what the time-limit watch
+        plans to: the segments up to it pause for a log only, which takes no time worth
+        planning for)."""
+        return self._next(step, (self.val_every, self.checkpoint_every))
+
+    def _next(self, step: int, cadences: tuple[int, ...]) -> int:
         epoch_end = (step // self.steps_per_epoch + 1) * self.steps_per_epoch
         candidates = [epoch_end, self.total_steps]
-        for every in (self.val_every, self.checkpoint_every, self.log_every):
-            if every:
-                candidates.append((step // every + 1) * every)
+        candidates += [(step // every + 1) * every for every in cadences if every]
         return min(candidates)
 
     def due(self, step: int) -> Due:

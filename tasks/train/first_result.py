@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from trainflow.console import say
 from trainflow.tasks.tracking.logger import MetricLogger
 from trainflow.tasks.train.checkpointing.checkpoint import load_state, unwrap
 from trainflow.tasks.train.config import TrainConfig
@@ -71,7 +72,7 @@ def first_result(
     tested = {f"test_{k}": v for k, v in metrics.items()}
     if ctx.is_main:
         headline = trainer.objective.headline
-        print(result_line(tested, headline, best_epoch, len(test)), flush=True)
+        say(result_line(tested, headline, best_epoch, len(test)))
         logger.log(tested, step=best_epoch)
         logger.flush()
     return tested

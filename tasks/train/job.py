@@ -17,6 +17,7 @@ import torch
 
 from trainflow.cluster.heartbeat import Heartbeat
 from trainflow.cluster.snapshot import code_first
+from trainflow.console import say
 from trainflow.errors import ConfigError
 from trainflow.tasks.objectives import Objective, make_objective
 from trainflow.tasks.preprocess.ref import dataset_spec
@@ -155,7 +156,7 @@ class TrainingJob(submitit.helpers.Checkpointable):
                 lambda: initialised(build_model(cfg, spec_), cfg.init_from), cfg.strategy, dist
             )
             # Each rank's log names the file its model was imported from (the code snapshot).
-            print(f"model {cfg.model} from {resolve_factory(cfg).file}", flush=True)
+            say(f"model {cfg.model} from {resolve_factory(cfg).file}")
             narrowest = narrowest_conv(model)
             nhwc = use_channels_last(cfg.channels_last, dist.device, narrowest, cfg.strategy)
             heartbeat.beat("start-up")
@@ -182,7 +183,7 @@ class TrainingJob(submitit.helpers.Checkpointable):
             requeue.resumed(progress, checkpointed=found is not None)
             if dist.is_main:
                 announce_global_batch(batch, progress.epoch, journal)
-            logger = recorder.closing(make_logger(journal, spec.out_dir))
+            logger = recorder.closing(make_logger(journal))
             monitor = monitor_for(cfg, trainer.objective)  # the best validation, early stop
             requeue.keep = monitor.retain  # which checkpoints a save keeps
             relog(progress, logger, self.spec.out_dir)

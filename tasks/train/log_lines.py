@@ -1,6 +1,7 @@
 """The lines a training job prints to its log: where and how it trains, the per-epoch progress
 line and where the data lives (kept out of job.py, which composes the job)."""
 
+from trainflow.console import say
 from trainflow.tasks.tracking.journal import Journal
 from trainflow.tasks.tracking.logger import log_run_params
 from trainflow.tasks.train.config import TrainConfig
@@ -40,20 +41,18 @@ def announce(
     """Print where and how this run trains (rank 0's first log lines); the precision
     picked, and why, also go to the train run's params."""
     graphs = uses_cuda_graphs(cfg, dist.device)
-    print(f"precision {policy.name}: {policy.reason}", flush=True)
+    say(f"precision {policy.name}: {policy.reason}")
     params = {"precision.used": policy.name, "precision.reason": policy.reason}
     log_run_params(journal, params)
-    print(
+    say(
         f"training {cfg.model} on {dist.world_size} rank(s): device {dist.device}, "
         f"backend {dist.backend}, precision {policy.name}, channels_last "
         f"{'on' if nhwc else 'off'}, compile {'on' if cfg.compile or graphs else 'off'}, "
         f"cuda_graphs {'on' if graphs else 'off'}, data in {memory_of(data, dist)}, "
-        f"strategy {cfg.strategy}" + (f", mesh {dist.mesh_text}" if dist.mesh_text else ""),
-        flush=True,
+        f"strategy {cfg.strategy}" + (f", mesh {dist.mesh_text}" if dist.mesh_text else "")
     )
     if cfg.cuda_graphs and not graphs:
-        print(
+        say(
             f"warning: train.cuda_graphs=true is ignored on {dist.device} (CUDA graphs need "
-            "a GPU); the last partial batch of each epoch is still dropped, as on a GPU",
-            flush=True,
+            "a GPU); the last partial batch of each epoch is still dropped, as on a GPU"
         )

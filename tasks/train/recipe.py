@@ -25,6 +25,7 @@ from typing import Any, Protocol
 
 import torch
 
+from trainflow.console import say
 from trainflow.tasks.tracking.logger import MetricLogger
 from trainflow.tasks.train.cadence import Due, RunPlan
 from trainflow.tasks.train.checkpointing.checkpoint import (
@@ -148,7 +149,7 @@ class Recipe:
                     break
                 if verdict is not None and verdict.stop:
                     if trainer.dist.is_main:  # after the validation's own line
-                        self.recorder.submit(partial(print, verdict.line, flush=True))
+                        self.recorder.submit(partial(say, verdict.line))
                     break
         except BaseException:
             if saver is not None:
@@ -191,7 +192,7 @@ class Recipe:
         batches = self.order[1][first : first + steps * accumulation]
         started, before = time.perf_counter(), list(progress.epoch_sums)
         clock = RankClock(dist.device)
-        stop = self.limit.epoch(progress, steps)
+        stop = self.limit.epoch(progress, plan.next_pause(progress.step))
         metrics, progress.step = train_epoch(
             trainer, self.train, batches, progress.step, clock, stop
         )
@@ -314,6 +315,6 @@ class Recipe:
                 limit.save_took(time.monotonic() - started)
                 limit.saved_step = int(state["step"])
             if line:
-                print(f"{line} {progress_line(metrics)}", flush=True)
+                say(f"{line} {progress_line(metrics)}")
 
         self.recorder.submit(write)

@@ -18,6 +18,7 @@ before training.
 from dataclasses import dataclass
 from typing import Any
 
+from trainflow.console import say
 from trainflow.errors import ConfigError
 from trainflow.tasks.tracking.journal import Journal
 from trainflow.tasks.tracking.logger import log_run_params
@@ -101,16 +102,14 @@ def announce_global_batch(batch: GlobalBatch, epoch: int, journal: Journal | Non
             if batch.configured
             else f"the run started on {batch.data_world} ranks"
         )
-        print(
-            f"global batch {batch.size} kept: {started} and continues after epoch {epoch} on "
-            f"{line}",
-            flush=True,
+        say(
+            f"global batch {batch.size} kept: {started} and continues after epoch {epoch} on {line}"
         )
         params[f"global_batch.after_epoch_{epoch}"] = line
     else:
         params["grad_accumulation.used"] = str(batch.accumulation)
         if batch.accumulation > 1 and epoch == 0:
-            print(f"global batch {batch.size}: {line}", flush=True)
+            say(f"global batch {batch.size}: {line}")
     log_run_params(journal, params)
 
 
@@ -126,7 +125,7 @@ def restore(
     (`identity`: this job's run_identity)."""
     path, state = found.path, found.state
     for line in found.skipped if trainer.dist.is_main else []:
-        print(f"warning: skipping checkpoint {line}", flush=True)
+        say(f"warning: skipping checkpoint {line}")
     check_same_run(identity, state.get("run", {}), path)
     if sharded:
         load_sharded(trainer.model, trainer.optimizer, path)
@@ -140,5 +139,5 @@ def restore(
     progress.step = progress.epoch * steps_per_epoch + progress.epoch_batches
     if trainer.dist.is_main:
         within = f", step {progress.step}" if progress.epoch_batches else ""
-        print(f"resuming from {path} after epoch {progress.epoch}{within}", flush=True)
+        say(f"resuming from {path} after epoch {progress.epoch}{within}")
     return progress

@@ -23,6 +23,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from trainflow.compat import fake_forward
+from trainflow.console import say
 from trainflow.tasks.spec import DataSpec
 from trainflow.tasks.tracking.journal import Journal
 from trainflow.tasks.tracking.logger import tag_run
@@ -218,10 +219,9 @@ def announce_flops(
     """Count the model's FLOPs per sample and find the device's peak (count_flops), say both in
     the job's log, and record them as tags of the train run (`journal`: rank 0's, if a run)."""
     facts = count_flops(model, data.sample_shape, data.sample_dtype, device, precision)
-    print(
+    say(
         f"model FLOPs per sample {facts.per_sample:.4g} (forward + backward); "
-        f"MFU peak: {facts.peak.source}",
-        flush=True,
+        f"MFU peak: {facts.peak.source}"
     )
     tags = {"mfu_peak": facts.peak.source, "model_flops_per_sample": f"{facts.per_sample:.6g}"}
     tag_run(journal, tags)

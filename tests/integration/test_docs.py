@@ -2,7 +2,8 @@
 broken cross-reference, a missing page in a toctree, a missing image or a docstring the API
 reference cannot render fails the suite. The command-line reference holds every command and
 option of the real parser. (What the pages' commands and keys say is checked against the
-parser and the config in tests/unit/test_docs_commands.py, without Sphinx.)"""
+parser and the config in tests/unit/test_docs_commands.py, test_docs_keys.py and
+test_docs_experiments.py, without Sphinx.)"""
 
 import argparse
 import html

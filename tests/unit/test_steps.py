@@ -52,6 +52,8 @@ def test_the_loop_stops_at_each_epoch_end_cadence_step_and_the_last_step() -> No
     due = plan.due(15)  # a validation, not a checkpoint, a log, not an epoch's end
     assert (due.validate, due.checkpoint, due.log, due.epoch_end) == (True, False, True, False)
     assert plan.due(17).final and plan.due(17).checkpoint and not plan.due(17).epoch_end
+    # the time-limit watch plans to the next pause that is more than a log
+    assert [plan.next_pause(s) for s in (0, 3, 4, 5, 13, 15, 16)] == [4, 4, 5, 7, 14, 16, 17]
 
 
 def test_the_length_is_epochs_or_max_steps_whichever_comes_first() -> None:

@@ -74,7 +74,7 @@ def test_a_rank_imports_samples_and_logs_without_mlflow(tmp_path: Path) -> None:
         "from trainflow.tasks.tracking.journal import Journal\n"
         f"out = Path({str(tmp_path)!r})\n"
         "with node_monitor(out, 0, 0.1):\n"
-        "    logger = make_logger(Journal(out, 'rank0'), out)\n"
+        "    logger = make_logger(Journal(out, 'rank0'))\n"
         "    logger.log({'x': 1.0}, 1); logger.close()\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] == 'mlflow'))\n"
     )

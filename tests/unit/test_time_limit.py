@@ -116,6 +116,23 @@ def test_a_step_time_carried_from_before_is_checked_after_one_step_measured() ->
     assert 1 < limit.stop_at < 500
 
 
+def test_segments_that_pause_for_a_log_only_go_on_with_the_watch_s_plan() -> None:
+    # train.log_every_steps=16 in an epoch of 64: segments of 16, one stretch for the watch
+    ctx = DistContext(0, 1, 0, torch.device("cpu"), "gloo")
+    limit = TimeLimit(ctx, True, 5.0, deadline=time.monotonic() + 3600)
+    limit.start_epoch(0, 64)
+    assert not limit.should_stop(0) and limit.next_check == 1  # no step time yet: one step
+    time.sleep(0.01)
+    assert not limit.should_stop(1) and limit.next_check == 64  # the stretch fits: no look
+    measured = limit.estimates.step_s
+    for first in (16, 32, 48):  # a log between: the plan goes on (no look, no collective)
+        limit.start_epoch(first, 64 - first)
+        assert limit.next_check == 64 and limit.estimates.step_s == measured
+    limit.start_epoch(64, 64)  # a validation and a checkpoint between: look first
+    assert limit.next_check == 64 and limit.stop_at == -1
+    assert not limit.should_stop(64) and limit.next_check == 65
+
+
 def test_squeue_time_left_is_read_in_all_its_forms() -> None:
     assert parse_time_left("0:59\n") == 59
     assert parse_time_left("1:02:03") == 3723

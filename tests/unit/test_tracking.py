@@ -1,13 +1,15 @@
 """MLflow run tree and batched logger against a real SQLite store."""
 
 import math
+import threading
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
 
 from trainflow.tasks.tracking.config import TrackingConfig, resolve_tracking_uri
-from trainflow.tasks.tracking.journal import Journal, read_records
+from trainflow.tasks.tracking.journal import Journal, Point, read_records
 from trainflow.tasks.tracking.logged_through import handed_through
 from trainflow.tasks.tracking.logger import (
     JournalLogger,
@@ -82,7 +84,7 @@ def test_more_than_100_params_are_batched(tmp_path: Path) -> None:
 def test_the_logger_journals_at_each_flush_and_the_relay_sends_it(tmp_path: Path) -> None:
     runs = _runs(tmp_path)
     out = tmp_path / "out"
-    logger = make_logger(Journal(out, "rank0"), out)
+    logger = make_logger(Journal(out, "rank0"))
     assert isinstance(logger, JournalLogger)
     for step in range(1, 4):
         logger.log({"loss": 1.0 / step, "acc": 0.1 * step}, step)
@@ -115,7 +117,7 @@ def test_a_failed_job_still_gets_what_it_journaled_and_its_own_error(tmp_path: P
         pytest.raises(RuntimeError, match="rank 1 lost"),
         relaying(out, runs.tracking_uri, runs.parent_id, lines.append),
     ):
-        logger = make_logger(Journal(out, "rank0"), out)
+        logger = make_logger(Journal(out, "rank0"))
         logger.log({"loss": 0.5}, 1)
         logger.flush()
         raise RuntimeError("rank 1 lost")
@@ -138,8 +140,47 @@ def test_a_cut_last_line_is_left_until_it_is_whole(tmp_path: Path) -> None:
     assert read_records(journal.path, end)[0] == [{"metrics": [["x", 2.0, 6, 2]]}]
 
 
+def test_the_handed_step_is_the_last_whole_flush_s(tmp_path: Path) -> None:
+    logger = make_logger(Journal(tmp_path, "rank0"))
+    logger.log({"loss": 0.5}, 16)
+    logger.flush()
+    logger.log({"loss": 0.4}, 32)
+    logger.flush()
+    path = tmp_path / "tracking" / "rank0.jsonl"
+    whole = path.read_bytes()
+    assert whole.count(b"\n") == 2 and handed_through(tmp_path) == 32
+    path.write_bytes(whole[:-3])  # the last record cut (a full disk): its points are not sent
+    assert handed_through(tmp_path) == 16
+    (record,) = read_records(path, 0)[0]
+    assert record["through"] == 16 and [(k, v, step) for k, v, _, step in record["metrics"]] == [
+        ("loss", 0.5, 16)
+    ]
+
+
+def test_log_does_not_wait_for_a_flush_s_write(tmp_path: Path) -> None:
+    entered, release = threading.Event(), threading.Event()
+
+    class SlowJournal(Journal):  # a disk that holds the write until told
+        def metrics(self, points: Iterable[Point], through: int | None = None) -> None:
+            entered.set()
+            release.wait(30)
+            super().metrics(points, through)
+
+    logger = make_logger(SlowJournal(tmp_path, "rank0"))
+    logger.log({"loss": 0.5}, 1)
+    flushing = threading.Thread(target=logger.flush)
+    flushing.start()
+    assert entered.wait(30)
+    logger.log({"loss": 0.4}, 2)  # returns while the write is held (else: a deadlock here)
+    release.set()
+    flushing.join()
+    logger.flush()
+    steps = [r["through"] for r in read_records(tmp_path / "tracking" / "rank0.jsonl", 0)[0]]
+    assert steps == [1, 2]
+
+
 def test_other_ranks_and_jobs_without_a_run_log_nothing(tmp_path: Path) -> None:
-    assert isinstance(make_logger(None, tmp_path), NullLogger)
+    assert isinstance(make_logger(None), NullLogger)
     log_run_params(None, {"a": "b"})
     tag_run(None, {"a": "b"})
     assert not (tmp_path / "tracking").exists()

@@ -158,7 +158,7 @@ def test_points_an_earlier_flow_could_not_send_are_sent_by_the_next_with_the_new
     url = sqlite_store
     run_id = _run_id(url, tmp_path)
     Journal(tmp_path, "rank0").metrics([("x", float("nan"), 5, 1)])  # an earlier attempt's
-    logger = make_logger(Journal(tmp_path, "rank0"), tmp_path)
+    logger = make_logger(Journal(tmp_path, "rank0"))
     logger.log({"x": 2.0}, step=2)
     assert logger.close() == 0
     Relay(tmp_path, url, run_id, say=print).finish()

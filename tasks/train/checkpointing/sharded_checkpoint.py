@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from trainflow.console import say
 from trainflow.errors import ConfigError, DataError
 from trainflow.tasks.train.checkpointing.checkpoint import (
     Resumable,
@@ -169,7 +170,7 @@ class ShardedSaver:
         try:
             self.wait(timeout_s)
         except Exception as exc:  # the job's own error is the one to report
-            print(f"warning: the checkpoint in flight was not completed: {exc!r}", flush=True)
+            say(f"warning: the checkpoint in flight was not completed: {exc!r}")
 
 
 def _quiet_dcp() -> None:

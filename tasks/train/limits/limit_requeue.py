@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, NoReturn, Protocol
 
+from trainflow.console import say
 from trainflow.tasks.train.checkpointing.checkpoint import (
     Retain,
     newest_kept,
@@ -112,15 +113,15 @@ class LimitRequeue:
         self.limit.estimates = Estimates.from_state(progress.timing)
         if self.limit.ctx.is_main and self.attempt > 1:
             within = f", batch {progress.epoch_batches}" if progress.epoch_batches else ""
-            print(
+            say(
                 f"attempt {self.attempt} continues from step {progress.step} "
-                f"(epoch {progress.epoch + 1}{within})",
-                flush=True,
+                f"(epoch {progress.epoch + 1}{within})"
             )
 
-    def epoch(self, progress: Progress, steps: int) -> EpochLimit:
-        """The loop's stop for an epoch (or what is left of it) of `steps` steps."""
-        self.limit.start_epoch(progress.step, steps)
+    def epoch(self, progress: Progress, until: int) -> EpochLimit:
+        """The loop's stop for a segment of an epoch from `progress.step` on, where the next
+        validation, checkpoint or epoch end comes at step `until` (RunPlan.next_pause)."""
+        self.limit.start_epoch(progress.step, until - progress.step)
         return EpochLimit(self.limit, list(progress.epoch_sums))
 
     def checkpoint_and_requeue(
@@ -141,15 +142,13 @@ class LimitRequeue:
         left = time_text(self.limit.until_limit_s() or 0.0)
         if progress.step in (self.saved_step, self.start_step):  # nothing new to save
             if main:
-                print(f"time limit in {left}: no step done since step {progress.step}, "
-                      "requeueing", flush=True)  # fmt: skip
+                say(f"time limit in {left}: no step done since step {progress.step}, requeueing")
             requeue_now(main)
         est = self.limit.estimates
         if main:
-            print(
+            say(
                 f"time limit in {left}: checkpointing at step {progress.step} (save takes "
-                f"~{est.save_s * SAVE_FACTOR:.0f} s), requeueing",
-                flush=True,
+                f"~{est.save_s * SAVE_FACTOR:.0f} s), requeueing"
             )
         progress.timing = est.as_state()
         extra = {**asdict(progress), "run": self.identity}

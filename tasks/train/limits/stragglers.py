@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch import nn
 
+from trainflow.console import say
 from trainflow.tasks.tracking.journal import Journal
 from trainflow.tasks.tracking.logger import tag_run
 from trainflow.tasks.tracking.system_metrics import node_name
@@ -139,7 +140,7 @@ class StragglerWatch:
         window_steps: int,
         nodes: list[str],
         journal: Journal | None,
-        say: Callable[[str], None] = lambda line: print(line, flush=True),
+        say: Callable[[str], None] = say,
         judge: Callable[[list[list[float]], float], list[Slow]] = slow_ranks,
     ) -> None:
         self._fraction, self._windows, self._window_steps = fraction, windows, window_steps
@@ -197,7 +198,7 @@ def step_timer(
         return StepTimes(model, ctx, cfg.straggler_window_steps, None)
     fsdp = cfg.strategy == "fsdp"
     if fsdp and ctx.is_main:
-        print(FSDP_NOTE, flush=True)
+        say(FSDP_NOTE)
     nodes = rank_nodes(ctx, node_name())
     watch = StragglerWatch(
         cfg.straggler_fraction,

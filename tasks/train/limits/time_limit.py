@@ -34,6 +34,7 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
+from trainflow.console import say
 from trainflow.tasks.train.distributed import DistContext
 
 SAVE_FACTOR = 1.5
@@ -222,7 +223,12 @@ class TimeLimit:
         return None if self.limit_at is None else self.limit_at - time.monotonic()
 
     def start_epoch(self, first_step: int, steps: int) -> None:
-        """An epoch (or what is left of it) of `steps` steps starts at `first_step`: look first."""
+        """The loop goes on at `first_step`, `steps` steps before the next validation,
+        checkpoint or epoch end: look first, unless `first_step` is inside the stretch the
+        watch already planned (only a log came between: the plan, the next look and the step
+        time measured so far go on, with no look, collective or device sync per log)."""
+        if first_step < self.epoch_end and first_step + steps == self.epoch_end:
+            return
         self.epoch_end, self.next_check, self.stop_at = first_step + steps, first_step, -1
         self._last = None  # validation came between: no step time across the boundary
 
@@ -335,10 +341,9 @@ def hold_limit_signal(limit: TimeLimit, delay_s: float) -> None:
             and until_limit is not None
             and last + 0.5 < until_limit <= delay_s + SIGNAL_EARLY_S
         ):
-            print(
+            say(
                 f"time limit in {time_text(until_limit)}: requeue signal held for "
-                f"{time_text(until_limit - last)}, until the planned checkpoint",
-                flush=True,
+                f"{time_text(until_limit - last)}, until the planned checkpoint"
             )
             timer = threading.Timer(until_limit - last, os.kill, (os.getpid(), signum))
             timer.daemon = True
