@@ -20,10 +20,10 @@ from trainflow.tasks.train.job import TrainingJob, TrainJobSpec
 from trainflow.tasks.train.ref import CheckpointRef
 
 LIMIT_S, FLOOR_S = 40.0, 0.5
-"""One epoch of 64 steps of at least 0.5 s (32 s) outlasts what an attempt of 40 s has left after its start-up
-(5 to 15 s), the margin (5 s), the save it reserves (7.5 s before one is measured) and the
-signal's delay (2 s): 2 attempts on an idle machine, 4 at most on a loaded one (of the local
-executor's 6)."""
+"""One epoch of 64 steps of at least 0.5 s (32 s) outlasts what an attempt of 40 s has left
+after its start-up (5 to 15 s), the margin (5 s), the save it reserves (7.5 s before one is
+measured) and the signal's delay (2 s): 2 attempts on an idle machine, 4 at most on a loaded
+one (of the local executor's 6)."""
 
 
 def _spec(out: Path) -> TrainJobSpec:
