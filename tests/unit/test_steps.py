@@ -154,7 +154,8 @@ def test_a_run_stopped_at_max_steps_inside_an_epoch_and_extended_equals_a_straig
 
 
 def test_a_resume_may_raise_max_steps_but_not_lower_it(tmp_path: Path) -> None:
-    cfg = build_config("demo", ["train.max_steps=40", "train.log_every_steps=5"])
+    fsdp = ["train.strategy=fsdp", "train.parallel.tp=2"]
+    cfg = build_config("demo", ["train.max_steps=40", "train.log_every_steps=5", *fsdp])
     run_dir = tmp_path / "runs" / "0123abcd"
     run_dir.mkdir(parents=True)
     config = cfg.model_dump(mode="json")
@@ -175,6 +176,8 @@ def test_a_resume_may_raise_max_steps_but_not_lower_it(tmp_path: Path) -> None:
         build_resume(str(run_dir), tmp_path, ["train.max_steps=20"])
     with pytest.raises(ConfigError, match=r"--set train\.val_every_steps: a resumed run keeps"):
         build_resume(str(run_dir), tmp_path, ["train.val_every_steps=10"])
+    moved, _, _ = build_resume(str(run_dir), tmp_path, ["train.parallel.tp=1"])  # another mesh
+    assert moved.train.parallel.tp == 1 and moved.train.strategy == "fsdp"
 
 
 def _logged_run(dataset: Any, out: Path, uri: str, log_every: int) -> dict[str, list[Any]]:
