@@ -55,9 +55,7 @@ def hf_stage(model: nn.Module, stage: int, stages: int) -> "HFStage":
     """Stage `stage` of `stages` of the transformers causal LM `model`, by its pipeline plan
     (module docstring); ConfigError (one line) when it cannot be cut."""
     before, layers, after = plan_parts(model, stages)
-    blocks = model.get_submodule(layers)
-    assert isinstance(blocks, nn.ModuleList)
-    per = len(blocks) // stages
+    per = len(_layer_list(model, layers)) // stages
     owned = range(stage * per, (stage + 1) * per)
     return HFStage(
         model, layers, owned, before if stage == 0 else [], after if stage == stages - 1 else []
@@ -95,7 +93,7 @@ def plan_parts(model: nn.Module, stages: int) -> tuple[list[str], str, list[str]
     layers = lists[0]
     extras = set(plan[layers][0][1:])
     assert extras <= LAYER_EXTRAS, f"{kind}: layers take {extras}"
-    count = len(model.get_submodule(layers))
+    count = len(_layer_list(model, layers))
     if count % stages:
         raise ConfigError(
             f"train.parallel.pp={stages} does not divide the {kind}'s {count} layers: set "
@@ -135,7 +133,7 @@ class HFStage(nn.Module):
         self.config = model.config
         """The whole model's config (the mask's attention implementation; tp's checks)."""
         self._tp_plan: dict[str, str] = dict(getattr(model, "tp_plan", None) or {})
-        whole = model.get_submodule(layers)
+        whole = _layer_list(model, layers)
         self._before, self._after = before, after
         self._layers = layers
         self._owned = [str(i) for i in owned]
@@ -189,6 +187,13 @@ class HFStage(nn.Module):
 def is_hf_stage(module: nn.Module) -> bool:
     """True for a stage of a transformers model (HFStage)."""
     return isinstance(module, HFStage)
+
+
+def _layer_list(model: nn.Module, name: str) -> nn.ModuleList:
+    """The layer list of `model`'s pipeline plan at `name`."""
+    layers = model.get_submodule(name)
+    assert isinstance(layers, nn.ModuleList), (name, type(layers))
+    return layers
 
 
 def _place(root: nn.Module, name: str, module: nn.Module) -> None:
