@@ -19,12 +19,14 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from transformers import LlamaForCausalLM
 
 from tests.unit.datasets import write_token_dataset
 from tests.unit.test_hf_tensor_parallel import CONTEXT, LLAMA, TOKENS, VOCAB, meta_model
 from tests.unit.test_hf_tensor_parallel import train as train_llama
-from tests.unit.test_pipeline_parallel import assert_same_training
+from tests.unit.test_pipeline_parallel import BOUND, assert_same_training
 from trainflow.errors import ConfigError
 from trainflow.tasks.preprocess.ref import DatasetRef
 from trainflow.tasks.spec import DataSpec
@@ -37,9 +39,16 @@ GPT2 = {"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 4}
 LABELS = DataSpec((CONTEXT,), "int64", "classification", 3, ())
 
 
-def test_llamas_stages_hold_its_plans_modules_under_their_names_and_give_its_logits() -> None:
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_llamas_stages_hold_its_plans_modules_under_their_names_and_give_its_logits(
+    attention: str,
+) -> None:
+    """Under eager attention the causal mask is a tensor each stage makes (under SDPA, None:
+    the kernel's own causal mask)."""
     torch.manual_seed(0)
-    model = transformers_model(TOKENS, **LAYERS)
+    model = transformers_model(TOKENS, **LAYERS, attn_implementation=attention)
+    assert isinstance(model, LlamaForCausalLM)
+    assert model.config._attn_implementation == attention
     check_stages(model, 2)
     first, last = (stage_module(model, s, 2) for s in range(2))
     first_names = {n.rsplit(".", 1)[0] for n, _ in first.named_parameters()}
@@ -105,11 +114,18 @@ def tokens(tmp_path_factory: pytest.TempPathFactory) -> DatasetRef:
 @pytest.fixture(scope="module")
 def one_rank(tokens: DatasetRef, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The 4-layer Llama trained on one rank: what the split runs are held to."""
-    return train_llama(tokens, tmp_path_factory.mktemp("one"), 1, model_args=LAYERS)
+    out = tmp_path_factory.mktemp("one")
+    return {**train_llama(tokens, out, 1, model_args=LAYERS), "last": last_checkpoint(out)}
+
+
+def last_checkpoint(out: Path) -> Path:
+    """The newest checkpoint of the run in `out` (a file, or DCP's folder under stages)."""
+    return max(p for p in (out / "run" / "checkpoints").iterdir() if p.suffix != ".sha256")
 
 
 @pytest.mark.services
 @pytest.mark.timeout(300)
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # dcp.load in one process
 @pytest.mark.parametrize(
     ("ranks", "parallel"), [(2, {"pp": 2}), (4, {"pp": 2, "tp": 2})], ids=["pp=2", "pp=2 x tp=2"]
 )
@@ -126,3 +142,13 @@ def test_a_llama_cut_by_transformers_plan_trains_as_one_rank(
         tokens, tmp_path / "split", ranks, model_args=LAYERS, strategy="fsdp", parallel=parallel
     )
     assert_same_training(split, one_rank)
+    # The stages' sharded checkpoint (DCP) holds the whole model under transformers' names:
+    # it loads into one plain Llama, with the weights of the one rank's last checkpoint.
+    want = torch.load(one_rank["last"], weights_only=True)["model"]
+    with torch.device("meta"):
+        model = transformers_model(TOKENS, **LAYERS)
+    state = {"model": model.to_empty(device="cpu").state_dict()}
+    dcp.load(state, checkpoint_id=last_checkpoint(tmp_path / "split"), no_dist=True)
+    assert state["model"].keys() == want.keys()
+    for name, value in want.items():
+        torch.testing.assert_close(state["model"][name], value, rtol=0, atol=BOUND, msg=name)
