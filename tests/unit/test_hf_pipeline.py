@@ -56,6 +56,8 @@ def test_llamas_stages_hold_its_plans_modules_under_their_names_and_give_its_log
     layers = {n.split(".")[2] for n, _ in last.named_parameters() if n.startswith("model.layers")}
     assert layers == {"2", "3"}
     assert {"lm_head.weight", "model.norm.weight"} <= dict(last.named_parameters()).keys()
+    keys = [set(stage.state_dict()) for stage in (first, last)]  # a checkpoint's, split
+    assert not keys[0] & keys[1] and keys[0] | keys[1] == set(model.state_dict())
     # each stage computes the positions and rotary embeddings itself (buffers of the model's)
     assert dict(last.named_buffers()).keys() == {n for n, _ in model.named_buffers()}
     # the stages one after the other give the whole model's logits (its own forward)

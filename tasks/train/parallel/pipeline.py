@@ -2,14 +2,14 @@
 stage per rank, and the training step that runs them (torch.distributed.pipelining).
 
 Where a model gets its cut: its own method ``pp_split(self, stage: int, stages: int) ->
-nn.Module`` (the built-in `transformer` has one; a user's model names its cut the same way;
-a Hugging Face transformers model without one is cut by its library's pipeline plan,
-tasks.train.parallel.hf_stages),
-returning the module of stage `stage` of `stages`: the blocks it owns, in order, the first
-stage with the input layers, the last with the output layers, its submodules named as in the
-whole model (so a checkpoint's keys are the whole model's, and a checkpoint written with
-stages loads without them, torchtitan's way). It may raise ConfigError when its layers do not
-divide. A model without one under pp above 1: ConfigError before training starts.
+nn.Module`` (the built-in `transformer` has one; a user's model names its cut the same way),
+else, for a Hugging Face transformers model, its library's pipeline plan
+(tasks.train.parallel.hf_stages), returning the module of stage `stage` of `stages`: the
+blocks it owns, in order, the first stage with the input layers, the last with the output
+layers, its submodules named as in the whole model (so a checkpoint's keys are the whole
+model's, and a checkpoint written with stages loads without them, torchtitan's way). It may
+raise ConfigError when its layers do not divide. A model without one under pp above 1:
+ConfigError before training starts.
 
 The step (`PipelineStep`): every rank of a pipeline takes the same batch (its data-parallel
 rank's, tasks.train.parallel.mesh); the first stage feeds the inputs, the last computes the
@@ -64,8 +64,8 @@ def stage_module(model: nn.Module, stage: int, stages: int) -> nn.Module:
         raise ConfigError(
             f"train.parallel.pp={stages}: the model {type(model).__name__} names no pipeline "
             f"stages: give it a method {SPLIT_METHOD}(self, stage, stages) returning the module "
-            "of one stage (docs/training.md, Parallelism), use train.model=transformer, or set "
-            "train.parallel.pp=1"
+            "of one stage (docs/training.md, Parallelism), use train.model=transformer or a "
+            "Hugging Face llama (train.model=hf), or set train.parallel.pp=1"
         )
     part = method(stage, stages)
     whole = {**dict(model.named_parameters()), **dict(model.named_buffers())}
