@@ -2,15 +2,17 @@
 own pipeline plan for the architecture cut into stages that keep the whole model's names and
 compute the whole model's logits, refused in one line where it cannot apply (no plan: GPT-2,
 BERT; a decoder the stages do not compute; a classifier; layers pp does not divide; tied
-weights), and a tiny Llama trained with pp=2 on 2 ranks, and pp=2 x tp=2 on 4, as on one.
+weights), and a tiny Llama (4 layers, 2 a stage) trained with pp=2 on 2 ranks, and pp=2 x
+tp=2 on 4, as on one rank, and with pp=2 x dp_shard=2 on 4 as with DDP on 2.
 
 The runs' bound, and why: as tests/unit/test_pipeline_parallel.py's (the same function, its
 sums grouped differently: each stage's gradient the sum of its micro-batches' backward passes,
 the clipping norm the root of the stages' summed squares; with tp, the row-wise sums split
 over 2 ranks: rounding differences of ~1e-7 relative in fp32 per step). Measured over these
-12 steps: losses and gradient norms within 1.5e-8 relative (pp=2) and 7.7e-8 (pp=2 x tp=2),
-weights within 1.2e-7 absolute for both (one float32 step at 1: the norms' weights, near 1;
-the others are drawn with std 0.02). Bound: 1e-6 for both, eight times the larger. The
+12 steps: losses and gradient norms within 1.5e-8 relative (pp=2), 7.7e-8 (pp=2 x tp=2) and
+5.9e-8 (pp=2 x dp_shard=2), weights within 1.2e-7 absolute (one float32 step at 1: the norms'
+weights, near 1; the others are drawn with std 0.02). Bound: 1e-6 for all, eight times the
+larger. The
 stages' logits against the whole model's forward: equal here (0.0), held within 1e-6.
 """
 
@@ -154,3 +156,17 @@ def test_a_llama_cut_by_transformers_plan_trains_as_one_rank(
     assert state["model"].keys() == want.keys()
     for name, value in want.items():
         torch.testing.assert_close(state["model"][name], value, rtol=0, atol=BOUND, msg=name)
+
+
+@pytest.mark.services
+@pytest.mark.timeout(300)
+def test_a_sharded_llama_pipeline_trains_as_ddp_on_the_same_global_batch(
+    tokens: DatasetRef, tmp_path: Path
+) -> None:
+    """pp=2 x dp_shard=2 on 4 ranks (FSDP2 shards each stage's decoder layers over its 2
+    data-parallel ranks) against DDP on 2 ranks: the same samples each optimizer step."""
+    ddp = train_llama(tokens, tmp_path / "ddp", 2, model_args=LAYERS, strategy="ddp")
+    mesh = train_llama(
+        tokens, tmp_path / "mesh", 4, model_args=LAYERS, strategy="fsdp", parallel={"pp": 2}
+    )
+    assert_same_training(mesh, ddp)
