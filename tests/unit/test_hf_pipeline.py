@@ -33,6 +33,7 @@ from trainflow.errors import ConfigError
 from trainflow.tasks.preprocess.ref import DatasetRef
 from trainflow.tasks.spec import DataSpec
 from trainflow.tasks.train.hf_models import transformers_model
+from trainflow.tasks.train.parallel.hf_stages import DECODERS
 from trainflow.tasks.train.parallel.pipeline import check_stages, stage_module
 from trainflow.tasks.train.parallel.tensor_parallel import how_to_split
 
@@ -62,11 +63,28 @@ def test_llamas_stages_hold_its_plans_modules_under_their_names_and_give_its_log
     assert not keys[0] & keys[1] and keys[0] | keys[1] == set(model.state_dict())
     # each stage computes the positions and rotary embeddings itself (buffers of the model's)
     assert dict(last.named_buffers()).keys() == {n for n, _ in model.named_buffers()}
-    # the stages one after the other give the whole model's logits (its own forward)
+    assert_stages_give_the_models_logits(model, [first, last])
+
+
+@pytest.mark.parametrize("model_type", DECODERS)
+def test_each_llama_like_decoders_stages_give_its_logits(model_type: str) -> None:
+    """The architectures offered: 4 stages of one layer each, eager attention (the mask made
+    by each stage)."""
+    torch.manual_seed(0)
+    args = {**LAYERS, "model_type": model_type, "head_dim": 16, "tie_word_embeddings": False}
+    model = transformers_model(TOKENS, **args, attn_implementation="eager")
+    check_stages(model, 4)
+    assert_stages_give_the_models_logits(model, [stage_module(model, s, 4) for s in range(4)])
+
+
+def assert_stages_give_the_models_logits(model: nn.Module, stages: list[nn.Module]) -> None:
+    """The stages one after the other give the whole model's logits (its own forward)."""
     ids = torch.randint(0, VOCAB, (3, CONTEXT))
     with torch.no_grad():
         want = model(ids).logits
-        got = last(first(ids))
+        got = ids
+        for stage in stages:
+            got = stage(got)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
 
 
@@ -84,7 +102,7 @@ def test_a_stage_is_split_by_transformers_tp_plan_for_the_modules_it_holds() -> 
     ("spec", "args", "pp", "words"),
     [
         (TOKENS, GPT2, 2, "no pipeline plan for the gpt2"),
-        (TOKENS, {**LLAMA, "model_type": "qwen2"}, 2, "model_type=llama"),
+        (TOKENS, {**LLAMA, "model_type": "qwen2"}, 2, "the qwen2 model (Qwen2ForCausalLM)'s"),
         (TOKENS, {**LAYERS}, 3, "divide the llama model (LlamaForCausalLM)'s 4 layers"),
         (TOKENS, {**LAYERS, "tie_word_embeddings": True}, 2, "tie_word_embeddings=false"),
         (LABELS, {**LAYERS, "vocab_size": VOCAB}, 2, "not the logits"),

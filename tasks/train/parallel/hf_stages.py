@@ -23,10 +23,11 @@ stages' modules in the model itself and runs its own naive send/recv forward, wh
 trainflow's schedule (torch.distributed.pipelining's 1F1B) needs a module per stage.
 
 What the decoder's forward computes between the plan's modules is the architecture's code,
-not its plan (Gemma scales the embeddings there, Qwen2 and Mistral choose sliding-window
-masks per layer): the stages compute Llama's, and are offered for the architectures whose
-decoder forward is Llama's (`DECODERS`; tests/unit/test_hf_pipeline.py holds the stages'
-logits equal to the whole model's). Refused in one line each, before anything is queued: an
+not its plan (Mistral and Qwen2 choose sliding-window masks there, Cohere scales the logits,
+Granite the embeddings): the stages compute Llama's, and are offered for the architectures
+whose decoder and causal LM forward are Llama's line for line in transformers 5.24
+(`DECODERS`; tests/unit/test_hf_pipeline.py holds each one's stages' logits equal to the
+whole model's, eager attention and SDPA). Refused in one line each, before anything is queued: an
 architecture without a plan (GPT-2 and BERT in transformers 5.24), one whose decoder the
 stages do not compute, a plan that does not end in logits (a sequence classifier: its pooling
 is outside the plan), layers that do not divide by pp, and an input embedding tied to the
@@ -44,9 +45,10 @@ from torch import nn
 
 from trainflow.errors import ConfigError
 
-DECODERS = ("llama",)
-"""Model types whose decoder forward, between the modules of their pipeline plan, is Llama's:
-positions, rotary embeddings, one causal mask for every layer."""
+DECODERS = ("llama", "gemma", "olmo", "olmo2", "helium", "glm", "arcee")
+"""Model types whose decoder forward, between the modules of their pipeline plan, is Llama's
+(positions, rotary embeddings, one causal mask for every layer), as is their causal LM's
+(the head on the last hidden states): read in transformers 5.24's modeling files."""
 LAYER_EXTRAS = {"attention_mask"}
 """The plan's layer inputs besides hidden_states that a stage computes itself."""
 
@@ -76,9 +78,10 @@ def plan_parts(model: nn.Module, stages: int) -> tuple[list[str], str, list[str]
         )
     if getattr(config, "model_type", None) not in DECODERS:
         raise ConfigError(
-            f"train.parallel.pp={stages}: trainflow's stages compute what Llama's decoder "
-            f"computes between the plan's modules, which the {kind} does differently: use "
-            f"train.model_args.model_type={' or '.join(DECODERS)}, or set train.parallel.pp=1"
+            f"train.parallel.pp={stages}: trainflow's stages of a transformers model compute "
+            f"Llama's decoder between its plan's modules, which the {kind}'s does not: use a "
+            f"model_type of {', '.join(DECODERS)}, a model of your own with a method "
+            "pp_split(self, stage, stages), or set train.parallel.pp=1"
         )
     order = {name: i for i, (name, _) in enumerate(model.named_modules())}
     names = sorted(plan, key=lambda n: order.get(n, -1))
