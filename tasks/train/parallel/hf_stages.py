@@ -15,23 +15,24 @@ modules before it on the first stage, those after it on the last. A stage (`HFSt
 its modules under their names in the whole model (``model.layers.2.self_attn.q_proj.weight``
 keeps its name: checkpoints and best.pt are keyed as the whole model's), and computes between
 them what the decoder's forward computes (LlamaModel.forward): the positions 0..T-1, the
-rotary position embeddings of the base model's ``rotary_emb`` (a module every stage with
-layers holds: its buffers only), and the causal mask of transformers' `create_causal_mask`
+rotary position embeddings of the base model's ``rotary_emb`` (a module every stage holds:
+buffers, no parameters), and the causal mask of transformers' `create_causal_mask`
 for the config's attention implementation (None under SDPA without padding: its causal
 kernel). transformers' own `apply_pipeline_parallelism` is not used: it replaces the other
 stages' modules in the model itself and runs its own naive send/recv forward, where
 trainflow's schedule (torch.distributed.pipelining's 1F1B) needs a module per stage.
 
 What the decoder's forward computes between the plan's modules is the architecture's code,
-not its plan (Mistral and Qwen2 choose sliding-window masks there, Cohere scales the logits,
-Granite the embeddings): the stages compute Llama's, and are offered for the architectures
-whose decoder and causal LM forward are Llama's line for line in transformers 5.24
-(`DECODERS`; tests/unit/test_hf_pipeline.py holds each one's stages' logits equal to the
-whole model's, eager attention and SDPA). Refused in one line each, before anything is queued: an
-architecture without a plan (GPT-2 and BERT in transformers 5.24), one whose decoder the
-stages do not compute, a plan that does not end in logits (a sequence classifier: its pooling
-is outside the plan), layers that do not divide by pp, and an input embedding tied to the
-output layer (the first and the last stage would each train its own copy).
+not its plan (Mistral and Qwen2 choose sliding-window masks there, Granite scales the
+embeddings and the logits, Cohere the logits): the stages compute Llama's, and are offered
+for the architectures whose decoder and causal LM forward are Llama's line for line in
+transformers 5.24 (`DECODERS`; tests/unit/test_hf_pipeline.py holds each one's stages' logits
+equal to the whole model's under eager attention, Llama's under SDPA too). Refused in one line
+each, before anything is queued: an architecture without a plan (GPT-2 and BERT in
+transformers 5.24), one whose decoder the stages do not compute, a plan that does not end in
+logits (a sequence classifier: its pooling is outside the plan), layers that do not divide by
+pp, and an input embedding tied to the output layer (the first and the last stage would each
+train its own copy).
 
 Tensor parallelism within a stage (pp x tp): a stage offers the whole model's transformers
 plan (its `tp_plan`, the property a transformers model has), which tasks.train.parallel.hf_plan
