@@ -29,6 +29,7 @@ from tests.unit.datasets import write_token_dataset
 from tests.unit.test_hf_tensor_parallel import CONTEXT, LLAMA, TOKENS, VOCAB, meta_model
 from tests.unit.test_hf_tensor_parallel import train as train_llama
 from tests.unit.test_pipeline_parallel import BOUND, assert_same_training
+from tests.unit.test_pipeline_stages import preflight
 from trainflow.errors import ConfigError
 from trainflow.tasks.preprocess.ref import DatasetRef
 from trainflow.tasks.spec import DataSpec
@@ -125,6 +126,12 @@ def test_bert_has_no_pipeline_plan() -> None:
     model: nn.Module = meta_model(LABELS, **bert, num_attention_heads=4, intermediate_size=128)
     with pytest.raises(ConfigError, match=r"no pipeline plan for the bert model"):
         check_stages(model, 2)
+
+
+def test_the_preflight_takes_a_llamas_stages_and_refuses_gpt2_before_any_job() -> None:
+    preflight("hf", 2, **LAYERS)  # 2 layers a stage: no refusal
+    with pytest.raises(ConfigError, match=r"pp=2: transformers has no pipeline plan for the gpt2"):
+        preflight("hf", 2, **GPT2)
 
 
 @pytest.fixture(scope="module")
