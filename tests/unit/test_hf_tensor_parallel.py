@@ -144,11 +144,14 @@ def tokens(tmp_path_factory: pytest.TempPathFactory) -> DatasetRef:
     return write_token_dataset(root, context=CONTEXT, vocab=VOCAB, n_train=384, n_val=64)
 
 
-def train(tokens: DatasetRef, out: Path, ranks: int, **keys: Any) -> dict[str, Any]:
-    """The tiny Llama trained on `ranks` local ranks; its history and best.pt's weights."""
+def train(
+    tokens: DatasetRef, out: Path, ranks: int, model_args: dict[str, Any] = LLAMA, **keys: Any
+) -> dict[str, Any]:
+    """The tiny Llama (`model_args`) trained on `ranks` local ranks; its history and best.pt's
+    weights."""
     cfg = TrainConfig(
         model="hf",
-        model_args=LLAMA,
+        model_args=model_args,
         objective="sequence",
         device="cpu",
         precision="fp32",

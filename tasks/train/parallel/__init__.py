@@ -8,4 +8,5 @@ Modules:
     tensor_parallel    how a model is split (its own plan or its library's), and the checks.
     hf_plan            transformers models: the library's plan, checked against the model, applied.
     pipeline           a model's pipeline stages (its pp_split) and the step that runs them.
+    hf_stages          transformers models: pipeline stages cut by the library's pp plan.
 """

@@ -3,11 +3,13 @@ stage per rank, and the training step that runs them (torch.distributed.pipelini
 
 Where a model gets its cut: its own method ``pp_split(self, stage: int, stages: int) ->
 nn.Module`` (the built-in `transformer` has one; a user's model names its cut the same way),
-returning the module of stage `stage` of `stages`: the blocks it owns, in order, the first
-stage with the input layers, the last with the output layers, its submodules named as in the
-whole model (so a checkpoint's keys are the whole model's, and a checkpoint written with
-stages loads without them, torchtitan's way). It may raise ConfigError when its layers do not
-divide. A model without one under pp above 1: ConfigError before training starts.
+else, for a Hugging Face transformers model, its library's pipeline plan
+(tasks.train.parallel.hf_stages), returning the module of stage `stage` of `stages`: the
+blocks it owns, in order, the first stage with the input layers, the last with the output
+layers, its submodules named as in the whole model (so a checkpoint's keys are the whole
+model's, and a checkpoint written with stages loads without them, torchtitan's way). It may
+raise ConfigError when its layers do not divide. A model without one under pp above 1:
+ConfigError before training starts.
 
 The step (`PipelineStep`): every rank of a pipeline takes the same batch (its data-parallel
 rank's, tasks.train.parallel.mesh); the first stage feeds the inputs, the last computes the
@@ -24,6 +26,7 @@ graphs). Evaluation takes batches of any size: `forward` passes one batch throug
 with plain point-to-point sends (no backward, nothing to schedule), its shape sent first.
 """
 
+import functools
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -34,7 +37,7 @@ from trainflow.errors import ConfigError
 from trainflow.tasks.objectives import Objective
 from trainflow.tasks.train.config import TrainConfig
 from trainflow.tasks.train.distributed import DistContext
-from trainflow.tasks.train.outputs import logits_of
+from trainflow.tasks.train.outputs import is_transformers_model, logits_of
 from trainflow.tasks.train.parallel.layout import mesh_shape, microbatches
 from trainflow.tasks.train.parallel.mesh import pipeline_mesh
 
@@ -53,12 +56,16 @@ def stage_module(model: nn.Module, stage: int, stages: int) -> nn.Module:
     has none, when the method raises ConfigError (layers that do not divide), or when what it
     returns holds a parameter the model does not (under another name)."""
     method = getattr(model, SPLIT_METHOD, None)
+    if method is None and is_transformers_model(model):
+        from trainflow.tasks.train.parallel.hf_stages import hf_stage
+
+        method = functools.partial(hf_stage, model)  # the library's plan (its pp_plan)
     if method is None:
         raise ConfigError(
             f"train.parallel.pp={stages}: the model {type(model).__name__} names no pipeline "
             f"stages: give it a method {SPLIT_METHOD}(self, stage, stages) returning the module "
-            "of one stage (docs/training.md, Parallelism), use train.model=transformer, or set "
-            "train.parallel.pp=1"
+            "of one stage (docs/training.md, Parallelism), use train.model=transformer or a "
+            "Hugging Face llama (train.model=hf), or set train.parallel.pp=1"
         )
     part = method(stage, stages)
     whole = {**dict(model.named_parameters()), **dict(model.named_buffers())}

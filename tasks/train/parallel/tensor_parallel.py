@@ -63,7 +63,9 @@ def how_to_split(model: nn.Module, tp: int) -> Split:
             return parallelize_module(m, mesh, plan, src_data_rank=None)
 
         return Split(plan, f"{type(model).__name__}.{PLAN_METHOD}({tp})", parallelize)
-    if is_transformers_model(model):
+    from trainflow.tasks.train.parallel.hf_stages import is_hf_stage
+
+    if is_transformers_model(model) or is_hf_stage(model):  # a model, or its pipeline stage
         from trainflow.tasks.train.parallel.hf_plan import apply_hf, check_hf
 
         spelled = check_hf(model, tp)
