@@ -147,3 +147,11 @@ def test_a_run_continues_on_other_meshes_from_its_sharded_checkpoints(
     assert [h["step"] for h in moved["history"]] == [4, 6, 8, 12]
     moved["history"] = [h for h in moved["history"] if h["step"] in (6, 12)]
     assert_same_training(moved, straight)
+
+
+def test_hsdp_trains_as_ddp_on_the_same_global_batch(tokens: DatasetRef, tmp_path: Path) -> None:
+    """dp_replicate=2 x dp_shard=2 on 4 ranks (two replicas of a model sharded over 2 ranks)
+    against DDP on 4 ranks: 4 data-parallel ranks in both, the same samples in every step."""
+    ddp = train(tokens, tmp_path / "ddp", 4, strategy="ddp")
+    hsdp = train(tokens, tmp_path / "hsdp", 4, strategy="fsdp", parallel={"dp_replicate": 2})
+    assert_same_training(hsdp, ddp)
