@@ -220,8 +220,10 @@ def _main_frames(dump: str) -> list[re.Match[str]]:
 
 
 def in_collective(dump: str) -> bool:
-    """Whether the main thread's innermost frame is torch.distributed's (a collective)."""
-    frames = _main_frames(dump)
+    """Whether the main thread's innermost frame is torch.distributed's (a collective); frames
+    of torch's op dispatcher (torch/_ops.py) inside it do not count: a functional collective
+    (DTensor's, under tensor parallelism) waits through `torch.ops._c10d_functional`."""
+    frames = [m for m in _main_frames(dump) if not m["file"].endswith("/torch/_ops.py")]
     return bool(frames) and "/torch/distributed/" in frames[0]["file"]
 
 

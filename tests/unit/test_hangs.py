@@ -21,10 +21,17 @@ import submitit
 import torch
 
 from tests.hanging import HangingJob
-from tests.unit.datasets import write_dataset
+from tests.unit.datasets import write_dataset, write_token_dataset
 from trainflow.cluster.config import ClusterConfig
 from trainflow.cluster.executor import make_executor
-from trainflow.cluster.heartbeat import Beat, Heartbeat, position, read_beat, stuck_frame
+from trainflow.cluster.heartbeat import (
+    Beat,
+    Heartbeat,
+    in_collective,
+    position,
+    read_beat,
+    stuck_frame,
+)
 from trainflow.cluster.jobs import wait_for_job
 from trainflow.cluster.lost_ranks import RankHungError, RankLostError
 from trainflow.cluster.restarts import run_with_restarts
@@ -143,6 +150,25 @@ def test_a_hung_fsdp_rank_is_named_not_the_peer_waiting_in_its_all_gather(
     # the ranks' timing), left it to rank 1's guard; a loaded CI run saw it not reach it.
     rank0 = jobs[0].task(0).paths.stderr.read_text()
     assert "no progress for" not in rank0 or "waits in a collective level with rank 1" in rank0
+    assert f"lost rank 1 (node {socket.gethostname()})" in log[0]
+
+
+@pytest.mark.services
+def test_a_hung_rank_of_a_tensor_parallel_group_is_named_not_its_peer(tmp_path: Path) -> None:
+    """tp=2: both ranks compute every layer together, so rank 0 waits in the first split
+    layer's collective while rank 1 is stuck in its forward pass; rank 1 is named and the job
+    restarts to the end."""
+    tokens = write_token_dataset(tmp_path / "ds", context=16, vocab=16, n_train=256, n_val=32)
+    cfg = ClusterConfig(ranks_per_node=2, timeout_min=10, max_restarts=1)
+    mesh: dict[str, Any] = {"strategy": "fsdp", "parallel": {"tp": 2}, "objective": "sequence"}
+    spec = _spec(tokens, tmp_path / "run", model="transformer", **mesh)
+    job = HangingJob(spec, rank=1, at_step=10, marker=tmp_path / "m")
+    log: list[str] = []
+    ref, jobs = _train(job, cfg, tmp_path / "j", log)
+    assert len(jobs) == 2 and isinstance(ref, CheckpointRef)
+    hung = _exit(jobs[0], 1)["hung"]
+    assert hung["phase"] == "step" and hung["frame"].endswith(" in never_returns")
+    assert _exit(jobs[0], 0)["hung"] is None
     assert f"lost rank 1 (node {socket.gethostname()})" in log[0]
 
 
@@ -280,3 +306,18 @@ def test_of_two_hung_ranks_the_one_silent_first_leads(tmp_path: Path) -> None:
         "job 5 lost rank 1 (node vm): rank 1 on node vm hung in phase step for 3 s (no progress "
         f"since step 9; stuck at f.py:1 in f): its stacks are in {tmp_path}/5_1_log.err; rank 0 "
     ), found[0]
+
+
+def test_a_functional_collectives_wait_counts_as_a_collective() -> None:
+    """DTensor's collectives (tensor parallelism) wait in torch's op dispatcher called from
+    torch.distributed._functional_collectives: the rank waits for a peer, it is not stuck."""
+    site = "/venv/lib/python3.11/site-packages"
+    dump = (
+        "Current thread 0x01 (most recent call first):\n"
+        f'  File "{site}/torch/_ops.py", line 1279 in __call__\n'
+        f'  File "{site}/torch/distributed/_functional_collectives.py", line 142 in wait_tensor\n'
+        '  File "/work/trainflow/tasks/train/transformer.py", line 87 in forward\n'
+    )
+    assert in_collective(dump)
+    own = dump.replace(f"{site}/torch/distributed/_functional_collectives.py", "/work/mine.py")
+    assert not in_collective(own)  # the dispatcher called from the user's code: not waiting
