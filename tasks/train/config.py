@@ -270,18 +270,7 @@ class TrainConfig(StrictModel):
                 "train.strategy=fsdp cannot shard channels_last conv weights (FSDP2 needs "
                 "contiguous parameters): set train.channels_last=auto or off"
             )
-        if self.strategy == "ddp" and self.parallel != ParallelConfig():
-            raise ValueError(
-                "train.parallel lays out a train.strategy=fsdp job (its data-parallel "
-                "dimensions are FSDP2's): set train.strategy=fsdp, or unset train.parallel"
-            )
-        micro, pp = self.parallel.known_microbatches, self.parallel.pp
-        if micro and self.batch_size % micro:
-            raise ValueError(
-                f"train.batch_size={self.batch_size} does not split into train.parallel.pp="
-                f"{pp}'s {micro} micro-batches: set train.batch_size to a multiple of {micro}"
-                " or train.parallel.pp_microbatches to a divisor of it"
-            )
+        self.parallel.check_with(self.strategy, self.batch_size)
         if self.strategy == "fsdp" and self.precision == "fp16":
             raise ValueError(
                 "train.strategy=fsdp does not support precision=fp16 (loss scaling of sharded "

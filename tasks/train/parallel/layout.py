@@ -89,6 +89,22 @@ class ParallelConfig(StrictModel):
         (pp_microbatches, or pp above 1); None without stages or with pp=-1 unset."""
         return self.pp_microbatches or (self.pp if self.pp > 1 else None)
 
+    def check_with(self, strategy: str, batch_size: int) -> None:
+        """ValueError (one line, TrainConfig's validation) for a mesh under ddp, or a
+        train.batch_size the pipeline's micro-batches do not divide."""
+        if strategy == "ddp" and self != ParallelConfig():
+            raise ValueError(
+                "train.parallel lays out a train.strategy=fsdp job (its data-parallel "
+                "dimensions are FSDP2's): set train.strategy=fsdp, or unset train.parallel"
+            )
+        micro = self.known_microbatches
+        if micro and batch_size % micro:
+            raise ValueError(
+                f"train.batch_size={batch_size} does not split into train.parallel.pp="
+                f"{self.pp}'s {micro} micro-batches: set train.batch_size to a multiple of "
+                f"{micro} or train.parallel.pp_microbatches to a divisor of it"
+            )
+
     @property
     def splits_layers(self) -> bool:
         """Whether the model's layers are split (tp above 1): a tensor-parallel plan is needed."""
