@@ -299,5 +299,7 @@ def test_p14_reads_what_malloc_has_handed_out() -> None:
     big = torch.ones(16 * 2**20, dtype=torch.uint8)  # 16 MiB, written (not lazily mapped)
     grown = malloc_in_use() - before
     del big
-    assert 16 * 2**20 <= grown < 17 * 2**20
+    # within 1 MiB of the 16: other threads (gloo's, the sampler's) allocate and free a little
+    # meanwhile (a fresh-clone run saw 1152 bytes fewer than 16 MiB)
+    assert abs(grown - 16 * 2**20) < 2**20
     assert malloc_in_use() - before < 2**20
